@@ -1,0 +1,225 @@
+//! Subject, stream, consumer and bucket names. Every name used on the bus is built here;
+//! call sites never `format!` a subject.
+//!
+//! Subjects are `{prefix}arl.<domain>.<run_id>.<event>`; streams are `{PREFIX}ARL_<DOMAIN>`.
+//! The prefix isolates tests (and tenants) that share one NATS server.
+
+use crate::ids::RunId;
+
+/// The parts of the pipeline, one stream each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Domain {
+    Run,
+    Task,
+    Image,
+    Sandbox,
+    Trial,
+    Llm,
+    Trajectory,
+    Reward,
+    Train,
+    Weights,
+    Eval,
+    DeadLetter,
+}
+
+impl Domain {
+    pub const ALL: [Domain; 12] = [
+        Domain::Run,
+        Domain::Task,
+        Domain::Image,
+        Domain::Sandbox,
+        Domain::Trial,
+        Domain::Llm,
+        Domain::Trajectory,
+        Domain::Reward,
+        Domain::Train,
+        Domain::Weights,
+        Domain::Eval,
+        Domain::DeadLetter,
+    ];
+
+    /// The subject token of the domain.
+    pub fn token(self) -> &'static str {
+        match self {
+            Domain::Run => "run",
+            Domain::Task => "task",
+            Domain::Image => "image",
+            Domain::Sandbox => "sandbox",
+            Domain::Trial => "trial",
+            Domain::Llm => "llm",
+            Domain::Trajectory => "trajectory",
+            Domain::Reward => "reward",
+            Domain::Train => "train",
+            Domain::Weights => "weights",
+            Domain::Eval => "eval",
+            Domain::DeadLetter => "dlq",
+        }
+    }
+
+    fn stream_suffix(self) -> &'static str {
+        match self {
+            Domain::Run => "RUNS",
+            Domain::Task => "TASKS",
+            Domain::Image => "IMAGES",
+            Domain::Sandbox => "SANDBOXES",
+            Domain::Trial => "TRIALS",
+            Domain::Llm => "LLM_CALLS",
+            Domain::Trajectory => "TRAJECTORIES",
+            Domain::Reward => "REWARDS",
+            Domain::Train => "TRAIN",
+            Domain::Weights => "WEIGHTS",
+            Domain::Eval => "EVALS",
+            Domain::DeadLetter => "DLQ",
+        }
+    }
+}
+
+/// Key-value buckets that hold state services must find again after a restart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bucket {
+    /// The controller's view of each run, keyed by run id.
+    RunState,
+}
+
+impl Bucket {
+    fn suffix(self) -> &'static str {
+        match self {
+            Bucket::RunState => "ARL_RUN_STATE",
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "namespace prefix {0:?} is invalid: use 1-32 lowercase ASCII letters, digits or '_', starting with a letter"
+)]
+pub struct NamespaceError(String);
+
+/// The root of all names. `Namespace::default()` is production (no prefix).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Namespace {
+    /// Lowercase prefix without the trailing dot, e.g. `t3f9a`.
+    prefix: Option<String>,
+}
+
+impl Namespace {
+    /// A namespace whose every subject starts with `{prefix}.` and every stream with
+    /// `{PREFIX}_`.
+    pub fn with_prefix(prefix: &str) -> Result<Self, NamespaceError> {
+        let valid = (1..=32).contains(&prefix.len())
+            && prefix.starts_with(|c: char| c.is_ascii_lowercase())
+            && prefix.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if !valid {
+            return Err(NamespaceError(prefix.to_owned()));
+        }
+        Ok(Self { prefix: Some(prefix.to_owned()) })
+    }
+
+    /// Reads an optional prefix, as given by `--prefix`/`ARL_PREFIX` (empty means none).
+    pub fn from_option(prefix: Option<&str>) -> Result<Self, NamespaceError> {
+        match prefix {
+            None | Some("") => Ok(Self::default()),
+            Some(p) => Self::with_prefix(p),
+        }
+    }
+
+    pub fn prefix(&self) -> Option<&str> {
+        self.prefix.as_deref()
+    }
+
+    fn subject_root(&self) -> String {
+        match &self.prefix {
+            Some(p) => format!("{p}.arl"),
+            None => "arl".to_owned(),
+        }
+    }
+
+    fn upper_prefix(&self) -> String {
+        match &self.prefix {
+            Some(p) => format!("{}_", p.to_ascii_uppercase()),
+            None => String::new(),
+        }
+    }
+
+    /// `arl.<domain>.<run_id>.<event>`.
+    pub fn event_subject(&self, domain: Domain, run_id: &RunId, event: &str) -> String {
+        format!("{}.{}.{}.{}", self.subject_root(), domain.token(), run_id, event)
+    }
+
+    /// `arl.<domain>.*.<event>`: one event kind of every run.
+    pub fn event_filter(&self, domain: Domain, event: &str) -> String {
+        format!("{}.{}.*.{}", self.subject_root(), domain.token(), event)
+    }
+
+    /// `arl.<domain>.<run_id>.>`: every event of one run in a domain.
+    pub fn run_filter(&self, domain: Domain, run_id: &RunId) -> String {
+        format!("{}.{}.{}.>", self.subject_root(), domain.token(), run_id)
+    }
+
+    /// `arl.<domain>.>`: what the domain's stream captures.
+    pub fn stream_subjects(&self, domain: Domain) -> String {
+        format!("{}.{}.>", self.subject_root(), domain.token())
+    }
+
+    /// `ARL_<DOMAIN>`.
+    pub fn stream(&self, domain: Domain) -> String {
+        format!("{}ARL_{}", self.upper_prefix(), domain.stream_suffix())
+    }
+
+    /// `arl.dlq.<stream>.<consumer>`: where a consumer parks messages it gave up on.
+    pub fn dead_letter_subject(&self, stream: &str, consumer: &str) -> String {
+        format!("{}.{}.{}.{}", self.subject_root(), Domain::DeadLetter.token(), stream, consumer)
+    }
+
+    pub fn bucket(&self, bucket: Bucket) -> String {
+        format!("{}{}", self.upper_prefix(), bucket.suffix())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn production_names() {
+        let ns = Namespace::default();
+        let run = RunId::new("run-1").unwrap();
+        assert_eq!(ns.event_subject(Domain::Run, &run, "requested"), "arl.run.run-1.requested");
+        assert_eq!(ns.event_filter(Domain::Run, "requested"), "arl.run.*.requested");
+        assert_eq!(ns.stream(Domain::Run), "ARL_RUNS");
+        assert_eq!(ns.stream_subjects(Domain::Run), "arl.run.>");
+        assert_eq!(ns.bucket(Bucket::RunState), "ARL_RUN_STATE");
+        assert_eq!(ns.dead_letter_subject("ARL_RUNS", "controller"), "arl.dlq.ARL_RUNS.controller");
+    }
+
+    #[test]
+    fn prefixed_names_are_isolated() {
+        let ns = Namespace::with_prefix("t42").unwrap();
+        let run = RunId::new("r").unwrap();
+        assert_eq!(ns.event_subject(Domain::Trial, &run, "failed"), "t42.arl.trial.r.failed");
+        assert_eq!(ns.stream(Domain::Trial), "T42_ARL_TRIALS");
+        assert_eq!(ns.bucket(Bucket::RunState), "T42_ARL_RUN_STATE");
+    }
+
+    #[test]
+    fn bad_prefixes_are_refused() {
+        for bad in ["", "A", "1x", "a.b", "a-b", &"x".repeat(33)] {
+            assert!(Namespace::with_prefix(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(Namespace::from_option(Some("")).unwrap(), Namespace::default());
+    }
+
+    #[test]
+    fn every_domain_has_distinct_names() {
+        let ns = Namespace::default();
+        let mut streams: Vec<_> = Domain::ALL.iter().map(|d| ns.stream(*d)).collect();
+        let mut tokens: Vec<_> = Domain::ALL.iter().map(|d| d.token()).collect();
+        streams.sort();
+        streams.dedup();
+        tokens.sort();
+        tokens.dedup();
+        assert_eq!(streams.len(), Domain::ALL.len());
+        assert_eq!(tokens.len(), Domain::ALL.len());
+    }
+}

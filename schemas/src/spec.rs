@@ -1,0 +1,567 @@
+//! The run spec: what a user asks for in `arl run submit SPEC`. Keys follow VeRL's names
+//! where VeRL has one. Every key has a default, so a spec only says what differs.
+//!
+//! Checking happens in three layers, each reporting `FieldError`s with a dotted path:
+//! 1. decoding (unknown keys, wrong types, unknown enum values) — [`RunSpec::from_toml`],
+//!    [`RunSpec::from_json_value`];
+//! 2. ranges and cross-field rules — [`RunSpec::check`];
+//! 3. resources on this machine (model and dataset reachable) — [`RunSpec::check_resources`].
+
+use std::path::{Path, PathBuf};
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::FieldError;
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunSpec {
+    /// A name for people; shown by `arl run list`.
+    pub name: String,
+    pub data: DataSpec,
+    pub model: ModelSpec,
+    pub rollout: RolloutSpec,
+    pub reward: RewardSpec,
+    pub algorithm: AlgorithmSpec,
+    pub optim: OptimSpec,
+    pub trainer: TrainerSpec,
+}
+
+/// Where tasks come from and how they are split and batched.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataSpec {
+    /// Path of the dataset: a JSONL/JSON/Parquet file (swebench, gsm8k) or a folder of
+    /// Harbor tasks. Relative paths are resolved against the spec file by `arl run submit`.
+    pub dataset: String,
+    /// How to read `dataset`.
+    pub source: DataSource,
+    /// Tasks in the training split; 0 = everything not in validation.
+    pub train_size: u32,
+    /// Tasks in the validation split.
+    pub val_size: u32,
+    /// Seed of the deterministic split and of batch order.
+    pub seed: u64,
+    /// Tasks per step (VeRL `data.train_batch_size`); each runs `rollout.n` times.
+    pub train_batch_size: u32,
+    /// Accept a dataset in which some rows failed validation (they are reported, and left
+    /// out).
+    pub allow_invalid_rows: bool,
+}
+
+impl Default for DataSpec {
+    fn default() -> Self {
+        Self {
+            dataset: "examples/tasks".into(),
+            source: DataSource::Harbor,
+            train_size: 0,
+            val_size: 2,
+            seed: 42,
+            train_batch_size: 2,
+            allow_invalid_rows: false,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DataSource {
+    /// SWE-bench rows (official field names) as JSONL, JSON, Parquet or Arrow.
+    Swebench,
+    /// A folder of Harbor task folders (`task.toml`, `instruction.md`, `tests/test.sh`).
+    Harbor,
+    /// GSM8K-style JSONL (`question`, `answer` ending `#### N`).
+    Gsm8k,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelSpec {
+    /// A GGUF file, a Hugging Face folder (`config.json` + `*.safetensors`), or the name of
+    /// a model installed by `make models` (looked up in `$ARL_MODEL_DIR`, default
+    /// `~/.cache/arl/models`).
+    pub path: String,
+}
+
+impl Default for ModelSpec {
+    fn default() -> Self {
+        Self { path: "smollm2-135m-instruct".into() }
+    }
+}
+
+/// How trials are run (VeRL `actor_rollout_ref.rollout.*`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutSpec {
+    /// Trials per task: the GRPO group size.
+    pub n: u32,
+    /// LLM calls an agent may make in one trial.
+    pub max_turns: u32,
+    pub temperature: f64,
+    pub top_p: f64,
+    /// Tokens one LLM call may generate.
+    pub max_response_tokens: u32,
+    /// `swe` (built-in tool-calling agent), `swe-text` (built-in, one fenced shell block per
+    /// turn, for models without tool calling) or `mini-swe-agent`.
+    pub agent: AgentKind,
+    /// Wall-clock budget of one trial, seconds.
+    pub timeout_s: u32,
+}
+
+impl Default for RolloutSpec {
+    fn default() -> Self {
+        Self {
+            n: 4,
+            max_turns: 8,
+            temperature: 1.0,
+            top_p: 1.0,
+            max_response_tokens: 512,
+            agent: AgentKind::SweText,
+            timeout_s: 600,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum AgentKind {
+    Swe,
+    SweText,
+    MiniSweAgent,
+}
+
+/// The reward of a trial: `pass` when the tests pass, plus optional bonuses.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct RewardSpec {
+    pub pass: f64,
+    /// Added to a passing patch that changes fewer than 20 lines.
+    pub short_patch_bonus: f64,
+    /// Added to a pass that took less than a quarter of `rollout.timeout_s`.
+    pub fast_bonus: f64,
+}
+
+impl Default for RewardSpec {
+    fn default() -> Self {
+        Self { pass: 1.0, short_patch_bonus: 0.0, fast_bonus: 0.0 }
+    }
+}
+
+/// The RL algorithm (VeRL `algorithm.*` and `actor.*`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct AlgorithmSpec {
+    pub adv_estimator: AdvEstimator,
+    /// Lower PPO clip ratio: the ratio is clipped below at `1 - clip_ratio_low`.
+    pub clip_ratio_low: f64,
+    /// Upper PPO clip ratio (DAPO's clip-higher when larger than `clip_ratio_low`).
+    pub clip_ratio_high: f64,
+    /// Weight of the KL term to the frozen reference model; 0 turns it off.
+    pub kl_coef: f64,
+    /// How many policy versions a sample may lag behind the trainer. 0 = on-policy.
+    pub max_staleness: u32,
+}
+
+impl Default for AlgorithmSpec {
+    fn default() -> Self {
+        Self {
+            adv_estimator: AdvEstimator::Grpo,
+            clip_ratio_low: 0.2,
+            clip_ratio_high: 0.2,
+            kl_coef: 0.0,
+            max_staleness: 0,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvEstimator {
+    Grpo,
+    DrGrpo,
+    Rloo,
+}
+
+/// AdamW (VeRL `actor.optim.*`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimSpec {
+    pub lr: f64,
+    pub weight_decay: f64,
+    /// Gradient-norm clip (VeRL `actor.grad_clip`).
+    pub grad_clip: f64,
+}
+
+impl Default for OptimSpec {
+    fn default() -> Self {
+        Self { lr: 1e-6, weight_decay: 0.01, grad_clip: 1.0 }
+    }
+}
+
+/// The training loop (VeRL `trainer.*`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainerSpec {
+    /// Optimizer steps of the run (VeRL `total_training_steps`).
+    pub total_steps: u32,
+    /// Evaluate on the validation split every this many steps, and at the end; 0 = only
+    /// at the end (VeRL `test_freq`).
+    pub eval_every: u32,
+    /// Save a checkpoint every this many steps, and at the end (VeRL `save_freq`).
+    pub save_every: u32,
+    pub device: Device,
+}
+
+impl Default for TrainerSpec {
+    fn default() -> Self {
+        Self { total_steps: 2, eval_every: 0, save_every: 1, device: Device::Cpu }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+/// The model and dataset a spec resolved to on this machine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResolvedResources {
+    pub model_path: PathBuf,
+    pub dataset_path: PathBuf,
+}
+
+/// Known model names and the file `make models` installs for each.
+pub const MODEL_NAMES: &[(&str, &str)] = &[
+    ("smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct.gguf"),
+];
+
+impl RunSpec {
+    /// Decodes TOML, reporting the first structural problem with its path.
+    pub fn from_toml(text: &str) -> Result<Self, Vec<FieldError>> {
+        let de = toml::Deserializer::parse(text)
+            .map_err(|err| vec![FieldError::new("", format!("not valid TOML: {err}"))])?;
+        serde_path_to_error::deserialize(de).map_err(|err| vec![path_error(err)])
+    }
+
+    /// Decodes the spec part of a run-request event.
+    pub fn from_json_value(value: serde_json::Value) -> Result<Self, Vec<FieldError>> {
+        serde_path_to_error::deserialize(value).map_err(|err| vec![path_error(err)])
+    }
+
+    /// Range and cross-field rules. Returns every problem, not only the first.
+    pub fn check(&self) -> Vec<FieldError> {
+        let mut errors = Vec::new();
+        let mut fail = |path: &str, reason: String| errors.push(FieldError::new(path, reason));
+
+        if self.data.dataset.trim().is_empty() {
+            fail("data.dataset", "must name a dataset file or folder".into());
+        }
+        if self.data.train_batch_size == 0 {
+            fail("data.train_batch_size", "must be at least 1, got 0".into());
+        }
+        if self.data.train_size != 0 && self.data.train_batch_size > self.data.train_size {
+            fail(
+                "data.train_batch_size",
+                format!(
+                    "is {} but data.train_size is only {}; lower the batch or grow the split",
+                    self.data.train_batch_size, self.data.train_size
+                ),
+            );
+        }
+        if self.model.path.trim().is_empty() {
+            fail("model.path", "must name a model file, folder or installed model".into());
+        }
+
+        let r = &self.rollout;
+        if r.n == 0 {
+            fail("rollout.n", "must be at least 1, got 0".into());
+        } else if r.n == 1 {
+            fail("rollout.n", "must be at least 2: GRPO compares trials within a group".into());
+        }
+        if r.max_turns == 0 {
+            fail("rollout.max_turns", "must be at least 1, got 0".into());
+        }
+        if !(0.0..=2.0).contains(&r.temperature) {
+            fail("rollout.temperature", format!("must be in [0, 2], got {}", r.temperature));
+        }
+        if !(r.top_p > 0.0 && r.top_p <= 1.0) {
+            fail("rollout.top_p", format!("must be in (0, 1], got {}", r.top_p));
+        }
+        if r.max_response_tokens == 0 {
+            fail("rollout.max_response_tokens", "must be at least 1, got 0".into());
+        }
+        if r.timeout_s == 0 {
+            fail("rollout.timeout_s", "must be at least 1 second, got 0".into());
+        }
+
+        for (path, value) in [
+            ("reward.pass", self.reward.pass),
+            ("reward.short_patch_bonus", self.reward.short_patch_bonus),
+            ("reward.fast_bonus", self.reward.fast_bonus),
+        ] {
+            if !value.is_finite() || value < 0.0 {
+                fail(path, format!("must be a finite number >= 0, got {value}"));
+            }
+        }
+
+        let a = &self.algorithm;
+        for (path, value) in [
+            ("algorithm.clip_ratio_low", a.clip_ratio_low),
+            ("algorithm.clip_ratio_high", a.clip_ratio_high),
+        ] {
+            if !(value > 0.0 && value < 1.0) {
+                fail(path, format!("must be in (0, 1), got {value}"));
+            }
+        }
+        if !a.kl_coef.is_finite() || a.kl_coef < 0.0 {
+            fail("algorithm.kl_coef", format!("must be a finite number >= 0, got {}", a.kl_coef));
+        }
+
+        let o = &self.optim;
+        if !(o.lr > 0.0 && o.lr < 1.0) {
+            fail("optim.lr", format!("must be in (0, 1), got {}", o.lr));
+        }
+        if !o.weight_decay.is_finite() || o.weight_decay < 0.0 {
+            fail("optim.weight_decay", format!("must be >= 0, got {}", o.weight_decay));
+        }
+        if !(o.grad_clip.is_finite() && o.grad_clip > 0.0) {
+            fail("optim.grad_clip", format!("must be > 0, got {}", o.grad_clip));
+        }
+
+        let t = &self.trainer;
+        if t.total_steps == 0 {
+            fail("trainer.total_steps", "must be at least 1, got 0".into());
+        }
+        if t.save_every == 0 {
+            fail("trainer.save_every", "must be at least 1, got 0".into());
+        }
+        if t.eval_every > t.total_steps && t.total_steps > 0 {
+            fail(
+                "trainer.eval_every",
+                format!(
+                    "is {} but the run has only {} steps; use 0 to evaluate only at the end",
+                    t.eval_every, t.total_steps
+                ),
+            );
+        }
+        errors
+    }
+
+    /// Checks that the model and the dataset can be read on this machine, and resolves
+    /// them to paths.
+    pub fn check_resources(
+        &self,
+        model_dir: &Path,
+    ) -> Result<ResolvedResources, Vec<FieldError>> {
+        let model = resolve_model(&self.model.path, model_dir)
+            .map_err(|reason| FieldError::new("model.path", reason));
+        let dataset = check_dataset(&self.data.dataset, self.data.source)
+            .map_err(|reason| FieldError::new("data.dataset", reason));
+        match (model, dataset) {
+            (Ok(model_path), Ok(dataset_path)) => Ok(ResolvedResources { model_path, dataset_path }),
+            (model, dataset) => Err([model.err(), dataset.err()].into_iter().flatten().collect()),
+        }
+    }
+
+    /// Makes relative dataset and model paths absolute against `base` (the spec file's
+    /// folder), so the spec means the same thing on the controller.
+    pub fn resolve_relative_paths(&mut self, base: &Path) {
+        if Path::new(&self.data.dataset).is_relative() {
+            self.data.dataset = base.join(&self.data.dataset).to_string_lossy().into_owned();
+        }
+        // A known name (`smollm2-135m-instruct`) names an installed model, not a path.
+        let model = Path::new(&self.model.path);
+        let is_model_name = MODEL_NAMES.iter().any(|(name, _)| *name == self.model.path);
+        if !is_model_name && model.is_relative() {
+            self.model.path = base.join(model).to_string_lossy().into_owned();
+        }
+    }
+}
+
+/// The model folder: `$ARL_MODEL_DIR`, else `~/.cache/arl/models`.
+pub fn default_model_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("ARL_MODEL_DIR") {
+        return PathBuf::from(dir);
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cache/arl/models")
+}
+
+fn path_error<E: std::fmt::Display>(err: serde_path_to_error::Error<E>) -> FieldError {
+    let path = err.path().to_string();
+    let path = if path == "." { String::new() } else { path };
+    FieldError::new(path, err.into_inner().to_string())
+}
+
+fn resolve_model(spec_path: &str, model_dir: &Path) -> Result<PathBuf, String> {
+    if let Some((_, file)) = MODEL_NAMES.iter().find(|(name, _)| *name == spec_path) {
+        let path = model_dir.join(file);
+        if !path.exists() {
+            return Err(format!(
+                "model {spec_path:?} is not installed ({} is missing); run `make models`",
+                path.display()
+            ));
+        }
+        return check_model_path(&path).map(|()| path);
+    }
+    let path = PathBuf::from(spec_path);
+    if !path.exists() {
+        let names: Vec<_> = MODEL_NAMES.iter().map(|(n, _)| *n).collect();
+        return Err(format!(
+            "no such file or directory: {spec_path}; give a GGUF file, a Hugging Face folder, \
+             or one of {names:?}"
+        ));
+    }
+    check_model_path(&path).map(|()| path)
+}
+
+fn check_model_path(path: &Path) -> Result<(), String> {
+    if path.is_dir() {
+        if !path.join("config.json").is_file() {
+            return Err(format!(
+                "{} is a folder without config.json; a Hugging Face model folder needs config.json \
+                 and *.safetensors",
+                path.display()
+            ));
+        }
+        return Ok(());
+    }
+    let mut magic = [0u8; 4];
+    let read = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .map_err(|err| format!("cannot read {}: {err}", path.display()))?;
+    let () = read;
+    if &magic != b"GGUF" {
+        return Err(format!(
+            "{} is not a GGUF file (it starts with {magic:02x?}, not \"GGUF\")",
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
+fn check_dataset(spec_path: &str, source: DataSource) -> Result<PathBuf, String> {
+    let path = PathBuf::from(spec_path);
+    if !path.exists() {
+        return Err(format!("no such file or directory: {spec_path}"));
+    }
+    match source {
+        DataSource::Harbor => {
+            if !path.is_dir() {
+                return Err(format!(
+                    "{spec_path} is a file, but data.source = \"harbor\" needs a folder of task \
+                     folders"
+                ));
+            }
+            let has_task = std::fs::read_dir(&path)
+                .map_err(|err| format!("cannot list {spec_path}: {err}"))?
+                .filter_map(Result::ok)
+                .any(|entry| entry.path().join("task.toml").is_file());
+            if !has_task {
+                return Err(format!(
+                    "{spec_path} holds no Harbor task (no sub-folder with a task.toml)"
+                ));
+            }
+        }
+        DataSource::Swebench | DataSource::Gsm8k => {
+            let ext = path.extension().and_then(|e| e.to_str()).unwrap_or_default();
+            let allowed: &[&str] = match source {
+                DataSource::Swebench => &["jsonl", "json", "parquet", "arrow"],
+                _ => &["jsonl", "json"],
+            };
+            if !path.is_file() || !allowed.contains(&ext) {
+                return Err(format!("{spec_path} must be a file ending in one of {allowed:?}"));
+            }
+        }
+    }
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        assert_eq!(RunSpec::default().check(), vec![]);
+    }
+
+    #[test]
+    fn a_partial_toml_fills_defaults() {
+        let spec = RunSpec::from_toml("[rollout]\nn = 8\n").unwrap();
+        assert_eq!(spec.rollout.n, 8);
+        assert_eq!(spec.rollout.max_turns, RolloutSpec::default().max_turns);
+    }
+
+    #[test]
+    fn structural_errors_carry_the_path() {
+        let cases = [
+            ("[rollout]\nnn = 3\n", "rollout.nn"),
+            ("[optim]\nlr = \"fast\"\n", "optim.lr"),
+            ("[algorithm]\nadv_estimator = \"ppo9\"\n", "algorithm.adv_estimator"),
+            ("[trainer]\ndevice = \"tpu\"\n", "trainer.device"),
+            ("[rollout]\nn = -1\n", "rollout.n"),
+            ("colour = 1\n", "colour"),
+        ];
+        for (text, path) in cases {
+            let errors = RunSpec::from_toml(text).unwrap_err();
+            assert_eq!(errors[0].path, path, "{text}: {errors:?}");
+        }
+    }
+
+    #[test]
+    fn range_errors_are_all_reported() {
+        let mut spec = RunSpec::default();
+        spec.rollout.n = 0;
+        spec.rollout.top_p = 1.5;
+        spec.optim.lr = 0.0;
+        let paths: Vec<_> = spec.check().into_iter().map(|e| e.path).collect();
+        assert_eq!(paths, ["rollout.n", "rollout.top_p", "optim.lr"]);
+    }
+
+    #[test]
+    fn resources_resolve_names_and_check_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let models = dir.path().join("models");
+        std::fs::create_dir_all(&models).unwrap();
+        let tasks = dir.path().join("tasks");
+        std::fs::create_dir_all(tasks.join("t1")).unwrap();
+        std::fs::write(tasks.join("t1/task.toml"), "").unwrap();
+
+        let mut spec = RunSpec::default();
+        spec.data.dataset = tasks.to_string_lossy().into_owned();
+        let errors = spec.check_resources(&models).unwrap_err();
+        assert_eq!(errors[0].path, "model.path");
+        assert!(errors[0].reason.contains("make models"), "{errors:?}");
+
+        std::fs::write(models.join("SmolLM2-135M-Instruct.Q4_1.gguf"), b"GGUF\x03\0\0\0").unwrap();
+        let resolved = spec.check_resources(&models).unwrap();
+        assert!(resolved.model_path.ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"));
+
+        let not_gguf = dir.path().join("x.gguf");
+        std::fs::write(&not_gguf, b"PK\x03\x04").unwrap();
+        spec.model.path = not_gguf.to_string_lossy().into_owned();
+        spec.data.dataset = dir.path().join("none").to_string_lossy().into_owned();
+        let errors = spec.check_resources(&models).unwrap_err();
+        let paths: Vec<_> = errors.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(paths, ["model.path", "data.dataset"]);
+        assert!(errors[0].reason.contains("not a GGUF file"));
+    }
+
+    #[test]
+    fn relative_paths_follow_the_spec_file() {
+        let mut spec = RunSpec::default();
+        spec.data.dataset = "tasks".into();
+        spec.model.path = "models/m.gguf".into();
+        spec.resolve_relative_paths(Path::new("/srv/specs"));
+        assert_eq!(spec.model.path, "/srv/specs/models/m.gguf");
+        assert_eq!(spec.data.dataset, "/srv/specs/tasks");
+        spec.model.path = "smollm2-135m-instruct".into();
+        spec.resolve_relative_paths(Path::new("/srv/specs"));
+        assert_eq!(spec.model.path, "smollm2-135m-instruct");
+    }
+}
