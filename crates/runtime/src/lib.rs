@@ -1,1 +1,24 @@
+//! The runtime every ARL service stands on. This crate, and no other, owns:
+//! - the NATS connection, JetStream stream/consumer/bucket provisioning and typed publish
+//!   ([`bus`]);
+//! - the consumer loop: ack after durable work, nak with backoff, dead-letter after
+//!   `max_deliver`, bounded concurrency ([`consumer`]);
+//! - tracing logs and OTLP export, and the W3C `traceparent` on NATS headers
+//!   ([`telemetry`]);
+//! - `/health` and `/metrics` over HTTP ([`http`], [`metrics`]);
+//! - graceful shutdown on SIGINT/SIGTERM ([`shutdown`]).
 
+pub mod args;
+pub mod bus;
+pub mod consumer;
+pub mod headers;
+pub mod http;
+pub mod metrics;
+pub mod shutdown;
+pub mod telemetry;
+
+pub use args::CommonArgs;
+pub use bus::{Bus, BusError, Published};
+pub use consumer::{ConsumerSpec, Delivery, HandlerError};
+pub use metrics::Metrics;
+pub use shutdown::Shutdown;

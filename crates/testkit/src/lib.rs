@@ -1,1 +1,188 @@
+//! Test harness shared by every crate's integration tests.
+//!
+//! - [`NatsServer`]: a private `nats-server -js` on a free port with its own store folder,
+//!   stopped and cleaned up when dropped; it can be restarted on the same port and store.
+//! - [`test_namespace`]: a fresh subject/stream prefix per test.
+//! - [`wait_for`]: poll a condition with a deadline — tests never sleep blindly.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use arl_schemas::Namespace;
+
+/// The oldest server with the JetStream features ARL uses.
+const MIN_VERSION: (u32, u32) = (2, 10);
+
+/// A `nats-server -js` child process owned by one test.
+#[derive(Debug)]
+pub struct NatsServer {
+    binary: PathBuf,
+    port: u16,
+    store: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl NatsServer {
+    /// Starts a server on a free port with a fresh store and waits until it accepts
+    /// connections.
+    pub fn start() -> anyhow::Result<Self> {
+        let binary = find_nats_server()?;
+        let port = free_port()?;
+        let store = tempfile::Builder::new().prefix("arl-nats-").tempdir()?;
+        let mut server = Self { binary, port, store, child: None };
+        server.spawn()?;
+        Ok(server)
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn store_dir(&self) -> &Path {
+        self.store.path()
+    }
+
+    /// Stops the server the way an operator would (SIGTERM, then wait).
+    pub fn stop(&mut self) -> anyhow::Result<()> {
+        if let Some(mut child) = self.child.take() {
+            let status = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status()?;
+            if !status.success() {
+                child.kill()?;
+            }
+            let deadline = Instant::now() + Duration::from_secs(15);
+            loop {
+                if child.try_wait()?.is_some() {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    child.kill()?;
+                    child.wait()?;
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops and starts the server again on the same port and store.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.stop()?;
+        self.spawn()
+    }
+
+    /// Starts a server that was stopped.
+    pub fn resume(&mut self) -> anyhow::Result<()> {
+        if self.child.is_some() {
+            bail!("the server is already running");
+        }
+        self.spawn()
+    }
+
+    fn spawn(&mut self) -> anyhow::Result<()> {
+        let log = std::fs::File::create(self.store.path().join("server.log"))?;
+        let child = Command::new(&self.binary)
+            .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
+            .arg(self.store.path().join("jetstream"))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("cannot start {}", self.binary.display()))?;
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                let log = std::fs::read_to_string(self.store.path().join("server.log"))
+                    .unwrap_or_default();
+                bail!("nats-server exited with {status} before accepting connections:\n{log}");
+            }
+            if Instant::now() > deadline {
+                bail!("nats-server did not accept connections on port {} within 20 s", self.port);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// `$ARL_NATS_SERVER`, else the one `make deps` installs, else `nats-server` on `PATH` if
+/// it is recent enough.
+pub fn find_nats_server() -> anyhow::Result<PathBuf> {
+    let mut candidates = Vec::new();
+    if let Some(path) = std::env::var_os("ARL_NATS_SERVER") {
+        candidates.push(PathBuf::from(path));
+    }
+    if let Some(home) = std::env::var_os("HOME") {
+        candidates.push(PathBuf::from(home).join(".cache/arl/tools/bin/nats-server"));
+    }
+    candidates.push(PathBuf::from("nats-server"));
+    let mut rejected = Vec::new();
+    for candidate in candidates {
+        match server_version(&candidate) {
+            Some(version) if version >= MIN_VERSION => return Ok(candidate),
+            Some((major, minor)) => {
+                rejected.push(format!("{} is {major}.{minor}", candidate.display()));
+            }
+            None => {}
+        }
+    }
+    bail!(
+        "no nats-server {}.{} or newer found ({}); run `make deps`, or set ARL_NATS_SERVER",
+        MIN_VERSION.0,
+        MIN_VERSION.1,
+        if rejected.is_empty() { "none installed".to_owned() } else { rejected.join(", ") }
+    )
+}
+
+fn server_version(binary: &Path) -> Option<(u32, u32)> {
+    let output = Command::new(binary).arg("--version").output().ok()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    let version = text.trim().rsplit('v').next()?;
+    let mut parts = version.split('.');
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A namespace no other test uses, so tests can share one server.
+pub fn test_namespace() -> Namespace {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    Namespace::with_prefix(&format!("t{}", &id[..12])).expect("generated prefix is valid")
+}
+
+/// Polls `condition` every 20 ms until it returns `Some`, or fails after `timeout`.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut condition: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = condition().await {
+            return value;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,265 @@
+//! The NATS connection, JetStream provisioning and typed publishing.
+//!
+//! Every service gets one [`Bus`]. It reconnects by itself when the server restarts, and
+//! [`Bus::publish`] does not return until JetStream has stored the event — retrying with the
+//! same `Nats-Msg-Id` until then, so a publish that raced a server restart is stored
+//! exactly once.
+
+use std::time::{Duration, Instant};
+
+use arl_schemas::{Bucket, Domain, Event, Namespace};
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, kv, stream};
+use bytes::Bytes;
+
+use crate::headers;
+use crate::metrics::{EventTypeLabel, Metrics};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BusError {
+    #[error(
+        "cannot connect to NATS at {url}: {source}; start a server (`nats-server -js`) or set NATS_URL"
+    )]
+    Connect { url: String, source: async_nats::ConnectError },
+    #[error("cannot provision {what}: {reason}")]
+    Provision { what: String, reason: String },
+    #[error("cannot encode {event_type}: {source}")]
+    Encode { event_type: &'static str, source: serde_json::Error },
+    #[error("publish to {subject} was not acknowledged within {waited:?}: {last_error}")]
+    PublishTimeout { subject: String, waited: Duration, last_error: String },
+    #[error("publish to {subject} refused: {reason}")]
+    PublishRefused { subject: String, reason: String },
+    #[error("key-value {bucket}: {reason}")]
+    KeyValue { bucket: String, reason: String },
+}
+
+/// Where JetStream stored a published message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Published {
+    pub stream: String,
+    pub sequence: u64,
+    /// True when JetStream already held a message with the same id.
+    pub duplicate: bool,
+}
+
+/// How to reach NATS.
+#[derive(Clone, Debug)]
+pub struct BusConfig {
+    pub url: String,
+    pub namespace: Namespace,
+    /// Shown in the server's connection list.
+    pub client_name: String,
+    /// Services wait for a server that is not up yet; the CLI fails fast.
+    pub wait_for_server: bool,
+    /// How long a publish keeps retrying before it reports failure.
+    pub publish_timeout: Duration,
+}
+
+impl BusConfig {
+    pub fn new(url: impl Into<String>, namespace: Namespace, client_name: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            namespace,
+            client_name: client_name.into(),
+            wait_for_server: true,
+            publish_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A connection to NATS and JetStream, scoped to one namespace. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Bus {
+    client: async_nats::Client,
+    jetstream: jetstream::Context,
+    namespace: Namespace,
+    metrics: Metrics,
+    publish_timeout: Duration,
+}
+
+/// Messages kept per stream; old ones go first. Trajectories and LLM calls are large, so
+/// streams are bounded by age and bytes rather than kept forever.
+const STREAM_MAX_AGE: Duration = Duration::from_secs(14 * 24 * 3600);
+/// Window within which a repeated `Nats-Msg-Id` is dropped as a duplicate.
+const DUPLICATE_WINDOW: Duration = Duration::from_secs(10 * 60);
+
+impl Bus {
+    pub async fn connect(config: BusConfig, metrics: Metrics) -> Result<Self, BusError> {
+        let mut options = async_nats::ConnectOptions::new()
+            .name(&config.client_name)
+            .max_reconnects(None)
+            .connection_timeout(Duration::from_secs(5))
+            .event_callback(|event| async move {
+                match event {
+                    async_nats::Event::Connected => tracing::info!("connected to NATS"),
+                    async_nats::Event::Disconnected => tracing::warn!("disconnected from NATS"),
+                    other => tracing::debug!(event = %other, "NATS event"),
+                }
+            });
+        if config.wait_for_server {
+            options = options.retry_on_initial_connect();
+        }
+        let client = options
+            .connect(config.url.as_str())
+            .await
+            .map_err(|source| BusError::Connect { url: config.url.clone(), source })?;
+        let jetstream = jetstream::new(client.clone());
+        Ok(Self {
+            client,
+            jetstream,
+            namespace: config.namespace,
+            metrics,
+            publish_timeout: config.publish_timeout,
+        })
+    }
+
+    pub fn namespace(&self) -> &Namespace {
+        &self.namespace
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.jetstream
+    }
+
+    pub fn is_connected(&self) -> bool {
+        self.client.connection_state() == async_nats::connection::State::Connected
+    }
+
+    /// Creates or updates every stream and bucket of the namespace. Idempotent: every
+    /// service calls it at start, in any order.
+    pub async fn provision(&self) -> Result<(), BusError> {
+        for domain in Domain::ALL {
+            self.provision_stream(domain).await?;
+        }
+        self.provision_bucket(Bucket::RunState).await?;
+        Ok(())
+    }
+
+    async fn provision_stream(&self, domain: Domain) -> Result<(), BusError> {
+        let name = self.namespace.stream(domain);
+        let config = stream::Config {
+            name: name.clone(),
+            subjects: vec![self.namespace.stream_subjects(domain)],
+            storage: stream::StorageType::File,
+            retention: stream::RetentionPolicy::Limits,
+            max_age: STREAM_MAX_AGE,
+            duplicate_window: DUPLICATE_WINDOW,
+            ..Default::default()
+        };
+        retry_provision(&name, || self.jetstream.create_or_update_stream(config.clone())).await?;
+        Ok(())
+    }
+
+    async fn provision_bucket(&self, bucket: Bucket) -> Result<(), BusError> {
+        let name = self.namespace.bucket(bucket);
+        let config = kv::Config {
+            bucket: name.clone(),
+            history: 16,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        };
+        retry_provision(&name, || self.jetstream.create_or_update_key_value(config.clone()))
+            .await?;
+        Ok(())
+    }
+
+    /// The key-value store of a bucket (provisioned by [`Bus::provision`]).
+    pub async fn bucket(&self, bucket: Bucket) -> Result<kv::Store, BusError> {
+        let name = self.namespace.bucket(bucket);
+        self.jetstream.get_key_value(name.clone()).await.map_err(|err| BusError::KeyValue {
+            bucket: name,
+            reason: format!("{err}; has a service provisioned the namespace?"),
+        })
+    }
+
+    /// Publishes a typed event and waits until JetStream has stored it.
+    pub async fn publish<E: Event>(&self, event: &E) -> Result<Published, BusError> {
+        let body = event
+            .encode()
+            .map_err(|source| BusError::Encode { event_type: E::TYPE, source })?;
+        let mut headers = HeaderMap::new();
+        headers.insert(headers::MSG_ID, event.message_id().as_str());
+        headers.insert(headers::EVENT_TYPE, E::TYPE);
+        headers.insert(headers::EVENT_VERSION, E::VERSION.to_string().as_str());
+        crate::telemetry::inject_context(&mut headers);
+        let published = self.publish_bytes(event.subject(&self.namespace), headers, body.into()).await?;
+        self.metrics.events_published.get_or_create(&EventTypeLabel { event_type: E::TYPE }).inc();
+        Ok(published)
+    }
+
+    /// Publishes raw bytes with the given headers, retrying until stored. For events use
+    /// [`Bus::publish`]; this exists for dead-lettering and for tests that must send bytes
+    /// no typed event would produce.
+    pub async fn publish_bytes(
+        &self,
+        subject: String,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Result<Published, BusError> {
+        let started = Instant::now();
+        let mut delay = Duration::from_millis(50);
+        loop {
+            let attempt = async {
+                let ack = self
+                    .jetstream
+                    .publish_with_headers(subject.clone(), headers.clone(), body.clone())
+                    .await
+                    .map_err(|err| (err.kind(), err.to_string()))?;
+                ack.await.map_err(|err| (err.kind(), err.to_string()))
+            };
+            let last_error = match attempt.await {
+                Ok(ack) => {
+                    return Ok(Published {
+                        stream: ack.stream,
+                        sequence: ack.sequence,
+                        duplicate: ack.duplicate,
+                    });
+                }
+                Err((jetstream::context::PublishErrorKind::MaxPayloadExceeded, reason)) => {
+                    return Err(BusError::PublishRefused { subject, reason });
+                }
+                Err((_, reason)) => reason,
+            };
+            let waited = started.elapsed();
+            if waited >= self.publish_timeout {
+                return Err(BusError::PublishTimeout { subject, waited, last_error });
+            }
+            tracing::warn!(%subject, error = %last_error, "publish not acknowledged; retrying");
+            self.metrics.publish_retries.inc();
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(2));
+        }
+    }
+}
+
+async fn retry_provision<T, E, F, Fut>(what: &str, mut create: F) -> Result<T, BusError>
+where
+    E: std::fmt::Display,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    // JetStream may still be starting (or electing a leader) when a service starts.
+    let mut delay = Duration::from_millis(100);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match create().await {
+            Ok(value) => return Ok(value),
+            Err(err) if Instant::now() < deadline => {
+                tracing::warn!(%what, error = %err, "provisioning failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            Err(err) => {
+                return Err(BusError::Provision { what: what.to_owned(), reason: err.to_string() });
+            }
+        }
+    }
+}

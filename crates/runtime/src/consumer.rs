@@ -1,0 +1,330 @@
+//! The consumer loop every service uses to take work from a stream.
+//!
+//! Rules, in the manner of vector's NATS source:
+//! - a message is acked only after its handler returned `Ok` — that is, after the work it
+//!   caused is durable;
+//! - a handler's `Retry` naks with a growing delay; on the last allowed delivery the
+//!   message goes to the dead-letter subject instead, with the reason, and is terminated;
+//! - a handler's `DeadLetter` (input that can never succeed) goes there at once;
+//! - at most `concurrency` messages are in hand at a time;
+//! - a broken subscription is rebuilt with backoff; shutdown stops pulling and waits for
+//!   the handlers in flight.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arl_schemas::{DecodeError, Domain, Event};
+use async_nats::HeaderMap;
+use async_nats::jetstream::consumer::{self, pull};
+use async_nats::jetstream::{self, AckKind};
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::sync::Semaphore;
+use tracing::Instrument;
+
+use crate::metrics::{ConsumerLabel, ConsumerOutcome};
+use crate::{Bus, BusError, Shutdown, headers};
+
+/// What to consume and how.
+#[derive(Clone, Debug)]
+pub struct ConsumerSpec {
+    pub domain: Domain,
+    /// Durable consumer name: the service's name.
+    pub durable: String,
+    /// Subjects (built by `arl_schemas::Namespace`) this consumer takes.
+    pub filter_subjects: Vec<String>,
+    /// Deliveries before a failing message is dead-lettered.
+    pub max_deliver: i64,
+    /// How long a handler may hold a message before the server redelivers it.
+    pub ack_wait: Duration,
+    /// Delay before redelivery after the n-th failure (the last entry repeats).
+    pub retry_backoff: Vec<Duration>,
+    pub concurrency: usize,
+}
+
+impl ConsumerSpec {
+    pub fn new(domain: Domain, durable: impl Into<String>, filter_subjects: Vec<String>) -> Self {
+        Self {
+            domain,
+            durable: durable.into(),
+            filter_subjects,
+            max_deliver: 5,
+            ack_wait: Duration::from_secs(30),
+            retry_backoff: vec![
+                Duration::from_millis(200),
+                Duration::from_secs(1),
+                Duration::from_secs(5),
+            ],
+            concurrency: 16,
+        }
+    }
+
+    fn retry_delay(&self, attempt: i64) -> Duration {
+        let index = usize::try_from(attempt.saturating_sub(1)).unwrap_or(0);
+        self.retry_backoff
+            .get(index)
+            .or(self.retry_backoff.last())
+            .copied()
+            .unwrap_or(Duration::from_secs(1))
+    }
+}
+
+/// One message handed to a handler.
+#[derive(Clone, Debug)]
+pub struct Delivery {
+    pub subject: String,
+    pub headers: Option<HeaderMap>,
+    pub payload: Bytes,
+    /// 1 on first delivery.
+    pub attempt: i64,
+    pub stream_sequence: u64,
+}
+
+impl Delivery {
+    /// Decodes the payload as `E`, refusing a message whose headers name another type.
+    pub fn decode<E: Event>(&self) -> Result<E, DecodeError> {
+        if let Some((found_type, found_version)) = headers::event_type(self.headers.as_ref()) {
+            if found_type != E::TYPE || found_version != E::VERSION {
+                return Err(DecodeError::WrongType {
+                    expected_type: E::TYPE,
+                    expected_version: E::VERSION,
+                    found_type,
+                    found_version,
+                });
+            }
+        }
+        E::decode(&self.payload)
+    }
+
+    /// The `Arl-Type` header, if present.
+    pub fn event_type(&self) -> Option<String> {
+        headers::event_type(self.headers.as_ref()).map(|(t, _)| t)
+    }
+}
+
+/// How a handler failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HandlerError {
+    /// Transient (bus or disk trouble): try again later.
+    #[error("{0}")]
+    Retry(String),
+    /// The message can never be handled: park it on the dead-letter subject now.
+    #[error("{0}")]
+    DeadLetter(String),
+}
+
+impl From<BusError> for HandlerError {
+    fn from(err: BusError) -> Self {
+        HandlerError::Retry(err.to_string())
+    }
+}
+
+/// Consumes until shutdown. Handlers run on tasks tracked by `shutdown`.
+pub async fn run_consumer<H, Fut>(bus: Bus, spec: ConsumerSpec, handler: H, shutdown: Shutdown)
+where
+    H: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    let handler = Arc::new(handler);
+    let spec = Arc::new(spec);
+    let permits = Arc::new(Semaphore::new(spec.concurrency.max(1)));
+    let mut rebuild_delay = Duration::from_millis(100);
+
+    while !shutdown.is_triggered() {
+        let messages = match subscribe(&bus, &spec).await {
+            Ok(messages) => {
+                rebuild_delay = Duration::from_millis(100);
+                messages
+            }
+            Err(err) => {
+                tracing::warn!(consumer = %spec.durable, error = %err, "cannot subscribe; retrying");
+                tokio::select! {
+                    () = shutdown.triggered() => break,
+                    () = tokio::time::sleep(rebuild_delay) => {}
+                }
+                rebuild_delay = (rebuild_delay * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        tokio::pin!(messages);
+        loop {
+            let permit = tokio::select! {
+                () = shutdown.triggered() => break,
+                permit = permits.clone().acquire_owned() => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => break,
+                },
+            };
+            let next = tokio::select! {
+                () = shutdown.triggered() => break,
+                next = messages.next() => next,
+            };
+            match next {
+                None => {
+                    tracing::warn!(consumer = %spec.durable, "message stream ended; resubscribing");
+                    break;
+                }
+                Some(Err(err)) => {
+                    use pull::MessagesErrorKind as Kind;
+                    let rebuild = matches!(
+                        err.kind(),
+                        Kind::ConsumerDeleted | Kind::NoResponders | Kind::RequestLimitExceeded
+                    );
+                    tracing::warn!(consumer = %spec.durable, error = %err, rebuild, "message stream error");
+                    if rebuild {
+                        break;
+                    }
+                }
+                Some(Ok(message)) => {
+                    let (bus, spec, handler) = (bus.clone(), spec.clone(), handler.clone());
+                    shutdown.spawn(async move {
+                        handle_message(&bus, &spec, handler.as_ref(), message).await;
+                        drop(permit);
+                    });
+                }
+            }
+        }
+    }
+    tracing::info!(consumer = %spec.durable, "consumer stopped pulling");
+}
+
+async fn subscribe(
+    bus: &Bus,
+    spec: &ConsumerSpec,
+) -> Result<pull::Stream, Box<dyn std::error::Error + Send + Sync>> {
+    let stream_name = bus.namespace().stream(spec.domain);
+    let config = pull::Config {
+        durable_name: Some(spec.durable.clone()),
+        filter_subjects: spec.filter_subjects.clone(),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: spec.ack_wait,
+        max_deliver: spec.max_deliver,
+        deliver_policy: consumer::DeliverPolicy::All,
+        ..Default::default()
+    };
+    let consumer: jetstream::consumer::Consumer<pull::Config> =
+        bus.jetstream().create_consumer_on_stream(config, stream_name).await?;
+    let batch = spec.concurrency.clamp(1, 256);
+    Ok(consumer
+        .stream()
+        .max_messages_per_batch(batch)
+        .heartbeat(Duration::from_secs(5))
+        .expires(Duration::from_secs(30))
+        .messages()
+        .await?)
+}
+
+async fn handle_message<H, Fut>(bus: &Bus, spec: &ConsumerSpec, handler: &H, message: jetstream::Message)
+where
+    H: Fn(Delivery) -> Fut,
+    Fut: Future<Output = Result<(), HandlerError>>,
+{
+    let (attempt, stream_sequence) = match message.info() {
+        Ok(info) => (info.delivered, info.stream_sequence),
+        Err(err) => {
+            tracing::warn!(error = %err, "message without JetStream metadata; skipping");
+            return;
+        }
+    };
+    let delivery = Delivery {
+        subject: message.subject.to_string(),
+        headers: message.headers.clone(),
+        payload: message.payload.clone(),
+        attempt,
+        stream_sequence,
+    };
+    let span = tracing::info_span!(
+        "consume",
+        consumer = %spec.durable,
+        subject = %delivery.subject,
+        attempt,
+        otel.kind = "consumer",
+    );
+    if let Some(headers) = delivery.headers.as_ref() {
+        crate::telemetry::set_parent_from_headers(&span, headers);
+    }
+    let started = Instant::now();
+    let result = handler(delivery.clone()).instrument(span.clone()).await;
+    bus.metrics()
+        .handler_seconds
+        .get_or_create(&ConsumerLabel { consumer: spec.durable.clone() })
+        .observe(started.elapsed().as_secs_f64());
+
+    let outcome = async {
+        match result {
+            Ok(()) => {
+                settle(&message, AckKind::Ack).await;
+                "ok"
+            }
+            Err(HandlerError::Retry(reason)) if attempt < spec.max_deliver => {
+                let delay = spec.retry_delay(attempt);
+                tracing::warn!(%reason, attempt, ?delay, "handler failed; will retry");
+                settle(&message, AckKind::Nak(Some(delay))).await;
+                "retry"
+            }
+            Err(HandlerError::Retry(reason)) => {
+                let reason = format!("gave up after {attempt} deliveries: {reason}");
+                dead_letter(bus, spec, &message, &delivery, &reason).await;
+                "dead_letter"
+            }
+            Err(HandlerError::DeadLetter(reason)) => {
+                dead_letter(bus, spec, &message, &delivery, &reason).await;
+                "dead_letter"
+            }
+        }
+    }
+    .instrument(span)
+    .await;
+    bus.metrics()
+        .messages_handled
+        .get_or_create(&ConsumerOutcome { consumer: spec.durable.clone(), outcome })
+        .inc();
+}
+
+async fn dead_letter(
+    bus: &Bus,
+    spec: &ConsumerSpec,
+    message: &jetstream::Message,
+    delivery: &Delivery,
+    reason: &str,
+) {
+    let stream = bus.namespace().stream(spec.domain);
+    let subject = bus.namespace().dead_letter_subject(&stream, &spec.durable);
+    let mut headers = delivery.headers.clone().unwrap_or_default();
+    // The dead-letter copy must not be de-duplicated against the original.
+    headers.insert(
+        headers::MSG_ID,
+        format!("dlq:{stream}:{}:{}", spec.durable, delivery.stream_sequence).as_str(),
+    );
+    headers.insert(headers::DEAD_LETTER_REASON, truncate(reason, 1024).as_str());
+    headers.insert(headers::ORIGINAL_SUBJECT, delivery.subject.as_str());
+    tracing::error!(%reason, %subject, "dead-lettering message");
+    match bus.publish_bytes(subject, headers, delivery.payload.clone()).await {
+        Ok(_) => settle(message, AckKind::Term).await,
+        // Not parked: leave it to be redelivered rather than lose it.
+        Err(err) => {
+            tracing::error!(error = %err, "cannot dead-letter; leaving message for redelivery");
+            settle(message, AckKind::Nak(Some(Duration::from_secs(5)))).await;
+        }
+    }
+}
+
+async fn settle(message: &jetstream::Message, kind: AckKind) {
+    // A lost ack only means a redelivery, which handlers are written to absorb.
+    if let Err(err) = message.double_ack_with(kind).await {
+        tracing::warn!(error = %err, "acknowledgement not confirmed; the message may be redelivered");
+    }
+}
+
+fn truncate(text: &str, max: usize) -> String {
+    let single_line = text.replace(['\r', '\n'], " ");
+    if single_line.len() <= max {
+        return single_line;
+    }
+    let mut end = max;
+    while !single_line.is_char_boundary(end) {
+        end -= 1;
+    }
+    single_line[..end].to_owned()
+}

@@ -1,0 +1,66 @@
+//! `/health` and `/metrics` over axum, plus whatever routes a service adds.
+
+use std::net::SocketAddr;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+
+use crate::{Bus, Metrics, Shutdown};
+
+#[derive(Clone)]
+struct OpsState {
+    bus: Bus,
+    metrics: Metrics,
+    service: &'static str,
+}
+
+/// The operational routes every service exposes.
+pub fn ops_router(service: &'static str, bus: Bus, metrics: Metrics) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .with_state(OpsState { bus, metrics, service })
+}
+
+async fn health(State(state): State<OpsState>) -> impl IntoResponse {
+    let connected = state.bus.is_connected();
+    let status = if connected { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body = serde_json::json!({
+        "service": state.service,
+        "status": if connected { "ok" } else { "degraded" },
+        "nats": if connected { "connected" } else { "disconnected" },
+    });
+    (status, axum::Json(body))
+}
+
+async fn metrics_text(State(state): State<OpsState>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        state.metrics.encode(),
+    )
+}
+
+/// Binds `addr` and serves `router` until shutdown. Returns the bound address (useful with
+/// port 0).
+pub async fn serve(
+    addr: SocketAddr,
+    router: Router,
+    shutdown: &Shutdown,
+) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let token = shutdown.token();
+    shutdown.spawn(async move {
+        let served = axum::serve(listener, router)
+            .with_graceful_shutdown(async move { token.cancelled().await })
+            .await;
+        if let Err(err) = served {
+            tracing::error!(%err, "HTTP server stopped");
+        }
+    });
+    tracing::info!(%bound, "serving /health and /metrics");
+    Ok(bound)
+}

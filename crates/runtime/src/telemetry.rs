@@ -1,0 +1,117 @@
+//! Logs (`tracing`, filtered by `RUST_LOG`, JSON when `ARL_LOG_FORMAT=json`), traces
+//! exported over OTLP/HTTP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, and the W3C trace
+//! context carried on NATS headers so one trial is one trace across services.
+//!
+//! Spans always get OpenTelemetry trace ids — also without an exporter — so that a
+//! `traceparent` travels through every hop whether or not this process exports.
+
+use async_nats::HeaderMap;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
+
+use crate::headers::{HeaderExtractor, HeaderInjector};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error("cannot build the OTLP exporter for {endpoint}: {reason}")]
+    Exporter { endpoint: String, reason: String },
+}
+
+/// Flushes and stops trace export when dropped: keep it alive until the very end of
+/// `main`, after every other task has finished.
+#[derive(Debug)]
+pub struct TelemetryGuard {
+    provider: SdkTracerProvider,
+}
+
+impl TelemetryGuard {
+    /// Flushes spans still buffered. Called by drop as well.
+    pub fn flush(&self) {
+        if let Err(err) = self.provider.force_flush() {
+            eprintln!("telemetry: flushing spans failed: {err}");
+        }
+    }
+}
+
+impl Drop for TelemetryGuard {
+    fn drop(&mut self) {
+        self.flush();
+        let _ = self.provider.shutdown();
+    }
+}
+
+/// Installs the global subscriber and propagator. Must run inside a tokio runtime. A
+/// second call in one process (tests) keeps the first subscriber.
+pub fn init(service: &'static str) -> Result<TelemetryGuard, TelemetryError> {
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+
+    let resource = Resource::builder().with_service_name(service).build();
+    let mut provider = SdkTracerProvider::builder().with_resource(resource);
+    let endpoint = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").ok().filter(|e| !e.is_empty());
+    if let Some(endpoint) = &endpoint {
+        // The endpoint (and `/v1/traces`) is read from the standard environment variables.
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(Protocol::HttpBinary)
+            .build()
+            .map_err(|err| TelemetryError::Exporter {
+                endpoint: endpoint.clone(),
+                reason: err.to_string(),
+            })?;
+        let processor =
+            BatchSpanProcessor::builder(exporter, opentelemetry_sdk::runtime::Tokio).build();
+        provider = provider.with_span_processor(processor);
+    }
+    let provider = provider.build();
+    opentelemetry::global::set_tracer_provider(provider.clone());
+    let tracer = provider.tracer(service);
+
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info,async_nats=warn,opentelemetry=warn"));
+    let json = std::env::var("ARL_LOG_FORMAT").is_ok_and(|f| f == "json");
+    let fmt = if json {
+        tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr).boxed()
+    } else {
+        tracing_subscriber::fmt::layer().with_target(false).with_writer(std::io::stderr).boxed()
+    };
+    let otel = tracing_opentelemetry::layer().with_tracer(tracer);
+    let installed = tracing_subscriber::registry().with(filter).with(fmt).with(otel).try_init();
+    if installed.is_ok() {
+        tracing::info!(service, otlp = endpoint.as_deref().unwrap_or("off"), "telemetry ready");
+    }
+    Ok(TelemetryGuard { provider })
+}
+
+/// Writes the current span's context into `traceparent` (and `tracestate`).
+pub fn inject_context(headers: &mut HeaderMap) {
+    let context = tracing::Span::current().context();
+    opentelemetry::global::get_text_map_propagator(|propagator| {
+        propagator.inject_context(&context, &mut HeaderInjector(headers));
+    });
+}
+
+/// Makes `span` a child of the trace named in the message's `traceparent`.
+pub fn set_parent_from_headers(span: &tracing::Span, headers: &HeaderMap) {
+    let parent = opentelemetry::global::get_text_map_propagator(|propagator| {
+        propagator.extract(&HeaderExtractor(headers))
+    });
+    if let Err(err) = span.set_parent(parent) {
+        tracing::debug!(%err, "span already started; trace parent not set");
+    }
+}
+
+/// The trace id of the current span, hex, if it has one. Handy in logs and tests.
+pub fn current_trace_id() -> Option<String> {
+    use opentelemetry::trace::TraceContextExt;
+    let context = tracing::Span::current().context();
+    let span_context = context.span().span_context().clone();
+    span_context.is_valid().then(|| span_context.trace_id().to_string())
+}

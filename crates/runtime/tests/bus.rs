@@ -1,0 +1,305 @@
+//! The bus runtime against a real `nats-server -js`.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use arl_runtime::bus::BusConfig;
+use arl_runtime::consumer::run_consumer;
+use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Metrics, Shutdown, headers};
+use arl_schemas::events::{Example, RunFailedV1, RunProgressV1};
+use arl_schemas::{Domain, Event, Namespace, RunId};
+use arl_testkit::{NatsServer, test_namespace, wait_for};
+use tokio::sync::mpsc;
+
+async fn connect(server: &NatsServer, namespace: &Namespace) -> Bus {
+    let bus = Bus::connect(BusConfig::new(server.url(), namespace.clone(), "test"), Metrics::new())
+        .await
+        .unwrap();
+    bus.provision().await.unwrap();
+    bus
+}
+
+fn progress(run: &str, sequence: u64) -> RunProgressV1 {
+    RunProgressV1 { run_id: RunId::new(run).unwrap(), sequence, ..RunProgressV1::example() }
+}
+
+fn fast_spec(namespace: &Namespace, durable: &str) -> ConsumerSpec {
+    let mut spec = ConsumerSpec::new(
+        Domain::Run,
+        durable,
+        vec![namespace.event_filter(Domain::Run, "progress")],
+    );
+    spec.retry_backoff = vec![Duration::from_millis(50)];
+    spec.max_deliver = 3;
+    spec
+}
+
+/// Runs a consumer that forwards each delivery to a channel and returns `result`.
+fn forward(
+    bus: &Bus,
+    spec: ConsumerSpec,
+    shutdown: &Shutdown,
+    result: impl Fn(&Delivery) -> Result<(), HandlerError> + Send + Sync + 'static,
+) -> mpsc::UnboundedReceiver<Delivery> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let result = Arc::new(result);
+    shutdown.spawn(run_consumer(
+        bus.clone(),
+        spec,
+        move |delivery: Delivery| {
+            let (tx, result) = (tx.clone(), result.clone());
+            async move {
+                let outcome = result(&delivery);
+                let _ = tx.send(delivery);
+                outcome
+            }
+        },
+        shutdown.clone(),
+    ));
+    rx
+}
+
+async fn next(rx: &mut mpsc::UnboundedReceiver<Delivery>) -> Delivery {
+    tokio::time::timeout(Duration::from_secs(20), rx.recv()).await.expect("a delivery").unwrap()
+}
+
+#[tokio::test]
+async fn typed_publish_carries_type_version_and_id_headers() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let shutdown = Shutdown::new();
+    let mut rx = forward(&bus, fast_spec(&ns, "reader"), &shutdown, |_| Ok(()));
+
+    let event = progress("run-a", 1);
+    let published = bus.publish(&event).await.unwrap();
+    assert_eq!(published.stream, ns.stream(Domain::Run));
+    assert!(!published.duplicate);
+
+    let delivery = next(&mut rx).await;
+    assert_eq!(delivery.subject, event.subject(&ns));
+    let headers = delivery.headers.as_ref().unwrap();
+    assert_eq!(headers.get(headers::EVENT_TYPE).unwrap().as_str(), "run.progress");
+    assert_eq!(headers.get(headers::EVENT_VERSION).unwrap().as_str(), "1");
+    assert_eq!(headers.get(headers::MSG_ID).unwrap().as_str(), event.message_id());
+    assert_eq!(delivery.decode::<RunProgressV1>().unwrap(), event);
+    let wrong = delivery.decode::<RunFailedV1>().unwrap_err();
+    assert!(wrong.to_string().contains("expected run.failed v1"), "{wrong}");
+    shutdown.trigger();
+    shutdown.wait().await;
+}
+
+#[tokio::test]
+async fn duplicate_message_ids_are_stored_once_and_handled_once() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let event = progress("run-dup", 4);
+    let first = bus.publish(&event).await.unwrap();
+    let second = bus.publish(&event).await.unwrap();
+    assert!(!first.duplicate);
+    assert!(second.duplicate);
+    assert_eq!(first.sequence, second.sequence);
+
+    let handled = Arc::new(AtomicU32::new(0));
+    let shutdown = Shutdown::new();
+    let counter = handled.clone();
+    let mut rx = forward(&bus, fast_spec(&ns, "dedupe"), &shutdown, move |_| {
+        counter.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    });
+    // A later, different event proves the consumer is past the duplicate.
+    bus.publish(&progress("run-dup", 5)).await.unwrap();
+    let sequences = [next(&mut rx).await, next(&mut rx).await]
+        .map(|d| d.decode::<RunProgressV1>().unwrap().sequence);
+    assert_eq!(sequences, [4, 5]);
+    assert_eq!(handled.load(Ordering::SeqCst), 2);
+    shutdown.trigger();
+    shutdown.wait().await;
+}
+
+#[tokio::test]
+async fn a_failing_handler_is_retried_then_succeeds() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let shutdown = Shutdown::new();
+    let mut rx = forward(&bus, fast_spec(&ns, "flaky"), &shutdown, |delivery| {
+        if delivery.attempt < 2 { Err(HandlerError::Retry("disk busy".into())) } else { Ok(()) }
+    });
+    bus.publish(&progress("run-r", 1)).await.unwrap();
+    assert_eq!(next(&mut rx).await.attempt, 1);
+    assert_eq!(next(&mut rx).await.attempt, 2);
+    // Acked on the second attempt: nothing more arrives, nothing is dead-lettered.
+    bus.publish(&progress("run-r", 2)).await.unwrap();
+    assert_eq!(next(&mut rx).await.decode::<RunProgressV1>().unwrap().sequence, 2);
+    let dlq = bus.jetstream().get_stream(ns.stream(Domain::DeadLetter)).await.unwrap();
+    assert_eq!(dlq.get_info().await.unwrap().state.messages, 0);
+    shutdown.trigger();
+    shutdown.wait().await;
+}
+
+#[tokio::test]
+async fn messages_are_dead_lettered_after_max_deliver_and_on_rejection() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let shutdown = Shutdown::new();
+    let mut rx = forward(&bus, fast_spec(&ns, "doomed"), &shutdown, |delivery| {
+        let event = delivery.decode::<RunProgressV1>().unwrap();
+        if event.sequence == 1 {
+            Err(HandlerError::Retry("always failing".into()))
+        } else {
+            Err(HandlerError::DeadLetter("can never work".into()))
+        }
+    });
+    bus.publish(&progress("run-d", 1)).await.unwrap();
+    for attempt in 1..=3 {
+        assert_eq!(next(&mut rx).await.attempt, attempt);
+    }
+    bus.publish(&progress("run-d", 2)).await.unwrap();
+    assert_eq!(next(&mut rx).await.attempt, 1);
+
+    let dlq_stream = ns.stream(Domain::DeadLetter);
+    let parked = wait_for("two dead letters", Duration::from_secs(10), || {
+        let js = bus.jetstream().clone();
+        let stream = dlq_stream.clone();
+        async move {
+            let info = js.get_stream(&stream).await.ok()?.get_info().await.ok()?;
+            (info.state.messages == 2).then_some(())
+        }
+    })
+    .await;
+    let () = parked;
+    let dlq = bus.jetstream().get_stream(&dlq_stream).await.unwrap();
+    let first = dlq.get_raw_message(1).await.unwrap();
+    let reason = first.headers.get(headers::DEAD_LETTER_REASON).unwrap().as_str().to_owned();
+    assert!(reason.contains("gave up after 3 deliveries: always failing"), "{reason}");
+    assert_eq!(
+        first.headers.get(headers::ORIGINAL_SUBJECT).unwrap().as_str(),
+        progress("run-d", 1).subject(&ns)
+    );
+    let second = dlq.get_raw_message(2).await.unwrap();
+    assert_eq!(second.headers.get(headers::DEAD_LETTER_REASON).unwrap().as_str(), "can never work");
+    // Terminated, not redelivered.
+    assert!(tokio::time::timeout(Duration::from_millis(500), rx.recv()).await.is_err());
+    shutdown.trigger();
+    shutdown.wait().await;
+}
+
+#[tokio::test]
+async fn nothing_published_before_a_server_restart_is_lost() {
+    let mut server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    for sequence in 1..=20 {
+        bus.publish(&progress("run-restart", sequence)).await.unwrap();
+    }
+    server.restart().unwrap();
+
+    // The same client reconnects by itself; a publish while it does is retried.
+    bus.publish(&progress("run-restart", 21)).await.unwrap();
+    let shutdown = Shutdown::new();
+    let mut rx = forward(&bus, fast_spec(&ns, "after-restart"), &shutdown, |_| Ok(()));
+    let mut seen = Vec::new();
+    while seen.len() < 21 {
+        seen.push(next(&mut rx).await.decode::<RunProgressV1>().unwrap().sequence);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, (1..=21).collect::<Vec<_>>());
+    shutdown.trigger();
+    shutdown.wait().await;
+}
+
+#[tokio::test]
+async fn a_consumer_resumes_after_the_server_restarts_under_it() {
+    let mut server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let shutdown = Shutdown::new();
+    let mut rx = forward(&bus, fast_spec(&ns, "survivor"), &shutdown, |_| Ok(()));
+    bus.publish(&progress("run-s", 1)).await.unwrap();
+    assert_eq!(next(&mut rx).await.decode::<RunProgressV1>().unwrap().sequence, 1);
+
+    server.restart().unwrap();
+    bus.publish(&progress("run-s", 2)).await.unwrap();
+    let delivery = next(&mut rx).await;
+    assert_eq!(delivery.decode::<RunProgressV1>().unwrap().sequence, 2);
+    shutdown.trigger();
+    shutdown.wait().await;
+}
+
+#[tokio::test]
+async fn health_and_metrics_are_served() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    bus.publish(&progress("run-m", 1)).await.unwrap();
+    let shutdown = Shutdown::new();
+    let router = arl_runtime::http::ops_router("test", bus.clone(), bus.metrics().clone());
+    let addr = arl_runtime::http::serve("127.0.0.1:0".parse().unwrap(), router, &shutdown)
+        .await
+        .unwrap();
+
+    let health = http_get(addr, "/health").await;
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    assert!(health.contains("\"nats\":\"connected\""), "{health}");
+    let metrics = http_get(addr, "/metrics").await;
+    assert!(metrics.contains("arl_events_published_total{event_type=\"run.progress\"} 1"), "{metrics}");
+    shutdown.trigger();
+    shutdown.wait().await;
+}
+
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    response
+}
+
+#[tokio::test]
+async fn a_consumer_does_not_exceed_its_concurrency() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    for sequence in 1..=12 {
+        bus.publish(&progress("run-c", sequence)).await.unwrap();
+    }
+    let in_flight = Arc::new(AtomicU32::new(0));
+    let peak = Arc::new(AtomicU32::new(0));
+    let done = Arc::new(AtomicU32::new(0));
+    let mut spec = fast_spec(&ns, "bounded");
+    spec.concurrency = 3;
+    let shutdown = Shutdown::new();
+    let (flight, top, finished) = (in_flight.clone(), peak.clone(), done.clone());
+    shutdown.spawn(run_consumer(
+        bus.clone(),
+        spec,
+        move |_delivery| {
+            let (flight, top, finished) = (flight.clone(), top.clone(), finished.clone());
+            async move {
+                let now = flight.fetch_add(1, Ordering::SeqCst) + 1;
+                top.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                flight.fetch_sub(1, Ordering::SeqCst);
+                finished.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }
+        },
+        shutdown.clone(),
+    ));
+    wait_for("12 handled", Duration::from_secs(20), || {
+        let done = done.clone();
+        async move { (done.load(Ordering::SeqCst) == 12).then_some(()) }
+    })
+    .await;
+    assert!(peak.load(Ordering::SeqCst) <= 3, "peak {}", peak.load(Ordering::SeqCst));
+    assert!(peak.load(Ordering::SeqCst) >= 2, "handlers never overlapped");
+    shutdown.trigger();
+    shutdown.wait().await;
+}
