@@ -62,7 +62,10 @@ pub fn all_events() -> Vec<EventEntry> {
 
 /// Other generated schemas: documents that are not events.
 pub fn other_schemas() -> Vec<(&'static str, Schema)> {
-    vec![("run-spec", schemars::schema_for!(crate::spec::RunSpec))]
+    vec![
+        ("run-spec", schemars::schema_for!(crate::spec::RunSpec)),
+        ("run-state.v1", schemars::schema_for!(crate::state::RunStateV1)),
+    ]
 }
 
 /// Decodes a run request field by field so that a bad spec yields every error with its

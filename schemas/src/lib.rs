@@ -10,6 +10,7 @@ pub mod events;
 pub mod ids;
 pub mod namespace;
 pub mod spec;
+pub mod state;
 
 pub use event::{DecodeError, Event, FieldError};
 pub use ids::{IdError, LeaseId, RunId, TaskId, TrialId};

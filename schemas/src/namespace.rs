@@ -172,6 +172,17 @@ impl Namespace {
         format!("{}.{}.{}.{}", self.subject_root(), Domain::DeadLetter.token(), stream, consumer)
     }
 
+    /// The run id token of an event subject of this namespace, if it is one.
+    pub fn run_token<'s>(&self, subject: &'s str) -> Option<&'s str> {
+        let root = self.subject_root();
+        let rest = subject.strip_prefix(root.as_str())?.strip_prefix('.')?;
+        let mut tokens = rest.split('.');
+        let _domain = tokens.next()?;
+        let run = tokens.next()?;
+        tokens.next()?;
+        Some(run)
+    }
+
     pub fn bucket(&self, bucket: Bucket) -> String {
         format!("{}{}", self.upper_prefix(), bucket.suffix())
     }
@@ -200,6 +211,9 @@ mod tests {
         assert_eq!(ns.event_subject(Domain::Trial, &run, "failed"), "t42.arl.trial.r.failed");
         assert_eq!(ns.stream(Domain::Trial), "T42_ARL_TRIALS");
         assert_eq!(ns.bucket(Bucket::RunState), "T42_ARL_RUN_STATE");
+        assert_eq!(ns.run_token("t42.arl.run.r-1.requested"), Some("r-1"));
+        assert_eq!(ns.run_token("arl.run.r-1.requested"), None);
+        assert_eq!(ns.run_token("t42.arl.run"), None);
     }
 
     #[test]

@@ -171,13 +171,16 @@ impl Bus {
         Ok(())
     }
 
-    /// The key-value store of a bucket (provisioned by [`Bus::provision`]).
+    /// The key-value store of a bucket (provisioned by [`Bus::provision`]). Waits for
+    /// JetStream if the server is still starting.
     pub async fn bucket(&self, bucket: Bucket) -> Result<kv::Store, BusError> {
         let name = self.namespace.bucket(bucket);
-        self.jetstream.get_key_value(name.clone()).await.map_err(|err| BusError::KeyValue {
-            bucket: name,
-            reason: format!("{err}; has a service provisioned the namespace?"),
-        })
+        retry_provision(&name, || self.jetstream.get_key_value(name.clone())).await.map_err(
+            |err| BusError::KeyValue {
+                bucket: name.clone(),
+                reason: format!("{err}; has a service provisioned the namespace?"),
+            },
+        )
     }
 
     /// Publishes a typed event and waits until JetStream has stored it.
@@ -193,6 +196,49 @@ impl Bus {
         let published = self.publish_bytes(event.subject(&self.namespace), headers, body.into()).await?;
         self.metrics.events_published.get_or_create(&EventTypeLabel { event_type: E::TYPE }).inc();
         Ok(published)
+    }
+
+    /// Reads every stored event of type `E` on subjects matching `filter` in `domain`'s
+    /// stream, oldest first. Events that do not decode are skipped with a warning. For
+    /// status views and tests; services consume with [`crate::consumer::run_consumer`].
+    pub async fn replay<E: Event>(&self, domain: Domain, filter: String) -> Result<Vec<E>, BusError> {
+        use async_nats::jetstream::consumer::{self, pull};
+        use futures::StreamExt;
+        let fail = |reason: String| BusError::Provision { what: format!("replay of {filter}"), reason };
+        let config = pull::Config {
+            filter_subject: filter.clone(),
+            ack_policy: consumer::AckPolicy::None,
+            deliver_policy: consumer::DeliverPolicy::All,
+            inactive_threshold: Duration::from_secs(30),
+            ..Default::default()
+        };
+        let consumer: consumer::Consumer<pull::Config> = self
+            .jetstream
+            .create_consumer_on_stream(config, self.namespace.stream(domain))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let mut events = Vec::new();
+        loop {
+            let mut batch = consumer
+                .fetch()
+                .max_messages(512)
+                .expires(Duration::from_millis(250))
+                .messages()
+                .await
+                .map_err(|e| fail(e.to_string()))?;
+            let mut received = 0;
+            while let Some(message) = batch.next().await {
+                let message = message.map_err(|e| fail(e.to_string()))?;
+                received += 1;
+                match E::decode(&message.payload) {
+                    Ok(event) => events.push(event),
+                    Err(err) => tracing::warn!(subject = %message.subject, %err, "skipping undecodable event"),
+                }
+            }
+            if received == 0 {
+                return Ok(events);
+            }
+        }
     }
 
     /// Publishes raw bytes with the given headers, retrying until stored. For events use

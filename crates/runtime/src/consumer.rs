@@ -41,6 +41,9 @@ pub struct ConsumerSpec {
     /// Delay before redelivery after the n-th failure (the last entry repeats).
     pub retry_backoff: Vec<Duration>,
     pub concurrency: usize,
+    /// Set to 1 for strictly ordered delivery: the server hands out the next message only
+    /// after the current one is acked (a nak'd message comes back before later ones).
+    pub max_ack_pending: Option<i64>,
 }
 
 impl ConsumerSpec {
@@ -57,7 +60,15 @@ impl ConsumerSpec {
                 Duration::from_secs(5),
             ],
             concurrency: 16,
+            max_ack_pending: None,
         }
+    }
+
+    /// One message at a time, in stream order — for handlers that fold events into state.
+    pub fn ordered(mut self) -> Self {
+        self.concurrency = 1;
+        self.max_ack_pending = Some(1);
+        self
     }
 
     fn retry_delay(&self, attempt: i64) -> Duration {
@@ -201,6 +212,7 @@ async fn subscribe(
         ack_wait: spec.ack_wait,
         max_deliver: spec.max_deliver,
         deliver_policy: consumer::DeliverPolicy::All,
+        max_ack_pending: spec.max_ack_pending.unwrap_or(1000),
         ..Default::default()
     };
     let consumer: jetstream::consumer::Consumer<pull::Config> =

@@ -25,42 +25,56 @@ pub enum TelemetryError {
     Exporter { endpoint: String, reason: String },
 }
 
-/// Flushes and stops trace export when dropped: keep it alive until the very end of
-/// `main`, after every other task has finished.
+/// Owns trace export. Call [`TelemetryGuard::shutdown`] at the very end of `main`, after
+/// every other task has finished, so the last spans are flushed.
 #[derive(Debug)]
 pub struct TelemetryGuard {
     provider: SdkTracerProvider,
 }
 
 impl TelemetryGuard {
-    /// Flushes spans still buffered. Called by drop as well.
-    pub fn flush(&self) {
-        if let Err(err) = self.provider.force_flush() {
+    /// Exports every span still buffered.
+    pub async fn flush(&self) {
+        let provider = self.provider.clone();
+        // The SDK blocks the calling thread while the export runs on the runtime; do that
+        // on a blocking thread so a current-thread runtime keeps turning.
+        let flushed = tokio::task::spawn_blocking(move || provider.force_flush()).await;
+        if let Ok(Err(err)) = flushed {
             eprintln!("telemetry: flushing spans failed: {err}");
         }
     }
-}
 
-impl Drop for TelemetryGuard {
-    fn drop(&mut self) {
-        self.flush();
-        let _ = self.provider.shutdown();
+    /// Flushes and stops export.
+    pub async fn shutdown(self) {
+        self.flush().await;
+        let provider = self.provider;
+        let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
     }
 }
 
-/// Installs the global subscriber and propagator. Must run inside a tokio runtime. A
-/// second call in one process (tests) keeps the first subscriber.
-pub fn init(service: &'static str) -> Result<TelemetryGuard, TelemetryError> {
+/// `OTEL_EXPORTER_OTLP_ENDPOINT`, the OTLP/HTTP base URL (e.g. `http://jaeger:4318`).
+pub fn otlp_endpoint_from_env() -> Option<String> {
+    std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").ok().filter(|e| !e.is_empty())
+}
+
+/// Installs the global subscriber and propagator, exporting spans to `otlp_endpoint` (an
+/// OTLP/HTTP base URL) when given. Must run inside a tokio runtime. A second call in one
+/// process (tests) keeps the first subscriber.
+pub fn init(
+    service: &'static str,
+    otlp_endpoint: Option<String>,
+) -> Result<TelemetryGuard, TelemetryError> {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
 
     let resource = Resource::builder().with_service_name(service).build();
     let mut provider = SdkTracerProvider::builder().with_resource(resource);
-    let endpoint = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").ok().filter(|e| !e.is_empty());
+    let endpoint = otlp_endpoint;
     if let Some(endpoint) = &endpoint {
-        // The endpoint (and `/v1/traces`) is read from the standard environment variables.
+        let traces_url = format!("{}/v1/traces", endpoint.trim_end_matches('/'));
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .with_protocol(Protocol::HttpBinary)
+            .with_endpoint(traces_url)
             .build()
             .map_err(|err| TelemetryError::Exporter {
                 endpoint: endpoint.clone(),

@@ -1,1 +1,16 @@
+//! The controller owns a run's life from the run request to completion.
+//!
+//! - [`admission`] decides whether a run request is accepted: the request must decode,
+//!   every field must be in range, and the model and dataset must be reachable here.
+//! - [`progress`] folds the pipeline's events (train steps, evaluations, trials, weights,
+//!   failures) into the run's state, and says when the run is complete.
+//! - [`store`] keeps each run's state in the `ARL_RUN_STATE` key-value bucket, with
+//!   compare-and-set writes, so a restarted controller carries on where it stopped.
+//! - [`service`] wires these to the bus.
 
+pub mod admission;
+pub mod progress;
+pub mod service;
+pub mod store;
+
+pub use service::{Controller, ControllerConfig};

@@ -1,0 +1,128 @@
+//! The controller's record of one run, kept in the `ARL_RUN_STATE` key-value bucket under
+//! the run id. The CLI reads it for `arl run status`, `list` and `watch`.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::events::{FailureCounts, RunPhase};
+use crate::spec::RunSpec;
+use crate::{FieldError, RunId};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    Accepted,
+    Rejected,
+    Running,
+    Completed,
+    Failed,
+}
+
+impl RunStatus {
+    /// True once nothing more will happen to the run.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, RunStatus::Rejected | RunStatus::Completed | RunStatus::Failed)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Accepted => "accepted",
+            RunStatus::Rejected => "rejected",
+            RunStatus::Running => "running",
+            RunStatus::Completed => "completed",
+            RunStatus::Failed => "failed",
+        }
+    }
+}
+
+/// One evaluation's headline numbers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct EvaluationSummary {
+    pub step: u32,
+    pub resolution_rate: f64,
+    pub ci95_low: f64,
+    pub ci95_high: f64,
+    /// pass@k by k.
+    pub pass_at_k: BTreeMap<u32, f64>,
+}
+
+/// One training step's headline numbers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct StepSummary {
+    pub step: u32,
+    pub policy_version: u64,
+    pub reward_mean: f64,
+    pub pg_loss: f64,
+    pub grad_norm: f64,
+    pub seconds: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct RunStateV1 {
+    pub run_id: RunId,
+    pub name: String,
+    pub status: RunStatus,
+    pub phase: RunPhase,
+    pub submitted_by: String,
+    pub submitted_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    /// The accepted spec; absent when the request could not be decoded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec: Option<RunSpec>,
+    /// The model file or folder the spec resolved to on the controller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_path: Option<String>,
+    /// The dataset file or folder the spec resolved to on the controller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dataset_path: Option<String>,
+    /// Why the run was rejected.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<FieldError>,
+    pub total_steps: u32,
+    /// Steps committed by the trainer.
+    pub step: u32,
+    pub policy_version: u64,
+    pub trials_finished: u64,
+    pub failures: FailureCounts,
+    #[serde(default)]
+    pub steps: Vec<StepSummary>,
+    #[serde(default)]
+    pub evaluations: Vec<EvaluationSummary>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_uri: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_reason: Option<String>,
+    /// Sequence of the last progress event published for the run.
+    pub progress_sequence: u64,
+    /// Per stream, the last stream sequence folded into this state: a redelivered event
+    /// at or below it is not applied again.
+    #[serde(default)]
+    pub applied: BTreeMap<String, u64>,
+}
+
+impl RunStateV1 {
+    /// Share of the run done, 0–100: training steps, with the final evaluation as the
+    /// last part.
+    pub fn percent(&self) -> f32 {
+        if self.status == RunStatus::Completed {
+            return 100.0;
+        }
+        if self.total_steps == 0 {
+            return 0.0;
+        }
+        let done = f64::from(self.step.min(self.total_steps)) / f64::from(self.total_steps);
+        // The last 5% is the final evaluation.
+        (done * 95.0) as f32
+    }
+
+    pub fn encode(&self) -> Result<Vec<u8>, serde_json::Error> {
+        serde_json::to_vec(self)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(bytes)
+    }
+}

@@ -1,0 +1,295 @@
+//! The controller's consumers: admission of run requests, and the ordered folds of the
+//! pipeline's events into run state.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use arl_runtime::consumer::run_consumer;
+use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
+use arl_schemas::events::{
+    EvaluationCompletedV1, RunAcceptedV1, RunFailedV1, RunPhase, RunRejectedV1, TrainStepV1,
+    TrialFailedV1, TrialFinishedV1, WeightsPublishedV1,
+};
+use arl_schemas::state::{RunStateV1, RunStatus};
+use arl_schemas::{Domain, Event, RunId};
+use chrono::Utc;
+
+use crate::admission::{Admission, admit};
+use crate::progress;
+use crate::store::{RunStore, StoreError};
+
+/// The durable consumer names of the controller.
+const ADMISSION: &str = "controller-admission";
+const FOLD: &str = "controller";
+
+#[derive(Clone, Debug)]
+pub struct ControllerConfig {
+    /// Where installed models are looked up by name.
+    pub model_dir: PathBuf,
+    /// Run requests admitted at once.
+    pub admission_concurrency: usize,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        Self { model_dir: arl_schemas::spec::default_model_dir(), admission_concurrency: 8 }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Controller {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    bus: Bus,
+    store: RunStore,
+    config: ControllerConfig,
+}
+
+impl From<StoreError> for ControllerError {
+    fn from(err: StoreError) -> Self {
+        ControllerError::Store(err)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error(transparent)]
+    Store(StoreError),
+}
+
+fn retry(err: StoreError) -> HandlerError {
+    HandlerError::Retry(err.to_string())
+}
+
+impl Controller {
+    /// Needs a provisioned namespace (`Bus::provision`).
+    pub async fn new(bus: Bus, config: ControllerConfig) -> Result<Self, ControllerError> {
+        let store = RunStore::open(&bus).await?;
+        Ok(Self { inner: Arc::new(Inner { bus, store, config }) })
+    }
+
+    /// Starts every consumer on tasks tracked by `shutdown`, and returns.
+    pub fn start(&self, shutdown: &Shutdown) {
+        let ns = self.inner.bus.namespace().clone();
+        let mut admission = ConsumerSpec::new(
+            Domain::Run,
+            ADMISSION,
+            vec![ns.event_filter(Domain::Run, "requested")],
+        );
+        admission.concurrency = self.inner.config.admission_concurrency;
+        self.consume(shutdown, admission, |c, d| async move { c.on_run_requested(&d).await });
+
+        self.fold::<TrainStepV1>(shutdown, Domain::Train, "step", |state, event| {
+            progress::apply_train_step(state, event);
+        });
+        self.fold::<EvaluationCompletedV1>(shutdown, Domain::Eval, "completed", |state, event| {
+            progress::apply_evaluation(state, event);
+        });
+        self.fold::<WeightsPublishedV1>(shutdown, Domain::Weights, "published", |state, event| {
+            progress::apply_weights(state, event);
+        });
+        self.fold::<RunFailedV1>(shutdown, Domain::Run, "failed", |state, event| {
+            progress::apply_run_failed(state, event);
+        });
+        // Trial outcomes share one ordered consumer so their counts stay exact.
+        let trials = ConsumerSpec::new(
+            Domain::Trial,
+            FOLD,
+            vec![ns.event_filter(Domain::Trial, "finished"), ns.event_filter(Domain::Trial, "failed")],
+        )
+        .ordered();
+        self.consume(shutdown, trials, |c, d| async move { c.on_trial_outcome(&d).await });
+    }
+
+    fn consume<F, Fut>(&self, shutdown: &Shutdown, spec: ConsumerSpec, handler: F)
+    where
+        F: Fn(Controller, Delivery) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<(), HandlerError>> + Send + 'static,
+    {
+        let controller = self.clone();
+        shutdown.spawn(run_consumer(
+            self.inner.bus.clone(),
+            spec,
+            move |delivery| handler(controller.clone(), delivery),
+            shutdown.clone(),
+        ));
+    }
+
+    /// An ordered consumer that applies events of type `E` to their run's state.
+    fn fold<E: Event>(
+        &self,
+        shutdown: &Shutdown,
+        domain: Domain,
+        event: &str,
+        apply: fn(&mut RunStateV1, &E),
+    ) {
+        let ns = self.inner.bus.namespace();
+        let durable = if domain == Domain::Run { format!("{FOLD}-{event}") } else { FOLD.into() };
+        let spec = ConsumerSpec::new(domain, durable, vec![ns.event_filter(domain, event)]).ordered();
+        self.consume(shutdown, spec, move |controller, delivery| async move {
+            let event: E = delivery.decode().map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+            let run_id = run_of(&controller, &delivery)?;
+            controller.apply(&delivery, domain, &run_id, |state| apply(state, &event)).await
+        });
+    }
+
+    async fn on_trial_outcome(&self, delivery: &Delivery) -> Result<(), HandlerError> {
+        let run_id = run_of(self, delivery)?;
+        let dead = |e: arl_schemas::DecodeError| HandlerError::DeadLetter(e.to_string());
+        match delivery.event_type().as_deref() {
+            Some(TrialFinishedV1::TYPE) => {
+                delivery.decode::<TrialFinishedV1>().map_err(dead)?;
+                self.apply(delivery, Domain::Trial, &run_id, progress::apply_trial_finished).await
+            }
+            Some(TrialFailedV1::TYPE) => {
+                let event = delivery.decode::<TrialFailedV1>().map_err(dead)?;
+                self.apply(delivery, Domain::Trial, &run_id, |state| {
+                    progress::apply_trial_failed(state, event.class);
+                })
+                .await
+            }
+            other => Err(HandlerError::DeadLetter(format!(
+                "expected a trial.finished or trial.failed event, got {other:?}"
+            ))),
+        }
+    }
+
+    /// Applies one event to a run's state exactly once, then (re-)announces the state.
+    async fn apply(
+        &self,
+        delivery: &Delivery,
+        domain: Domain,
+        run_id: &RunId,
+        apply: impl Fn(&mut RunStateV1),
+    ) -> Result<(), HandlerError> {
+        let stream = domain.token();
+        let updated = self
+            .inner
+            .store
+            .modify(run_id, |state| {
+                if !progress::first_time(state, stream, delivery.stream_sequence) {
+                    return false;
+                }
+                // Late events (a trial that finished after the final evaluation) still
+                // count; only the status is final.
+                apply(state);
+                progress::complete_if_done(state);
+                state.progress_sequence += 1;
+                true
+            })
+            .await
+            .map_err(retry)?;
+        let Some(state) = updated else {
+            return Err(HandlerError::DeadLetter(format!("run {run_id} is unknown to the controller")));
+        };
+        // Publishing again after a redelivery is harmless: the message ids de-duplicate.
+        self.announce(&state).await
+    }
+
+    async fn announce(&self, state: &RunStateV1) -> Result<(), HandlerError> {
+        let bus = &self.inner.bus;
+        bus.publish(&progress::progress_event(state)).await?;
+        if state.status == RunStatus::Completed {
+            bus.publish(&progress::completed_event(state)).await?;
+        }
+        Ok(())
+    }
+
+    async fn on_run_requested(&self, delivery: &Delivery) -> Result<(), HandlerError> {
+        let ns = self.inner.bus.namespace();
+        let admission = admit(
+            &delivery.subject,
+            ns.run_token(&delivery.subject),
+            &delivery.payload,
+            &self.inner.config.model_dir,
+        )
+        .map_err(|err| HandlerError::DeadLetter(err.to_string()))?;
+        let fresh = initial_state(admission);
+        // The first decision stands: a redelivered (or re-submitted) request only
+        // re-announces it.
+        let created = self.inner.store.create(&fresh).await.map_err(retry)?;
+        let state = match created {
+            Some(_) => fresh,
+            None => {
+                let stored = self.inner.store.get(&fresh.run_id).await.map_err(retry)?;
+                match stored {
+                    Some(stored) => stored.state,
+                    None => return Err(HandlerError::Retry("run state vanished".into())),
+                }
+            }
+        };
+        match state.status {
+            RunStatus::Rejected => {
+                tracing::info!(run = %state.run_id, errors = state.errors.len(), "run rejected");
+                self.inner
+                    .bus
+                    .publish(&RunRejectedV1 {
+                        run_id: state.run_id.clone(),
+                        rejected_at: state.submitted_at.max(state.updated_at),
+                        errors: state.errors.clone(),
+                    })
+                    .await?;
+            }
+            _ => {
+                tracing::info!(run = %state.run_id, "run accepted");
+                self.inner
+                    .bus
+                    .publish(&RunAcceptedV1 {
+                        run_id: state.run_id.clone(),
+                        accepted_at: state.updated_at,
+                        total_steps: state.total_steps,
+                        model_path: state.model_path.clone().unwrap_or_default(),
+                        dataset_path: state.dataset_path.clone().unwrap_or_default(),
+                    })
+                    .await?;
+                self.announce(&state).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn run_of(controller: &Controller, delivery: &Delivery) -> Result<RunId, HandlerError> {
+    let token = controller.inner.bus.namespace().run_token(&delivery.subject);
+    token
+        .and_then(|t| RunId::new(t).ok())
+        .ok_or_else(|| HandlerError::DeadLetter(format!("no run id in subject {}", delivery.subject)))
+}
+
+fn initial_state(admission: Admission) -> RunStateV1 {
+    let now = Utc::now();
+    let (run_id, request, errors, resources) = match admission {
+        Admission::Accept { request, resources } => {
+            (request.run_id.clone(), Some(request), vec![], Some(resources))
+        }
+        Admission::Reject { run_id, request, errors } => (run_id, request, errors, None),
+    };
+    let status = if resources.is_some() { RunStatus::Accepted } else { RunStatus::Rejected };
+    RunStateV1 {
+        run_id,
+        name: request.as_ref().map(|r| r.spec.name.clone()).unwrap_or_default(),
+        status,
+        phase: RunPhase::Preparing,
+        submitted_by: request.as_ref().map(|r| r.submitted_by.clone()).unwrap_or_default(),
+        submitted_at: request.as_ref().map_or(now, |r| r.submitted_at),
+        updated_at: now,
+        total_steps: request.as_ref().map_or(0, |r| r.spec.trainer.total_steps),
+        spec: request.map(|r| r.spec),
+        model_path: resources.as_ref().map(|r| r.model_path.display().to_string()),
+        dataset_path: resources.as_ref().map(|r| r.dataset_path.display().to_string()),
+        errors,
+        step: 0,
+        policy_version: 0,
+        trials_finished: 0,
+        failures: Default::default(),
+        steps: vec![],
+        evaluations: vec![],
+        checkpoint_uri: None,
+        failure_reason: None,
+        progress_sequence: 1,
+        applied: Default::default(),
+    }
+}
