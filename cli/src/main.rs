@@ -1,1 +1,26 @@
-fn main() {}
+//! `arl`: the command line of ARL.
+//!
+//! Exit codes: 0 success; 1 the run was rejected or failed; 2 bad usage or an invalid
+//! spec; 3 the bus could not be reached or refused; 4 no such run; 5 timed out waiting.
+
+mod cli;
+mod run;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    let outcome = match cli.command {
+        cli::Command::Run(command) => run::execute(&cli.bus, command).await,
+    };
+    match outcome {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err}");
+            err.exit_code()
+        }
+    }
+}

@@ -1,0 +1,68 @@
+//! The command-line grammar of `arl` (clap definitions only).
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "arl", version, about = "Train LLM agents with RL on real, sandboxed tasks")]
+pub struct Cli {
+    #[command(flatten)]
+    pub bus: BusArgs,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Args)]
+pub struct BusArgs {
+    /// NATS server of the ARL deployment.
+    #[arg(long, global = true, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+
+    /// Namespace prefix of the deployment (empty for none).
+    #[arg(long, global = true, env = "ARL_PREFIX", default_value = "")]
+    pub prefix: String,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Submit, inspect and follow training runs.
+    #[command(subcommand)]
+    Run(RunCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RunCommand {
+    /// Validate a run spec (TOML or JSON) and submit it; prints the run id.
+    Submit {
+        /// The run spec file.
+        spec: PathBuf,
+        /// Skip the checks that the model and dataset exist on this machine (when the
+        /// controller runs elsewhere and sees other files).
+        #[arg(long)]
+        skip_resource_check: bool,
+        /// Wait until the controller has accepted or rejected the run.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Show a run's state.
+    Status {
+        run_id: String,
+        /// Print the state as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Follow a run with a live progress bar until it ends.
+    Watch {
+        run_id: String,
+        /// Give up after this many seconds (0 = never).
+        #[arg(long, default_value_t = 0)]
+        timeout_s: u64,
+    },
+    /// List every run of the deployment.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+}

@@ -1,0 +1,359 @@
+//! `arl run …`: submit a spec, read and follow a run's state from the controller's bucket.
+
+use std::io::IsTerminal;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, Metrics};
+use arl_schemas::events::RunRequestedV1;
+use arl_schemas::spec::{RunSpec, default_model_dir};
+use arl_schemas::state::{RunStateV1, RunStatus};
+use arl_schemas::{Bucket, FieldError, Namespace, RunId};
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+
+use crate::cli::{BusArgs, RunCommand};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("{path}: invalid run spec:\n{}", list(errors))]
+    InvalidSpec { path: String, errors: Vec<FieldError> },
+    #[error("cannot read {path}: {reason}")]
+    Unreadable { path: String, reason: String },
+    #[error("{0}")]
+    Usage(String),
+    #[error("{0}")]
+    Bus(String),
+    #[error("no run {0} in this deployment; `arl run list` shows the runs there are")]
+    NotFound(String),
+    #[error("gave up waiting for run {0}")]
+    TimedOut(String),
+}
+
+impl CliError {
+    pub fn exit_code(&self) -> ExitCode {
+        ExitCode::from(match self {
+            CliError::InvalidSpec { .. } | CliError::Unreadable { .. } | CliError::Usage(_) => 2,
+            CliError::Bus(_) => 3,
+            CliError::NotFound(_) => 4,
+            CliError::TimedOut(_) => 5,
+        })
+    }
+}
+
+impl From<arl_runtime::BusError> for CliError {
+    fn from(err: arl_runtime::BusError) -> Self {
+        CliError::Bus(err.to_string())
+    }
+}
+
+fn list(errors: &[FieldError]) -> String {
+    errors.iter().map(|e| format!("  - {e}")).collect::<Vec<_>>().join("\n")
+}
+
+pub async fn execute(args: &BusArgs, command: RunCommand) -> Result<ExitCode, CliError> {
+    match command {
+        RunCommand::Submit { spec, skip_resource_check, wait } => {
+            submit(args, &spec, skip_resource_check, wait).await
+        }
+        RunCommand::Status { run_id, json } => status(args, &run_id, json).await,
+        RunCommand::Watch { run_id, timeout_s } => watch(args, &run_id, timeout_s).await,
+        RunCommand::List { json } => list_runs(args, json).await,
+    }
+}
+
+async fn connect(args: &BusArgs) -> Result<Bus, CliError> {
+    let namespace =
+        Namespace::from_option(Some(args.prefix.as_str())).map_err(|e| CliError::Usage(e.to_string()))?;
+    let mut config = BusConfig::new(&args.nats_url, namespace, "arl-cli");
+    config.wait_for_server = false;
+    config.publish_timeout = Duration::from_secs(15);
+    let bus = Bus::connect(config, Metrics::new()).await?;
+    Ok(bus)
+}
+
+/// Reads, decodes and checks a spec file; relative paths become relative to its folder.
+pub fn load_spec(path: &Path, check_resources: bool) -> Result<RunSpec, CliError> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path)
+        .map_err(|err| CliError::Unreadable { path: shown.clone(), reason: err.to_string() })?;
+    let is_json = path.extension().is_some_and(|e| e == "json");
+    let parsed = if is_json {
+        serde_json::from_str(&text)
+            .map_err(|err| vec![FieldError::new("", format!("not valid JSON: {err}"))])
+            .and_then(RunSpec::from_json_value)
+    } else {
+        RunSpec::from_toml(&text)
+    };
+    let mut spec = parsed.map_err(|errors| CliError::InvalidSpec { path: shown.clone(), errors })?;
+    let base = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let base = std::fs::canonicalize(base).unwrap_or_else(|_| base.to_path_buf());
+    spec.resolve_relative_paths(&base);
+    let mut errors = spec.check();
+    if check_resources && errors.is_empty() {
+        if let Err(resource_errors) = spec.check_resources(&default_model_dir()) {
+            errors.extend(resource_errors);
+        }
+    }
+    if !errors.is_empty() {
+        return Err(CliError::InvalidSpec { path: shown, errors });
+    }
+    Ok(spec)
+}
+
+async fn submit(
+    args: &BusArgs,
+    path: &Path,
+    skip_resource_check: bool,
+    wait: bool,
+) -> Result<ExitCode, CliError> {
+    let spec = load_spec(path, !skip_resource_check)?;
+    let bus = connect(args).await?;
+    // Idempotent; lets a first submit work before any service has started.
+    bus.provision().await?;
+    let request = RunRequestedV1 {
+        run_id: RunId::generate(),
+        spec,
+        submitted_at: chrono::Utc::now(),
+        submitted_by: submitter(),
+    };
+    bus.publish(&request).await?;
+    println!("{}", request.run_id);
+    if !wait {
+        return Ok(ExitCode::SUCCESS);
+    }
+    // The controller writes the state only once it has decided.
+    let state = follow(&bus, &request.run_id, Duration::from_secs(120), |_| true).await?;
+    eprintln!("{}", render_status(&state));
+    Ok(if state.status == RunStatus::Rejected { ExitCode::from(1) } else { ExitCode::SUCCESS })
+}
+
+fn submitter() -> String {
+    let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+    let host = std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "localhost".into());
+    format!("{user}@{host}")
+}
+
+fn parse_run_id(run_id: &str) -> Result<RunId, CliError> {
+    RunId::new(run_id).map_err(|e| CliError::Usage(e.to_string()))
+}
+
+async fn read_state(bus: &Bus, run_id: &RunId) -> Result<Option<RunStateV1>, CliError> {
+    let store = bus.bucket(Bucket::RunState).await?;
+    let bytes = store
+        .get(run_id.as_str())
+        .await
+        .map_err(|e| CliError::Bus(format!("reading run {run_id}: {e}")))?;
+    bytes
+        .map(|b| RunStateV1::decode(&b))
+        .transpose()
+        .map_err(|e| CliError::Bus(format!("the state of run {run_id} is unreadable: {e}")))
+}
+
+async fn status(args: &BusArgs, run_id: &str, json: bool) -> Result<ExitCode, CliError> {
+    let run_id = parse_run_id(run_id)?;
+    let bus = connect(args).await?;
+    let state = read_state(&bus, &run_id).await?.ok_or_else(|| CliError::NotFound(run_id.to_string()))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&state).unwrap_or_default());
+    } else {
+        println!("{}", render_status(&state));
+    }
+    Ok(exit_for(&state))
+}
+
+fn exit_for(state: &RunStateV1) -> ExitCode {
+    match state.status {
+        RunStatus::Rejected | RunStatus::Failed => ExitCode::from(1),
+        _ => ExitCode::SUCCESS,
+    }
+}
+
+/// Waits on the run's key until `done` holds, or `limit` passes.
+async fn follow(
+    bus: &Bus,
+    run_id: &RunId,
+    limit: Duration,
+    mut on_update: impl FnMut(&RunStateV1) -> bool,
+) -> Result<RunStateV1, CliError> {
+    let store = bus.bucket(Bucket::RunState).await?;
+    let mut updates = store
+        .watch_with_history(run_id.as_str())
+        .await
+        .map_err(|e| CliError::Bus(format!("watching run {run_id}: {e}")))?;
+    let deadline = (!limit.is_zero()).then(|| tokio::time::Instant::now() + limit);
+    loop {
+        let next = match deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, updates.next())
+                .await
+                .map_err(|_| CliError::TimedOut(run_id.to_string()))?,
+            None => updates.next().await,
+        };
+        let entry = match next {
+            Some(Ok(entry)) => entry,
+            Some(Err(err)) => return Err(CliError::Bus(format!("watching run {run_id}: {err}"))),
+            None => return Err(CliError::Bus("the watch ended".into())),
+        };
+        if entry.operation != kv::Operation::Put {
+            continue;
+        }
+        let state = RunStateV1::decode(&entry.value)
+            .map_err(|e| CliError::Bus(format!("the state of run {run_id} is unreadable: {e}")))?;
+        if on_update(&state) {
+            return Ok(state);
+        }
+    }
+}
+
+async fn watch(args: &BusArgs, run_id: &str, timeout_s: u64) -> Result<ExitCode, CliError> {
+    let run_id = parse_run_id(run_id)?;
+    let bus = connect(args).await?;
+    let interactive = std::io::stderr().is_terminal();
+    let bar = indicatif::ProgressBar::new(100);
+    if interactive {
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{prefix} [{bar:40}] {pos:>3}% {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        bar.set_prefix(run_id.to_string());
+        bar.set_message("waiting for the controller");
+    } else {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let mut last_line = String::new();
+    let state = follow(&bus, &run_id, Duration::from_secs(timeout_s), |state| {
+        let line = progress_line(state);
+        bar.set_position(u64::from(state.percent().round() as u8));
+        bar.set_message(line.clone());
+        if !interactive && line != last_line {
+            eprintln!("{:>3}% {line}", state.percent().round());
+            last_line = line;
+        }
+        state.status.is_terminal()
+    })
+    .await;
+    bar.finish_and_clear();
+    let state = state?;
+    println!("{}", render_status(&state));
+    Ok(exit_for(&state))
+}
+
+fn progress_line(state: &RunStateV1) -> String {
+    let phase = serde_json::to_value(state.phase)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default();
+    format!(
+        "{} ({phase}) step {}/{} · trials {} finished, {} failed",
+        state.status.as_str(),
+        state.step,
+        state.total_steps,
+        state.trials_finished,
+        state.failures.total()
+    )
+}
+
+async fn list_runs(args: &BusArgs, json: bool) -> Result<ExitCode, CliError> {
+    let bus = connect(args).await?;
+    let store = bus.bucket(Bucket::RunState).await?;
+    let mut keys = match store.keys().await {
+        Ok(keys) => keys,
+        Err(err) => return Err(CliError::Bus(format!("listing runs: {err}"))),
+    };
+    let mut states = Vec::new();
+    while let Some(key) = keys.next().await {
+        let key = key.map_err(|e| CliError::Bus(format!("listing runs: {e}")))?;
+        let Ok(run_id) = RunId::new(key) else { continue };
+        if let Some(state) = read_state(&bus, &run_id).await? {
+            states.push(state);
+        }
+    }
+    states.sort_by_key(|s| s.submitted_at);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&states).unwrap_or_default());
+        return Ok(ExitCode::SUCCESS);
+    }
+    if states.is_empty() {
+        println!("no runs yet; submit one with `arl run submit SPEC`");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("{:<38} {:<10} {:>7} {:<20} SUBMITTED", "RUN", "STATUS", "STEP", "NAME");
+    for s in &states {
+        println!(
+            "{:<38} {:<10} {:>7} {:<20} {}",
+            s.run_id,
+            s.status.as_str(),
+            format!("{}/{}", s.step, s.total_steps),
+            s.name,
+            s.submitted_at.format("%Y-%m-%d %H:%M:%S")
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The human view of a run's state.
+pub fn render_status(state: &RunStateV1) -> String {
+    let mut out = vec![
+        format!("run         {}", state.run_id),
+        format!("name        {}", state.name),
+        format!("status      {}", progress_line(state)),
+        format!("progress    {:.0}%", state.percent()),
+        format!(
+            "submitted   {} by {}",
+            state.submitted_at.format("%Y-%m-%d %H:%M:%S UTC"),
+            state.submitted_by
+        ),
+    ];
+    if let Some(model) = &state.model_path {
+        out.push(format!("model       {model}"));
+    }
+    if let Some(dataset) = &state.dataset_path {
+        out.push(format!("dataset     {dataset}"));
+    }
+    if let Some(uri) = &state.checkpoint_uri {
+        out.push(format!("checkpoint  {uri}"));
+    }
+    if let Some(reason) = &state.failure_reason {
+        out.push(format!("failure     {reason}"));
+    }
+    if !state.errors.is_empty() {
+        out.push("errors:".into());
+        out.extend(state.errors.iter().map(|e| format!("  - {e}")));
+    }
+    if state.failures.total() > 0 {
+        let f = &state.failures;
+        out.push(format!(
+            "failures    infrastructure {} · agent_error {} · timeout {} · context_overflow {} · grading_error {}",
+            f.infrastructure, f.agent_error, f.timeout, f.context_overflow, f.grading_error
+        ));
+    }
+    if !state.steps.is_empty() {
+        out.push("steps:       step  policy  reward_mean   pg_loss  grad_norm  seconds".into());
+        for s in &state.steps {
+            out.push(format!(
+                "             {:>4}  {:>6}  {:>11.4}  {:>8.4}  {:>9.4}  {:>7.1}",
+                s.step, s.policy_version, s.reward_mean, s.pg_loss, s.grad_norm, s.seconds
+            ));
+        }
+    }
+    if !state.evaluations.is_empty() {
+        out.push("evaluations: step  resolved  95% CI            pass@k".into());
+        for e in &state.evaluations {
+            let pass: Vec<_> = e.pass_at_k.iter().map(|(k, v)| format!("@{k}={v:.3}")).collect();
+            out.push(format!(
+                "             {:>4}  {:>7.1}%  [{:>5.1}%, {:>5.1}%]  {}",
+                e.step,
+                e.resolution_rate * 100.0,
+                e.ci95_low * 100.0,
+                e.ci95_high * 100.0,
+                pass.join(" ")
+            ));
+        }
+    }
+    out.join("\n")
+}

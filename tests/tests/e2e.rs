@@ -1,0 +1,191 @@
+//! The real `arl` and `arl-controller` binaries against a private `nats-server -js`.
+//! Build them first: `cargo build --bins` (`make test` does).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, Metrics};
+use arl_schemas::events::{EvaluationCompletedV1, Example, TrainStepV1};
+use arl_schemas::state::{RunStateV1, RunStatus};
+use arl_schemas::{Bucket, Namespace, RunId};
+use arl_testkit::{NatsServer, test_namespace, wait_for};
+
+fn binary(name: &str) -> PathBuf {
+    // target/debug/deps/e2e-… → target/debug/<name>
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(Path::parent).unwrap();
+    let path = dir.join(name);
+    assert!(path.exists(), "{} is missing; run `cargo build --bins` first", path.display());
+    path
+}
+
+struct Deployment {
+    server: NatsServer,
+    ns: Namespace,
+    files: tempfile::TempDir,
+    controller: Option<Child>,
+}
+
+impl Deployment {
+    fn start() -> Self {
+        let server = NatsServer::start().unwrap();
+        let files = tempfile::tempdir().unwrap();
+        let models = files.path().join("models");
+        std::fs::create_dir_all(&models).unwrap();
+        // Admission only reads the header; the real model is the model core's business.
+        std::fs::write(models.join("SmolLM2-135M-Instruct.Q4_1.gguf"), b"GGUF\x03\0\0\0").unwrap();
+        std::fs::create_dir_all(files.path().join("tasks/fix-add")).unwrap();
+        std::fs::write(files.path().join("tasks/fix-add/task.toml"), "version = \"1.0\"\n").unwrap();
+        std::fs::write(
+            files.path().join("smoke.toml"),
+            "name = \"e2e\"\n[data]\ndataset = \"tasks\"\n[trainer]\ntotal_steps = 2\n",
+        )
+        .unwrap();
+        let mut deployment = Self { server, ns: test_namespace(), files, controller: None };
+        deployment.start_controller();
+        deployment
+    }
+
+    fn env(&self, command: &mut Command) {
+        command
+            .env("NATS_URL", self.server.url())
+            .env("ARL_PREFIX", self.ns.prefix().unwrap())
+            .env("ARL_MODEL_DIR", self.files.path().join("models"))
+            .env("RUST_LOG", "warn");
+    }
+
+    fn start_controller(&mut self) {
+        let mut command = Command::new(binary("arl-controller"));
+        self.env(&mut command);
+        command.stdout(Stdio::null()).stderr(Stdio::inherit());
+        self.controller = Some(command.spawn().unwrap());
+    }
+
+    /// SIGKILL: no graceful shutdown, no flushing.
+    fn kill_controller(&mut self) {
+        let mut child = self.controller.take().unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    fn arl(&self, args: &[&str]) -> Output {
+        let mut command = Command::new(binary("arl"));
+        self.env(&mut command);
+        command.args(args).current_dir(self.files.path()).output().unwrap()
+    }
+
+    async fn bus(&self) -> Bus {
+        Bus::connect(BusConfig::new(self.server.url(), self.ns.clone(), "e2e"), Metrics::new())
+            .await
+            .unwrap()
+    }
+
+    async fn state(&self, bus: &Bus, run_id: &RunId) -> Option<RunStateV1> {
+        let kv = bus.bucket(Bucket::RunState).await.ok()?;
+        Some(RunStateV1::decode(&kv.get(run_id.as_str()).await.ok()??).unwrap())
+    }
+}
+
+impl Drop for Deployment {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.controller.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn submit_status_and_list_through_the_real_binaries() {
+    let deployment = Deployment::start();
+    let submitted = deployment.arl(&["run", "submit", "smoke.toml", "--wait"]);
+    assert!(submitted.status.success(), "{}", text(&submitted.stderr));
+    let run_id = text(&submitted.stdout).trim().to_owned();
+    assert!(run_id.starts_with("run-"), "{run_id}");
+    assert!(text(&submitted.stderr).contains("accepted"), "{}", text(&submitted.stderr));
+
+    let status = deployment.arl(&["run", "status", &run_id]);
+    assert!(status.status.success());
+    let shown = text(&status.stdout);
+    assert!(shown.contains("status      accepted"), "{shown}");
+    assert!(shown.contains("step 0/2"), "{shown}");
+
+    let listed = deployment.arl(&["run", "list"]);
+    assert!(text(&listed.stdout).contains(&run_id));
+    let json = deployment.arl(&["run", "status", &run_id, "--json"]);
+    let state: RunStateV1 = serde_json_from(&json.stdout);
+    assert_eq!(state.status, RunStatus::Accepted);
+}
+
+fn serde_json_from(bytes: &[u8]) -> RunStateV1 {
+    RunStateV1::decode(bytes).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cli_explains_what_is_wrong_with_exit_codes() {
+    let deployment = Deployment::start();
+    std::fs::write(deployment.files.path().join("bad.toml"), "[rollout]\nn = 0\ntop_p = 7\n").unwrap();
+    let bad = deployment.arl(&["run", "submit", "bad.toml"]);
+    assert_eq!(bad.status.code(), Some(2));
+    let message = text(&bad.stderr);
+    assert!(message.contains("rollout.n: must be at least 1"), "{message}");
+    assert!(message.contains("rollout.top_p"), "{message}");
+
+    let missing = deployment.arl(&["run", "submit", "nope.toml"]);
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(text(&missing.stderr).contains("cannot read nope.toml"));
+
+    let unknown = deployment.arl(&["run", "status", "run-unknown"]);
+    assert_eq!(unknown.status.code(), Some(4));
+    assert!(text(&unknown.stderr).contains("arl run list"));
+
+    let mut command = Command::new(binary("arl"));
+    let offline = command
+        .args(["run", "list"])
+        .env("NATS_URL", "nats://127.0.0.1:1")
+        .output()
+        .unwrap();
+    assert_eq!(offline.status.code(), Some(3));
+    assert!(text(&offline.stderr).contains("cannot connect to NATS"), "{}", text(&offline.stderr));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_controller_restarts_with_the_run_intact_and_watch_sees_it_finish() {
+    let mut deployment = Deployment::start();
+    let submitted = deployment.arl(&["run", "submit", "smoke.toml", "--wait"]);
+    assert!(submitted.status.success(), "{}", text(&submitted.stderr));
+    let run_id = RunId::new(text(&submitted.stdout).trim()).unwrap();
+    let bus = deployment.bus().await;
+
+    let step = |n: u32| TrainStepV1 { run_id: run_id.clone(), step: n, policy_version: u64::from(n), ..TrainStepV1::example() };
+    bus.publish(&step(1)).await.unwrap();
+    wait_for("step 1 recorded", Duration::from_secs(30), || async {
+        deployment.state(&bus, &run_id).await.filter(|s| s.step == 1)
+    })
+    .await;
+
+    deployment.kill_controller();
+    bus.publish(&step(2)).await.unwrap();
+    let eval = EvaluationCompletedV1 { run_id: run_id.clone(), step: 2, ..EvaluationCompletedV1::example() };
+    bus.publish(&eval).await.unwrap();
+    let while_down = deployment.state(&bus, &run_id).await.unwrap();
+    assert_eq!(while_down.step, 1);
+    assert_eq!(while_down.status, RunStatus::Running);
+
+    deployment.start_controller();
+    let watched = deployment.arl(&["run", "watch", run_id.as_str(), "--timeout-s", "60"]);
+    assert!(watched.status.success(), "{}", text(&watched.stderr));
+    let shown = text(&watched.stdout);
+    assert!(shown.contains("status      completed"), "{shown}");
+    assert!(shown.contains("progress    100%"), "{shown}");
+    let state = deployment.state(&bus, &run_id).await.unwrap();
+    assert_eq!(state.steps.len(), 2);
+    assert_eq!(state.name, "e2e");
+}
