@@ -5,7 +5,11 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "arl", version, about = "Train LLM agents with RL on real, sandboxed tasks")]
+#[command(
+    name = "arl",
+    version,
+    about = "Train LLM agents with RL on real, sandboxed tasks"
+)]
 pub struct Cli {
     #[command(flatten)]
     pub bus: BusArgs,
@@ -17,7 +21,12 @@ pub struct Cli {
 #[derive(Debug, Args)]
 pub struct BusArgs {
     /// NATS server of the ARL deployment.
-    #[arg(long, global = true, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long,
+        global = true,
+        env = "NATS_URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
     pub nats_url: String,
 
     /// Namespace prefix of the deployment (empty for none).

@@ -19,7 +19,10 @@ use crate::cli::{BusArgs, RunCommand};
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
     #[error("{path}: invalid run spec:\n{}", list(errors))]
-    InvalidSpec { path: String, errors: Vec<FieldError> },
+    InvalidSpec {
+        path: String,
+        errors: Vec<FieldError>,
+    },
     #[error("cannot read {path}: {reason}")]
     Unreadable { path: String, reason: String },
     #[error("{0}")]
@@ -50,14 +53,20 @@ impl From<arl_runtime::BusError> for CliError {
 }
 
 fn list(errors: &[FieldError]) -> String {
-    errors.iter().map(|e| format!("  - {e}")).collect::<Vec<_>>().join("\n")
+    errors
+        .iter()
+        .map(|e| format!("  - {e}"))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 pub async fn execute(args: &BusArgs, command: RunCommand) -> Result<ExitCode, CliError> {
     match command {
-        RunCommand::Submit { spec, skip_resource_check, wait } => {
-            submit(args, &spec, skip_resource_check, wait).await
-        }
+        RunCommand::Submit {
+            spec,
+            skip_resource_check,
+            wait,
+        } => submit(args, &spec, skip_resource_check, wait).await,
         RunCommand::Status { run_id, json } => status(args, &run_id, json).await,
         RunCommand::Watch { run_id, timeout_s } => watch(args, &run_id, timeout_s).await,
         RunCommand::List { json } => list_runs(args, json).await,
@@ -65,8 +74,8 @@ pub async fn execute(args: &BusArgs, command: RunCommand) -> Result<ExitCode, Cl
 }
 
 async fn connect(args: &BusArgs) -> Result<Bus, CliError> {
-    let namespace =
-        Namespace::from_option(Some(args.prefix.as_str())).map_err(|e| CliError::Usage(e.to_string()))?;
+    let namespace = Namespace::from_option(Some(args.prefix.as_str()))
+        .map_err(|e| CliError::Usage(e.to_string()))?;
     let mut config = BusConfig::new(&args.nats_url, namespace, "arl-cli");
     config.wait_for_server = false;
     config.publish_timeout = Duration::from_secs(15);
@@ -77,8 +86,10 @@ async fn connect(args: &BusArgs) -> Result<Bus, CliError> {
 /// Reads, decodes and checks a spec file; relative paths become relative to its folder.
 pub fn load_spec(path: &Path, check_resources: bool) -> Result<RunSpec, CliError> {
     let shown = path.display().to_string();
-    let text = std::fs::read_to_string(path)
-        .map_err(|err| CliError::Unreadable { path: shown.clone(), reason: err.to_string() })?;
+    let text = std::fs::read_to_string(path).map_err(|err| CliError::Unreadable {
+        path: shown.clone(),
+        reason: err.to_string(),
+    })?;
     let is_json = path.extension().is_some_and(|e| e == "json");
     let parsed = if is_json {
         serde_json::from_str(&text)
@@ -87,18 +98,28 @@ pub fn load_spec(path: &Path, check_resources: bool) -> Result<RunSpec, CliError
     } else {
         RunSpec::from_toml(&text)
     };
-    let mut spec = parsed.map_err(|errors| CliError::InvalidSpec { path: shown.clone(), errors })?;
-    let base = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let mut spec = parsed.map_err(|errors| CliError::InvalidSpec {
+        path: shown.clone(),
+        errors,
+    })?;
+    let base = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let base = std::fs::canonicalize(base).unwrap_or_else(|_| base.to_path_buf());
     spec.resolve_relative_paths(&base);
     let mut errors = spec.check();
-    if check_resources && errors.is_empty() {
-        if let Err(resource_errors) = spec.check_resources(&default_model_dir()) {
-            errors.extend(resource_errors);
-        }
+    if check_resources
+        && errors.is_empty()
+        && let Err(resource_errors) = spec.check_resources(&default_model_dir())
+    {
+        errors.extend(resource_errors);
     }
     if !errors.is_empty() {
-        return Err(CliError::InvalidSpec { path: shown, errors });
+        return Err(CliError::InvalidSpec {
+            path: shown,
+            errors,
+        });
     }
     Ok(spec)
 }
@@ -127,7 +148,11 @@ async fn submit(
     // The controller writes the state only once it has decided.
     let state = follow(&bus, &request.run_id, Duration::from_secs(120), |_| true).await?;
     eprintln!("{}", render_status(&state));
-    Ok(if state.status == RunStatus::Rejected { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    Ok(if state.status == RunStatus::Rejected {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 fn submitter() -> String {
@@ -157,9 +182,14 @@ async fn read_state(bus: &Bus, run_id: &RunId) -> Result<Option<RunStateV1>, Cli
 async fn status(args: &BusArgs, run_id: &str, json: bool) -> Result<ExitCode, CliError> {
     let run_id = parse_run_id(run_id)?;
     let bus = connect(args).await?;
-    let state = read_state(&bus, &run_id).await?.ok_or_else(|| CliError::NotFound(run_id.to_string()))?;
+    let state = read_state(&bus, &run_id)
+        .await?
+        .ok_or_else(|| CliError::NotFound(run_id.to_string()))?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&state).unwrap_or_default());
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&state).unwrap_or_default()
+        );
     } else {
         println!("{}", render_status(&state));
     }
@@ -268,21 +298,29 @@ async fn list_runs(args: &BusArgs, json: bool) -> Result<ExitCode, CliError> {
     let mut states = Vec::new();
     while let Some(key) = keys.next().await {
         let key = key.map_err(|e| CliError::Bus(format!("listing runs: {e}")))?;
-        let Ok(run_id) = RunId::new(key) else { continue };
+        let Ok(run_id) = RunId::new(key) else {
+            continue;
+        };
         if let Some(state) = read_state(&bus, &run_id).await? {
             states.push(state);
         }
     }
     states.sort_by_key(|s| s.submitted_at);
     if json {
-        println!("{}", serde_json::to_string_pretty(&states).unwrap_or_default());
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&states).unwrap_or_default()
+        );
         return Ok(ExitCode::SUCCESS);
     }
     if states.is_empty() {
         println!("no runs yet; submit one with `arl run submit SPEC`");
         return Ok(ExitCode::SUCCESS);
     }
-    println!("{:<38} {:<10} {:>7} {:<20} SUBMITTED", "RUN", "STATUS", "STEP", "NAME");
+    println!(
+        "{:<38} {:<10} {:>7} {:<20} SUBMITTED",
+        "RUN", "STATUS", "STEP", "NAME"
+    );
     for s in &states {
         println!(
             "{:<38} {:<10} {:>7} {:<20} {}",
@@ -344,7 +382,11 @@ pub fn render_status(state: &RunStateV1) -> String {
     if !state.evaluations.is_empty() {
         out.push("evaluations: step  resolved  95% CI            pass@k".into());
         for e in &state.evaluations {
-            let pass: Vec<_> = e.pass_at_k.iter().map(|(k, v)| format!("@{k}={v:.3}")).collect();
+            let pass: Vec<_> = e
+                .pass_at_k
+                .iter()
+                .map(|(k, v)| format!("@{k}={v:.3}"))
+                .collect();
             out.push(format!(
                 "             {:>4}  {:>7.1}%  [{:>5.1}%, {:>5.1}%]  {}",
                 e.step,

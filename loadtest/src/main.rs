@@ -53,8 +53,14 @@ async fn main() -> anyhow::Result<()> {
     let baseline = baseline(&server, &args).await?;
     let admission = admission(&server, &args, files.path(), spec).await?;
 
-    println!("\n{} requests, {} in flight, nats-server on loopback\n", args.runs, args.concurrency);
-    println!("{:<34} {:>10} {:>10} {:>10}", "scenario", "per s", "p50 ms", "p99 ms");
+    println!(
+        "\n{} requests, {} in flight, nats-server on loopback\n",
+        args.runs, args.concurrency
+    );
+    println!(
+        "{:<34} {:>10} {:>10} {:>10}",
+        "scenario", "per s", "p50 ms", "p99 ms"
+    );
     for f in [&baseline, &admission] {
         println!(
             "{:<34} {:>10.0} {:>10.2} {:>10.2}",
@@ -74,7 +80,10 @@ async fn main() -> anyhow::Result<()> {
 
 fn fixture_spec(dir: &std::path::Path) -> anyhow::Result<RunSpec> {
     std::fs::create_dir_all(dir.join("models"))?;
-    std::fs::write(dir.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"), b"GGUF\x03\0\0\0")?;
+    std::fs::write(
+        dir.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        b"GGUF\x03\0\0\0",
+    )?;
     std::fs::create_dir_all(dir.join("tasks/t"))?;
     std::fs::write(dir.join("tasks/t/task.toml"), "")?;
     let mut spec = RunSpec::default();
@@ -137,7 +146,10 @@ async fn baseline(server: &arl_testkit::NatsServer, args: &Args) -> anyhow::Resu
     let figures = drive("baseline: publish → consume", args, clock, move |run_id| {
         let bus = bus.clone();
         async move {
-            let event = RunProgressV1 { run_id, ..RunProgressV1::example() };
+            let event = RunProgressV1 {
+                run_id,
+                ..RunProgressV1::example()
+            };
             bus.publish(&event).await?;
             Ok(())
         }
@@ -156,7 +168,10 @@ async fn admission(
 ) -> anyhow::Result<Figures> {
     let bus = connect(server).await?;
     let shutdown = Shutdown::new();
-    let config = ControllerConfig { model_dir: dir.join("models"), admission_concurrency: 16 };
+    let config = ControllerConfig {
+        model_dir: dir.join("models"),
+        admission_concurrency: 16,
+    };
     Controller::new(bus.clone(), config).await?.start(&shutdown);
 
     let clock = Arc::new(Mutex::new(Clock::default()));
@@ -175,13 +190,23 @@ async fn admission(
         }
     });
     let publisher = bus.clone();
-    let figures = drive("admission: request → accepted", args, clock, move |run_id| {
-        let (bus, spec) = (publisher.clone(), spec.clone());
-        async move {
-            bus.publish(&RunRequestedV1 { run_id, spec, ..RunRequestedV1::example() }).await?;
-            Ok(())
-        }
-    })
+    let figures = drive(
+        "admission: request → accepted",
+        args,
+        clock,
+        move |run_id| {
+            let (bus, spec) = (publisher.clone(), spec.clone());
+            async move {
+                bus.publish(&RunRequestedV1 {
+                    run_id,
+                    spec,
+                    ..RunRequestedV1::example()
+                })
+                .await?;
+                Ok(())
+            }
+        },
+    )
     .await;
     listener.abort();
     shutdown.trigger();
@@ -205,14 +230,18 @@ where
     let mut workers = tokio::task::JoinSet::new();
     for worker in 0..args.concurrency {
         let (clock, send) = (clock.clone(), send.clone());
-        let share = (worker..args.runs).step_by(args.concurrency).collect::<Vec<_>>();
+        let share = (worker..args.runs)
+            .step_by(args.concurrency)
+            .collect::<Vec<_>>();
         workers.spawn(async move {
             for _ in share {
                 let run_id = RunId::generate();
                 let (done, answered) = oneshot::channel();
                 {
                     let mut clock = clock.lock().unwrap_or_else(|e| e.into_inner());
-                    clock.pending.insert(run_id.to_string(), (Instant::now(), done));
+                    clock
+                        .pending
+                        .insert(run_id.to_string(), (Instant::now(), done));
                 }
                 send(run_id).await?;
                 tokio::time::timeout(Duration::from_secs(60), answered)
@@ -226,7 +255,11 @@ where
         joined??;
     }
     let elapsed = started.elapsed();
-    let mut latencies = clock.lock().unwrap_or_else(|e| e.into_inner()).latencies.clone();
+    let mut latencies = clock
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .latencies
+        .clone();
     latencies.sort();
     anyhow::ensure!(!latencies.is_empty(), "{name}: nothing measured");
     let at = |q: f64| latencies[((latencies.len() as f64 - 1.0) * q) as usize];

@@ -64,7 +64,10 @@ pub fn all_events() -> Vec<EventEntry> {
 pub fn other_schemas() -> Vec<(&'static str, Schema)> {
     vec![
         ("run-spec", schemars::schema_for!(crate::spec::RunSpec)),
-        ("run-state.v1", schemars::schema_for!(crate::state::RunStateV1)),
+        (
+            "run-state.v1",
+            schemars::schema_for!(crate::state::RunStateV1),
+        ),
     ]
 }
 
@@ -78,7 +81,10 @@ pub fn decode_run_request(body: &[u8]) -> Result<events::RunRequestedV1, Vec<Fie
         None => return Err(vec![FieldError::new("spec", "missing field `spec`")]),
     };
     let spec = crate::spec::RunSpec::from_json_value(spec_value).map_err(|errors| {
-        errors.into_iter().map(|e| FieldError::new(join_path("spec", &e.path), e.reason)).collect::<Vec<_>>()
+        errors
+            .into_iter()
+            .map(|e| FieldError::new(join_path("spec", &e.path), e.reason))
+            .collect::<Vec<_>>()
     });
     let envelope = RequestEnvelope::decode(&value);
     match (envelope, spec) {
@@ -125,7 +131,11 @@ impl RequestEnvelope {
 }
 
 fn join_path(root: &str, path: &str) -> String {
-    if path.is_empty() { root.to_owned() } else { format!("{root}.{path}") }
+    if path.is_empty() {
+        root.to_owned()
+    } else {
+        format!("{root}.{path}")
+    }
 }
 
 #[cfg(test)]
@@ -136,7 +146,11 @@ mod tests {
     fn event_types_are_unique_and_match_subjects() {
         let mut seen = std::collections::HashSet::new();
         for entry in all_events() {
-            assert!(seen.insert(entry.file_stem()), "duplicate {}", entry.file_stem());
+            assert!(
+                seen.insert(entry.file_stem()),
+                "duplicate {}",
+                entry.file_stem()
+            );
         }
     }
 
@@ -172,9 +186,6 @@ mod tests {
         let errors = decode_run_request(body.to_string().as_bytes()).unwrap_err();
         let paths: Vec<_> = errors.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(paths, ["run_id", "spec.optim.lr"]);
-        assert_eq!(
-            decode_run_request(b"\xff\x00").unwrap_err()[0].path,
-            ""
-        );
+        assert_eq!(decode_run_request(b"\xff\x00").unwrap_err()[0].path, "");
     }
 }

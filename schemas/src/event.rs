@@ -51,7 +51,10 @@ pub struct FieldError {
 
 impl FieldError {
     pub fn new(path: impl Into<String>, reason: impl Into<String>) -> Self {
-        Self { path: path.into(), reason: reason.into() }
+        Self {
+            path: path.into(),
+            reason: reason.into(),
+        }
     }
 }
 
@@ -67,7 +70,9 @@ impl std::fmt::Display for FieldError {
 
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
-    #[error("message is a {found_type} v{found_version}, expected {expected_type} v{expected_version}")]
+    #[error(
+        "message is a {found_type} v{found_version}, expected {expected_type} v{expected_version}"
+    )]
     WrongType {
         expected_type: &'static str,
         expected_version: u32,
@@ -75,7 +80,11 @@ pub enum DecodeError {
         found_version: u32,
     },
     #[error("invalid {event} v{version}: {}", join(errors))]
-    Invalid { event: &'static str, version: u32, errors: Vec<FieldError> },
+    Invalid {
+        event: &'static str,
+        version: u32,
+        errors: Vec<FieldError>,
+    },
 }
 
 impl DecodeError {
@@ -89,5 +98,9 @@ impl DecodeError {
 }
 
 fn join(errors: &[FieldError]) -> String {
-    errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+    errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }

@@ -11,11 +11,19 @@ pub enum IdError {
     #[error("{kind} must not be empty")]
     Empty { kind: &'static str },
     #[error("{kind} is {len} characters long; at most {max} are allowed")]
-    TooLong { kind: &'static str, len: usize, max: usize },
+    TooLong {
+        kind: &'static str,
+        len: usize,
+        max: usize,
+    },
     #[error(
         "{kind} {value:?} contains {bad:?}; only ASCII letters, digits, '-' and '_' are allowed"
     )]
-    BadCharacter { kind: &'static str, value: String, bad: char },
+    BadCharacter {
+        kind: &'static str,
+        value: String,
+        bad: char,
+    },
 }
 
 fn check_token(kind: &'static str, value: &str, max: usize) -> Result<(), IdError> {
@@ -23,10 +31,21 @@ fn check_token(kind: &'static str, value: &str, max: usize) -> Result<(), IdErro
         return Err(IdError::Empty { kind });
     }
     if value.len() > max {
-        return Err(IdError::TooLong { kind, len: value.len(), max });
+        return Err(IdError::TooLong {
+            kind,
+            len: value.len(),
+            max,
+        });
     }
-    if let Some(bad) = value.chars().find(|c| !(c.is_ascii_alphanumeric() || *c == '-' || *c == '_')) {
-        return Err(IdError::BadCharacter { kind, value: value.to_owned(), bad });
+    if let Some(bad) = value
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || *c == '-' || *c == '_'))
+    {
+        return Err(IdError::BadCharacter {
+            kind,
+            value: value.to_owned(),
+            bad,
+        });
     }
     Ok(())
 }
@@ -111,7 +130,9 @@ impl LeaseId {
 
 /// A task of a dataset, e.g. a SWE-bench `instance_id` (`django__django-11880`). Task ids
 /// never appear in subjects, so any non-empty string up to 256 characters is allowed.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(try_from = "String", into = "String")]
 pub struct TaskId(String);
 
@@ -122,7 +143,11 @@ impl TaskId {
             return Err(IdError::Empty { kind: "task id" });
         }
         if value.len() > 256 {
-            return Err(IdError::TooLong { kind: "task id", len: value.len(), max: 256 });
+            return Err(IdError::TooLong {
+                kind: "task id",
+                len: value.len(),
+                max: 256,
+            });
         }
         Ok(Self(value))
     }
@@ -162,10 +187,19 @@ mod tests {
     #[test]
     fn run_ids_are_subject_safe() {
         assert!(RunId::new("run-1_a").is_ok());
-        assert!(matches!(RunId::new("a.b"), Err(IdError::BadCharacter { bad: '.', .. })));
-        assert!(matches!(RunId::new("a*"), Err(IdError::BadCharacter { bad: '*', .. })));
+        assert!(matches!(
+            RunId::new("a.b"),
+            Err(IdError::BadCharacter { bad: '.', .. })
+        ));
+        assert!(matches!(
+            RunId::new("a*"),
+            Err(IdError::BadCharacter { bad: '*', .. })
+        ));
         assert!(matches!(RunId::new(""), Err(IdError::Empty { .. })));
-        assert!(matches!(RunId::new("x".repeat(65)), Err(IdError::TooLong { .. })));
+        assert!(matches!(
+            RunId::new("x".repeat(65)),
+            Err(IdError::TooLong { .. })
+        ));
         let generated = RunId::generate();
         assert!(RunId::new(generated.as_str()).is_ok());
     }

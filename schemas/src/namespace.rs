@@ -109,11 +109,15 @@ impl Namespace {
     pub fn with_prefix(prefix: &str) -> Result<Self, NamespaceError> {
         let valid = (1..=32).contains(&prefix.len())
             && prefix.starts_with(|c: char| c.is_ascii_lowercase())
-            && prefix.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+            && prefix
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
         if !valid {
             return Err(NamespaceError(prefix.to_owned()));
         }
-        Ok(Self { prefix: Some(prefix.to_owned()) })
+        Ok(Self {
+            prefix: Some(prefix.to_owned()),
+        })
     }
 
     /// Reads an optional prefix, as given by `--prefix`/`ARL_PREFIX` (empty means none).
@@ -144,7 +148,13 @@ impl Namespace {
 
     /// `arl.<domain>.<run_id>.<event>`.
     pub fn event_subject(&self, domain: Domain, run_id: &RunId, event: &str) -> String {
-        format!("{}.{}.{}.{}", self.subject_root(), domain.token(), run_id, event)
+        format!(
+            "{}.{}.{}.{}",
+            self.subject_root(),
+            domain.token(),
+            run_id,
+            event
+        )
     }
 
     /// `arl.<domain>.*.<event>`: one event kind of every run.
@@ -169,7 +179,13 @@ impl Namespace {
 
     /// `arl.dlq.<stream>.<consumer>`: where a consumer parks messages it gave up on.
     pub fn dead_letter_subject(&self, stream: &str, consumer: &str) -> String {
-        format!("{}.{}.{}.{}", self.subject_root(), Domain::DeadLetter.token(), stream, consumer)
+        format!(
+            "{}.{}.{}.{}",
+            self.subject_root(),
+            Domain::DeadLetter.token(),
+            stream,
+            consumer
+        )
     }
 
     /// The run id token of an event subject of this namespace, if it is one.
@@ -196,19 +212,31 @@ mod tests {
     fn production_names() {
         let ns = Namespace::default();
         let run = RunId::new("run-1").unwrap();
-        assert_eq!(ns.event_subject(Domain::Run, &run, "requested"), "arl.run.run-1.requested");
-        assert_eq!(ns.event_filter(Domain::Run, "requested"), "arl.run.*.requested");
+        assert_eq!(
+            ns.event_subject(Domain::Run, &run, "requested"),
+            "arl.run.run-1.requested"
+        );
+        assert_eq!(
+            ns.event_filter(Domain::Run, "requested"),
+            "arl.run.*.requested"
+        );
         assert_eq!(ns.stream(Domain::Run), "ARL_RUNS");
         assert_eq!(ns.stream_subjects(Domain::Run), "arl.run.>");
         assert_eq!(ns.bucket(Bucket::RunState), "ARL_RUN_STATE");
-        assert_eq!(ns.dead_letter_subject("ARL_RUNS", "controller"), "arl.dlq.ARL_RUNS.controller");
+        assert_eq!(
+            ns.dead_letter_subject("ARL_RUNS", "controller"),
+            "arl.dlq.ARL_RUNS.controller"
+        );
     }
 
     #[test]
     fn prefixed_names_are_isolated() {
         let ns = Namespace::with_prefix("t42").unwrap();
         let run = RunId::new("r").unwrap();
-        assert_eq!(ns.event_subject(Domain::Trial, &run, "failed"), "t42.arl.trial.r.failed");
+        assert_eq!(
+            ns.event_subject(Domain::Trial, &run, "failed"),
+            "t42.arl.trial.r.failed"
+        );
         assert_eq!(ns.stream(Domain::Trial), "T42_ARL_TRIALS");
         assert_eq!(ns.bucket(Bucket::RunState), "T42_ARL_RUN_STATE");
         assert_eq!(ns.run_token("t42.arl.run.r-1.requested"), Some("r-1"));
@@ -221,7 +249,10 @@ mod tests {
         for bad in ["", "A", "1x", "a.b", "a-b", &"x".repeat(33)] {
             assert!(Namespace::with_prefix(bad).is_err(), "{bad:?}");
         }
-        assert_eq!(Namespace::from_option(Some("")).unwrap(), Namespace::default());
+        assert_eq!(
+            Namespace::from_option(Some("")).unwrap(),
+            Namespace::default()
+        );
     }
 
     #[test]

@@ -86,7 +86,9 @@ pub struct ModelSpec {
 
 impl Default for ModelSpec {
     fn default() -> Self {
-        Self { path: "smollm2-135m-instruct".into() }
+        Self {
+            path: "smollm2-135m-instruct".into(),
+        }
     }
 }
 
@@ -144,7 +146,11 @@ pub struct RewardSpec {
 
 impl Default for RewardSpec {
     fn default() -> Self {
-        Self { pass: 1.0, short_patch_bonus: 0.0, fast_bonus: 0.0 }
+        Self {
+            pass: 1.0,
+            short_patch_bonus: 0.0,
+            fast_bonus: 0.0,
+        }
     }
 }
 
@@ -195,7 +201,11 @@ pub struct OptimSpec {
 
 impl Default for OptimSpec {
     fn default() -> Self {
-        Self { lr: 1e-6, weight_decay: 0.01, grad_clip: 1.0 }
+        Self {
+            lr: 1e-6,
+            weight_decay: 0.01,
+            grad_clip: 1.0,
+        }
     }
 }
 
@@ -215,7 +225,12 @@ pub struct TrainerSpec {
 
 impl Default for TrainerSpec {
     fn default() -> Self {
-        Self { total_steps: 2, eval_every: 0, save_every: 1, device: Device::Cpu }
+        Self {
+            total_steps: 2,
+            eval_every: 0,
+            save_every: 1,
+            device: Device::Cpu,
+        }
     }
 }
 
@@ -236,7 +251,10 @@ pub struct ResolvedResources {
 /// Known model names and the file `make models` installs for each.
 pub const MODEL_NAMES: &[(&str, &str)] = &[
     ("smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct.gguf"),
+    (
+        "qwen2.5-coder-0.5b-instruct",
+        "qwen2.5-coder-0.5b-instruct.gguf",
+    ),
 ];
 
 impl RunSpec {
@@ -273,29 +291,47 @@ impl RunSpec {
             );
         }
         if self.model.path.trim().is_empty() {
-            fail("model.path", "must name a model file, folder or installed model".into());
+            fail(
+                "model.path",
+                "must name a model file, folder or installed model".into(),
+            );
         }
 
         let r = &self.rollout;
         if r.n == 0 {
             fail("rollout.n", "must be at least 1, got 0".into());
         } else if r.n == 1 {
-            fail("rollout.n", "must be at least 2: GRPO compares trials within a group".into());
+            fail(
+                "rollout.n",
+                "must be at least 2: GRPO compares trials within a group".into(),
+            );
         }
         if r.max_turns == 0 {
             fail("rollout.max_turns", "must be at least 1, got 0".into());
         }
         if !(0.0..=2.0).contains(&r.temperature) {
-            fail("rollout.temperature", format!("must be in [0, 2], got {}", r.temperature));
+            fail(
+                "rollout.temperature",
+                format!("must be in [0, 2], got {}", r.temperature),
+            );
         }
         if !(r.top_p > 0.0 && r.top_p <= 1.0) {
-            fail("rollout.top_p", format!("must be in (0, 1], got {}", r.top_p));
+            fail(
+                "rollout.top_p",
+                format!("must be in (0, 1], got {}", r.top_p),
+            );
         }
         if r.max_response_tokens == 0 {
-            fail("rollout.max_response_tokens", "must be at least 1, got 0".into());
+            fail(
+                "rollout.max_response_tokens",
+                "must be at least 1, got 0".into(),
+            );
         }
         if r.timeout_s == 0 {
-            fail("rollout.timeout_s", "must be at least 1 second, got 0".into());
+            fail(
+                "rollout.timeout_s",
+                "must be at least 1 second, got 0".into(),
+            );
         }
 
         for (path, value) in [
@@ -318,7 +354,10 @@ impl RunSpec {
             }
         }
         if !a.kl_coef.is_finite() || a.kl_coef < 0.0 {
-            fail("algorithm.kl_coef", format!("must be a finite number >= 0, got {}", a.kl_coef));
+            fail(
+                "algorithm.kl_coef",
+                format!("must be a finite number >= 0, got {}", a.kl_coef),
+            );
         }
 
         let o = &self.optim;
@@ -326,10 +365,16 @@ impl RunSpec {
             fail("optim.lr", format!("must be in (0, 1), got {}", o.lr));
         }
         if !o.weight_decay.is_finite() || o.weight_decay < 0.0 {
-            fail("optim.weight_decay", format!("must be >= 0, got {}", o.weight_decay));
+            fail(
+                "optim.weight_decay",
+                format!("must be >= 0, got {}", o.weight_decay),
+            );
         }
         if !(o.grad_clip.is_finite() && o.grad_clip > 0.0) {
-            fail("optim.grad_clip", format!("must be > 0, got {}", o.grad_clip));
+            fail(
+                "optim.grad_clip",
+                format!("must be > 0, got {}", o.grad_clip),
+            );
         }
 
         let t = &self.trainer;
@@ -353,16 +398,16 @@ impl RunSpec {
 
     /// Checks that the model and the dataset can be read on this machine, and resolves
     /// them to paths.
-    pub fn check_resources(
-        &self,
-        model_dir: &Path,
-    ) -> Result<ResolvedResources, Vec<FieldError>> {
+    pub fn check_resources(&self, model_dir: &Path) -> Result<ResolvedResources, Vec<FieldError>> {
         let model = resolve_model(&self.model.path, model_dir)
             .map_err(|reason| FieldError::new("model.path", reason));
         let dataset = check_dataset(&self.data.dataset, self.data.source)
             .map_err(|reason| FieldError::new("data.dataset", reason));
         match (model, dataset) {
-            (Ok(model_path), Ok(dataset_path)) => Ok(ResolvedResources { model_path, dataset_path }),
+            (Ok(model_path), Ok(dataset_path)) => Ok(ResolvedResources {
+                model_path,
+                dataset_path,
+            }),
             (model, dataset) => Err([model.err(), dataset.err()].into_iter().flatten().collect()),
         }
     }
@@ -387,7 +432,9 @@ pub fn default_model_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("ARL_MODEL_DIR") {
         return PathBuf::from(dir);
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache/arl/models")
 }
 
@@ -431,10 +478,9 @@ fn check_model_path(path: &Path) -> Result<(), String> {
         return Ok(());
     }
     let mut magic = [0u8; 4];
-    let read = std::fs::File::open(path)
+    std::fs::File::open(path)
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
         .map_err(|err| format!("cannot read {}: {err}", path.display()))?;
-    let () = read;
     if &magic != b"GGUF" {
         return Err(format!(
             "{} is not a GGUF file (it starts with {magic:02x?}, not \"GGUF\")",
@@ -468,13 +514,18 @@ fn check_dataset(spec_path: &str, source: DataSource) -> Result<PathBuf, String>
             }
         }
         DataSource::Swebench | DataSource::Gsm8k => {
-            let ext = path.extension().and_then(|e| e.to_str()).unwrap_or_default();
+            let ext = path
+                .extension()
+                .and_then(|e| e.to_str())
+                .unwrap_or_default();
             let allowed: &[&str] = match source {
                 DataSource::Swebench => &["jsonl", "json", "parquet", "arrow"],
                 _ => &["jsonl", "json"],
             };
             if !path.is_file() || !allowed.contains(&ext) {
-                return Err(format!("{spec_path} must be a file ending in one of {allowed:?}"));
+                return Err(format!(
+                    "{spec_path} must be a file ending in one of {allowed:?}"
+                ));
             }
         }
     }
@@ -502,7 +553,10 @@ mod tests {
         let cases = [
             ("[rollout]\nnn = 3\n", "rollout.nn"),
             ("[optim]\nlr = \"fast\"\n", "optim.lr"),
-            ("[algorithm]\nadv_estimator = \"ppo9\"\n", "algorithm.adv_estimator"),
+            (
+                "[algorithm]\nadv_estimator = \"ppo9\"\n",
+                "algorithm.adv_estimator",
+            ),
             ("[trainer]\ndevice = \"tpu\"\n", "trainer.device"),
             ("[rollout]\nn = -1\n", "rollout.n"),
             ("colour = 1\n", "colour"),
@@ -538,9 +592,17 @@ mod tests {
         assert_eq!(errors[0].path, "model.path");
         assert!(errors[0].reason.contains("make models"), "{errors:?}");
 
-        std::fs::write(models.join("SmolLM2-135M-Instruct.Q4_1.gguf"), b"GGUF\x03\0\0\0").unwrap();
+        std::fs::write(
+            models.join("SmolLM2-135M-Instruct.Q4_1.gguf"),
+            b"GGUF\x03\0\0\0",
+        )
+        .unwrap();
         let resolved = spec.check_resources(&models).unwrap();
-        assert!(resolved.model_path.ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"));
+        assert!(
+            resolved
+                .model_path
+                .ends_with("SmolLM2-135M-Instruct.Q4_1.gguf")
+        );
 
         let not_gguf = dir.path().join("x.gguf");
         std::fs::write(&not_gguf, b"PK\x03\x04").unwrap();

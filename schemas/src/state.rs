@@ -24,7 +24,10 @@ pub enum RunStatus {
 impl RunStatus {
     /// True once nothing more will happen to the run.
     pub fn is_terminal(self) -> bool {
-        matches!(self, RunStatus::Rejected | RunStatus::Completed | RunStatus::Failed)
+        matches!(
+            self,
+            RunStatus::Rejected | RunStatus::Completed | RunStatus::Failed
+        )
     }
 
     pub fn as_str(self) -> &'static str {

@@ -1,4 +1,5 @@
 //! The checked-in JSON Schemas match the types, and every golden file still decodes.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::Path;
 
@@ -16,7 +17,9 @@ fn pretty(value: &impl serde::Serialize) -> String {
 fn checked_in_schemas_are_current() {
     let mut stale = Vec::new();
     for entry in arl_schemas::catalog::all_events() {
-        let path = root().join("json").join(format!("{}.json", entry.file_stem()));
+        let path = root()
+            .join("json")
+            .join(format!("{}.json", entry.file_stem()));
         let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
         if on_disk != pretty(&(entry.schema)()) {
             stale.push(path.display().to_string());
@@ -28,13 +31,18 @@ fn checked_in_schemas_are_current() {
             stale.push(path.display().to_string());
         }
     }
-    assert!(stale.is_empty(), "stale or missing schema files (run `make gen`): {stale:#?}");
+    assert!(
+        stale.is_empty(),
+        "stale or missing schema files (run `make gen`): {stale:#?}"
+    );
 }
 
 #[test]
 fn every_golden_file_still_decodes() {
     for entry in arl_schemas::catalog::all_events() {
-        let path = root().join("golden").join(format!("{}.json", entry.file_stem()));
+        let path = root()
+            .join("golden")
+            .join(format!("{}.json", entry.file_stem()));
         let body = std::fs::read(&path)
             .unwrap_or_else(|err| panic!("{}: {err} (run `make gen` once)", path.display()));
         (entry.decode)(&body).unwrap_or_else(|err| panic!("{}: {err}", path.display()));
@@ -49,6 +57,9 @@ fn no_schema_or_golden_file_is_orphaned() {
         .collect();
     for entry in std::fs::read_dir(root().join("golden")).unwrap() {
         let name = entry.unwrap().file_name().to_string_lossy().into_owned();
-        assert!(known.contains(&name), "golden/{name} matches no event in the catalog");
+        assert!(
+            known.contains(&name),
+            "golden/{name} matches no event in the catalog"
+        );
     }
 }

@@ -18,7 +18,11 @@ fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().and_then(Path::parent).unwrap();
     let path = dir.join(name);
-    assert!(path.exists(), "{} is missing; run `cargo build --bins` first", path.display());
+    assert!(
+        path.exists(),
+        "{} is missing; run `cargo build --bins` first",
+        path.display()
+    );
     path
 }
 
@@ -36,15 +40,28 @@ impl Deployment {
         let models = files.path().join("models");
         std::fs::create_dir_all(&models).unwrap();
         // Admission only reads the header; the real model is the model core's business.
-        std::fs::write(models.join("SmolLM2-135M-Instruct.Q4_1.gguf"), b"GGUF\x03\0\0\0").unwrap();
+        std::fs::write(
+            models.join("SmolLM2-135M-Instruct.Q4_1.gguf"),
+            b"GGUF\x03\0\0\0",
+        )
+        .unwrap();
         std::fs::create_dir_all(files.path().join("tasks/fix-add")).unwrap();
-        std::fs::write(files.path().join("tasks/fix-add/task.toml"), "version = \"1.0\"\n").unwrap();
+        std::fs::write(
+            files.path().join("tasks/fix-add/task.toml"),
+            "version = \"1.0\"\n",
+        )
+        .unwrap();
         std::fs::write(
             files.path().join("smoke.toml"),
             "name = \"e2e\"\n[data]\ndataset = \"tasks\"\n[trainer]\ntotal_steps = 2\n",
         )
         .unwrap();
-        let mut deployment = Self { server, ns: test_namespace(), files, controller: None };
+        let mut deployment = Self {
+            server,
+            ns: test_namespace(),
+            files,
+            controller: None,
+        };
         deployment.start_controller();
         deployment
     }
@@ -74,13 +91,20 @@ impl Deployment {
     fn arl(&self, args: &[&str]) -> Output {
         let mut command = Command::new(binary("arl"));
         self.env(&mut command);
-        command.args(args).current_dir(self.files.path()).output().unwrap()
+        command
+            .args(args)
+            .current_dir(self.files.path())
+            .output()
+            .unwrap()
     }
 
     async fn bus(&self) -> Bus {
-        Bus::connect(BusConfig::new(self.server.url(), self.ns.clone(), "e2e"), Metrics::new())
-            .await
-            .unwrap()
+        Bus::connect(
+            BusConfig::new(self.server.url(), self.ns.clone(), "e2e"),
+            Metrics::new(),
+        )
+        .await
+        .unwrap()
     }
 
     async fn state(&self, bus: &Bus, run_id: &RunId) -> Option<RunStateV1> {
@@ -109,7 +133,11 @@ async fn submit_status_and_list_through_the_real_binaries() {
     assert!(submitted.status.success(), "{}", text(&submitted.stderr));
     let run_id = text(&submitted.stdout).trim().to_owned();
     assert!(run_id.starts_with("run-"), "{run_id}");
-    assert!(text(&submitted.stderr).contains("accepted"), "{}", text(&submitted.stderr));
+    assert!(
+        text(&submitted.stderr).contains("accepted"),
+        "{}",
+        text(&submitted.stderr)
+    );
 
     let status = deployment.arl(&["run", "status", &run_id]);
     assert!(status.status.success());
@@ -131,11 +159,18 @@ fn serde_json_from(bytes: &[u8]) -> RunStateV1 {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_cli_explains_what_is_wrong_with_exit_codes() {
     let deployment = Deployment::start();
-    std::fs::write(deployment.files.path().join("bad.toml"), "[rollout]\nn = 0\ntop_p = 7\n").unwrap();
+    std::fs::write(
+        deployment.files.path().join("bad.toml"),
+        "[rollout]\nn = 0\ntop_p = 7\n",
+    )
+    .unwrap();
     let bad = deployment.arl(&["run", "submit", "bad.toml"]);
     assert_eq!(bad.status.code(), Some(2));
     let message = text(&bad.stderr);
-    assert!(message.contains("rollout.n: must be at least 1"), "{message}");
+    assert!(
+        message.contains("rollout.n: must be at least 1"),
+        "{message}"
+    );
     assert!(message.contains("rollout.top_p"), "{message}");
 
     let missing = deployment.arl(&["run", "submit", "nope.toml"]);
@@ -153,7 +188,11 @@ async fn the_cli_explains_what_is_wrong_with_exit_codes() {
         .output()
         .unwrap();
     assert_eq!(offline.status.code(), Some(3));
-    assert!(text(&offline.stderr).contains("cannot connect to NATS"), "{}", text(&offline.stderr));
+    assert!(
+        text(&offline.stderr).contains("cannot connect to NATS"),
+        "{}",
+        text(&offline.stderr)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -164,16 +203,28 @@ async fn a_killed_controller_restarts_with_the_run_intact_and_watch_sees_it_fini
     let run_id = RunId::new(text(&submitted.stdout).trim()).unwrap();
     let bus = deployment.bus().await;
 
-    let step = |n: u32| TrainStepV1 { run_id: run_id.clone(), step: n, policy_version: u64::from(n), ..TrainStepV1::example() };
+    let step = |n: u32| TrainStepV1 {
+        run_id: run_id.clone(),
+        step: n,
+        policy_version: u64::from(n),
+        ..TrainStepV1::example()
+    };
     bus.publish(&step(1)).await.unwrap();
     wait_for("step 1 recorded", Duration::from_secs(30), || async {
-        deployment.state(&bus, &run_id).await.filter(|s| s.step == 1)
+        deployment
+            .state(&bus, &run_id)
+            .await
+            .filter(|s| s.step == 1)
     })
     .await;
 
     deployment.kill_controller();
     bus.publish(&step(2)).await.unwrap();
-    let eval = EvaluationCompletedV1 { run_id: run_id.clone(), step: 2, ..EvaluationCompletedV1::example() };
+    let eval = EvaluationCompletedV1 {
+        run_id: run_id.clone(),
+        step: 2,
+        ..EvaluationCompletedV1::example()
+    };
     bus.publish(&eval).await.unwrap();
     let while_down = deployment.state(&bus, &run_id).await.unwrap();
     assert_eq!(while_down.step, 1);

@@ -31,7 +31,10 @@ fn reward(task: &Path, app: &Path, logs: &Path) -> String {
         .output()
         .unwrap();
     assert!(status.status.success(), "test.sh itself must not fail");
-    std::fs::read_to_string(logs.join("verifier/reward.txt")).unwrap().trim().to_owned()
+    std::fs::read_to_string(logs.join("verifier/reward.txt"))
+        .unwrap()
+        .trim()
+        .to_owned()
 }
 
 #[test]
@@ -39,13 +42,24 @@ fn every_task_fails_unsolved_and_passes_with_its_solution() {
     let mut seen = 0;
     for entry in std::fs::read_dir(tasks_dir()).unwrap() {
         let task = entry.unwrap().path();
-        for file in ["task.toml", "instruction.md", "environment/Dockerfile", "tests/test.sh", "solution/solve.sh"] {
+        for file in [
+            "task.toml",
+            "instruction.md",
+            "environment/Dockerfile",
+            "tests/test.sh",
+            "solution/solve.sh",
+        ] {
             assert!(task.join(file).is_file(), "{} lacks {file}", task.display());
         }
         let work = tempfile::tempdir().unwrap();
         let app = work.path().join("app");
         copy_dir(&task.join("environment/app"), &app);
-        assert_eq!(reward(&task, &app, &work.path().join("logs0")), "0", "{} passes unsolved", task.display());
+        assert_eq!(
+            reward(&task, &app, &work.path().join("logs0")),
+            "0",
+            "{} passes unsolved",
+            task.display()
+        );
 
         let solved = Command::new("bash")
             .arg(task.join("solution/solve.sh"))
@@ -53,7 +67,12 @@ fn every_task_fails_unsolved_and_passes_with_its_solution() {
             .status()
             .unwrap();
         assert!(solved.success());
-        assert_eq!(reward(&task, &app, &work.path().join("logs1")), "1", "{} fails solved", task.display());
+        assert_eq!(
+            reward(&task, &app, &work.path().join("logs1")),
+            "1",
+            "{} fails solved",
+            task.display()
+        );
         seen += 1;
     }
     assert!(seen >= 3, "only {seen} example tasks");

@@ -20,13 +20,23 @@ pub enum BusError {
     #[error(
         "cannot connect to NATS at {url}: {source}; start a server (`nats-server -js`) or set NATS_URL"
     )]
-    Connect { url: String, source: async_nats::ConnectError },
+    Connect {
+        url: String,
+        source: async_nats::ConnectError,
+    },
     #[error("cannot provision {what}: {reason}")]
     Provision { what: String, reason: String },
     #[error("cannot encode {event_type}: {source}")]
-    Encode { event_type: &'static str, source: serde_json::Error },
+    Encode {
+        event_type: &'static str,
+        source: serde_json::Error,
+    },
     #[error("publish to {subject} was not acknowledged within {waited:?}: {last_error}")]
-    PublishTimeout { subject: String, waited: Duration, last_error: String },
+    PublishTimeout {
+        subject: String,
+        waited: Duration,
+        last_error: String,
+    },
     #[error("publish to {subject} refused: {reason}")]
     PublishRefused { subject: String, reason: String },
     #[error("key-value {bucket}: {reason}")]
@@ -56,7 +66,11 @@ pub struct BusConfig {
 }
 
 impl BusConfig {
-    pub fn new(url: impl Into<String>, namespace: Namespace, client_name: impl Into<String>) -> Self {
+    pub fn new(
+        url: impl Into<String>,
+        namespace: Namespace,
+        client_name: impl Into<String>,
+    ) -> Self {
         Self {
             url: url.into(),
             namespace,
@@ -102,7 +116,10 @@ impl Bus {
         let client = options
             .connect(config.url.as_str())
             .await
-            .map_err(|source| BusError::Connect { url: config.url.clone(), source })?;
+            .map_err(|source| BusError::Connect {
+                url: config.url.clone(),
+                source,
+            })?;
         let jetstream = jetstream::new(client.clone());
         Ok(Self {
             client,
@@ -154,7 +171,10 @@ impl Bus {
             duplicate_window: DUPLICATE_WINDOW,
             ..Default::default()
         };
-        retry_provision(&name, || self.jetstream.create_or_update_stream(config.clone())).await?;
+        retry_provision(&name, || {
+            self.jetstream.create_or_update_stream(config.clone())
+        })
+        .await?;
         Ok(())
     }
 
@@ -166,8 +186,10 @@ impl Bus {
             storage: stream::StorageType::File,
             ..Default::default()
         };
-        retry_provision(&name, || self.jetstream.create_or_update_key_value(config.clone()))
-            .await?;
+        retry_provision(&name, || {
+            self.jetstream.create_or_update_key_value(config.clone())
+        })
+        .await?;
         Ok(())
     }
 
@@ -175,36 +197,51 @@ impl Bus {
     /// JetStream if the server is still starting.
     pub async fn bucket(&self, bucket: Bucket) -> Result<kv::Store, BusError> {
         let name = self.namespace.bucket(bucket);
-        retry_provision(&name, || self.jetstream.get_key_value(name.clone())).await.map_err(
-            |err| BusError::KeyValue {
+        retry_provision(&name, || self.jetstream.get_key_value(name.clone()))
+            .await
+            .map_err(|err| BusError::KeyValue {
                 bucket: name.clone(),
                 reason: format!("{err}; has a service provisioned the namespace?"),
-            },
-        )
+            })
     }
 
     /// Publishes a typed event and waits until JetStream has stored it.
     pub async fn publish<E: Event>(&self, event: &E) -> Result<Published, BusError> {
-        let body = event
-            .encode()
-            .map_err(|source| BusError::Encode { event_type: E::TYPE, source })?;
+        let body = event.encode().map_err(|source| BusError::Encode {
+            event_type: E::TYPE,
+            source,
+        })?;
         let mut headers = HeaderMap::new();
         headers.insert(headers::MSG_ID, event.message_id().as_str());
         headers.insert(headers::EVENT_TYPE, E::TYPE);
         headers.insert(headers::EVENT_VERSION, E::VERSION.to_string().as_str());
         crate::telemetry::inject_context(&mut headers);
-        let published = self.publish_bytes(event.subject(&self.namespace), headers, body.into()).await?;
-        self.metrics.events_published.get_or_create(&EventTypeLabel { event_type: E::TYPE }).inc();
+        let published = self
+            .publish_bytes(event.subject(&self.namespace), headers, body.into())
+            .await?;
+        self.metrics
+            .events_published
+            .get_or_create(&EventTypeLabel {
+                event_type: E::TYPE,
+            })
+            .inc();
         Ok(published)
     }
 
     /// Reads every stored event of type `E` on subjects matching `filter` in `domain`'s
     /// stream, oldest first. Events that do not decode are skipped with a warning. For
     /// status views and tests; services consume with [`crate::consumer::run_consumer`].
-    pub async fn replay<E: Event>(&self, domain: Domain, filter: String) -> Result<Vec<E>, BusError> {
+    pub async fn replay<E: Event>(
+        &self,
+        domain: Domain,
+        filter: String,
+    ) -> Result<Vec<E>, BusError> {
         use async_nats::jetstream::consumer::{self, pull};
         use futures::StreamExt;
-        let fail = |reason: String| BusError::Provision { what: format!("replay of {filter}"), reason };
+        let fail = |reason: String| BusError::Provision {
+            what: format!("replay of {filter}"),
+            reason,
+        };
         let config = pull::Config {
             filter_subject: filter.clone(),
             ack_policy: consumer::AckPolicy::None,
@@ -232,7 +269,9 @@ impl Bus {
                 received += 1;
                 match E::decode(&message.payload) {
                     Ok(event) => events.push(event),
-                    Err(err) => tracing::warn!(subject = %message.subject, %err, "skipping undecodable event"),
+                    Err(err) => {
+                        tracing::warn!(subject = %message.subject, %err, "skipping undecodable event")
+                    }
                 }
             }
             if received == 0 {
@@ -276,7 +315,11 @@ impl Bus {
             };
             let waited = started.elapsed();
             if waited >= self.publish_timeout {
-                return Err(BusError::PublishTimeout { subject, waited, last_error });
+                return Err(BusError::PublishTimeout {
+                    subject,
+                    waited,
+                    last_error,
+                });
             }
             tracing::warn!(%subject, error = %last_error, "publish not acknowledged; retrying");
             self.metrics.publish_retries.inc();
@@ -304,7 +347,10 @@ where
                 delay = (delay * 2).min(Duration::from_secs(2));
             }
             Err(err) => {
-                return Err(BusError::Provision { what: what.to_owned(), reason: err.to_string() });
+                return Err(BusError::Provision {
+                    what: what.to_owned(),
+                    reason: err.to_string(),
+                });
             }
         }
     }

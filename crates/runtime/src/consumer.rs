@@ -95,15 +95,15 @@ pub struct Delivery {
 impl Delivery {
     /// Decodes the payload as `E`, refusing a message whose headers name another type.
     pub fn decode<E: Event>(&self) -> Result<E, DecodeError> {
-        if let Some((found_type, found_version)) = headers::event_type(self.headers.as_ref()) {
-            if found_type != E::TYPE || found_version != E::VERSION {
-                return Err(DecodeError::WrongType {
-                    expected_type: E::TYPE,
-                    expected_version: E::VERSION,
-                    found_type,
-                    found_version,
-                });
-            }
+        if let Some((found_type, found_version)) = headers::event_type(self.headers.as_ref())
+            && (found_type != E::TYPE || found_version != E::VERSION)
+        {
+            return Err(DecodeError::WrongType {
+                expected_type: E::TYPE,
+                expected_version: E::VERSION,
+                found_type,
+                found_version,
+            });
         }
         E::decode(&self.payload)
     }
@@ -215,8 +215,10 @@ async fn subscribe(
         max_ack_pending: spec.max_ack_pending.unwrap_or(1000),
         ..Default::default()
     };
-    let consumer: jetstream::consumer::Consumer<pull::Config> =
-        bus.jetstream().create_consumer_on_stream(config, stream_name).await?;
+    let consumer: jetstream::consumer::Consumer<pull::Config> = bus
+        .jetstream()
+        .create_consumer_on_stream(config, stream_name)
+        .await?;
     let batch = spec.concurrency.clamp(1, 256);
     Ok(consumer
         .stream()
@@ -227,8 +229,12 @@ async fn subscribe(
         .await?)
 }
 
-async fn handle_message<H, Fut>(bus: &Bus, spec: &ConsumerSpec, handler: &H, message: jetstream::Message)
-where
+async fn handle_message<H, Fut>(
+    bus: &Bus,
+    spec: &ConsumerSpec,
+    handler: &H,
+    message: jetstream::Message,
+) where
     H: Fn(Delivery) -> Fut,
     Fut: Future<Output = Result<(), HandlerError>>,
 {
@@ -260,7 +266,9 @@ where
     let result = handler(delivery.clone()).instrument(span.clone()).await;
     bus.metrics()
         .handler_seconds
-        .get_or_create(&ConsumerLabel { consumer: spec.durable.clone() })
+        .get_or_create(&ConsumerLabel {
+            consumer: spec.durable.clone(),
+        })
         .observe(started.elapsed().as_secs_f64());
 
     let outcome = async {
@@ -290,7 +298,10 @@ where
     .await;
     bus.metrics()
         .messages_handled
-        .get_or_create(&ConsumerOutcome { consumer: spec.durable.clone(), outcome })
+        .get_or_create(&ConsumerOutcome {
+            consumer: spec.durable.clone(),
+            outcome,
+        })
         .inc();
 }
 
@@ -312,7 +323,10 @@ async fn dead_letter(
     headers.insert(headers::DEAD_LETTER_REASON, truncate(reason, 1024).as_str());
     headers.insert(headers::ORIGINAL_SUBJECT, delivery.subject.as_str());
     tracing::error!(%reason, %subject, "dead-lettering message");
-    match bus.publish_bytes(subject, headers, delivery.payload.clone()).await {
+    match bus
+        .publish_bytes(subject, headers, delivery.payload.clone())
+        .await
+    {
         Ok(_) => settle(message, AckKind::Term).await,
         // Not parked: leave it to be redelivered rather than lose it.
         Err(err) => {

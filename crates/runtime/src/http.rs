@@ -22,12 +22,20 @@ pub fn ops_router(service: &'static str, bus: Bus, metrics: Metrics) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
-        .with_state(OpsState { bus, metrics, service })
+        .with_state(OpsState {
+            bus,
+            metrics,
+            service,
+        })
 }
 
 async fn health(State(state): State<OpsState>) -> impl IntoResponse {
     let connected = state.bus.is_connected();
-    let status = if connected { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let status = if connected {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     let body = serde_json::json!({
         "service": state.service,
         "status": if connected { "ok" } else { "degraded" },
@@ -38,7 +46,10 @@ async fn health(State(state): State<OpsState>) -> impl IntoResponse {
 
 async fn metrics_text(State(state): State<OpsState>) -> impl IntoResponse {
     (
-        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
         state.metrics.encode(),
     )
 }

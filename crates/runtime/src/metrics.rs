@@ -63,7 +63,11 @@ impl Metrics {
             "Time a consumer's handler took per message",
             handler_seconds.clone(),
         );
-        registry.register("events_published", "Events published, by type", events_published.clone());
+        registry.register(
+            "events_published",
+            "Events published, by type",
+            events_published.clone(),
+        );
         registry.register(
             "publish_retries",
             "Publishes repeated because no acknowledgement came back",
@@ -80,7 +84,10 @@ impl Metrics {
 
     /// Adds a service's own metric family.
     pub fn register(&self, name: &str, help: &str, metric: impl Metric) {
-        self.registry.lock().unwrap_or_else(PoisonError::into_inner).register(name, help, metric);
+        self.registry
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .register(name, help, metric);
     }
 
     /// The Prometheus text exposition of every registered metric.

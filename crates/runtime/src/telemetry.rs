@@ -54,7 +54,9 @@ impl TelemetryGuard {
 
 /// `OTEL_EXPORTER_OTLP_ENDPOINT`, the OTLP/HTTP base URL (e.g. `http://jaeger:4318`).
 pub fn otlp_endpoint_from_env() -> Option<String> {
-    std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").ok().filter(|e| !e.is_empty())
+    std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .ok()
+        .filter(|e| !e.is_empty())
 }
 
 /// Installs the global subscriber and propagator, exporting spans to `otlp_endpoint` (an
@@ -92,14 +94,28 @@ pub fn init(
         .unwrap_or_else(|_| EnvFilter::new("info,async_nats=warn,opentelemetry=warn"));
     let json = std::env::var("ARL_LOG_FORMAT").is_ok_and(|f| f == "json");
     let fmt = if json {
-        tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr).boxed()
+        tracing_subscriber::fmt::layer()
+            .json()
+            .with_writer(std::io::stderr)
+            .boxed()
     } else {
-        tracing_subscriber::fmt::layer().with_target(false).with_writer(std::io::stderr).boxed()
+        tracing_subscriber::fmt::layer()
+            .with_target(false)
+            .with_writer(std::io::stderr)
+            .boxed()
     };
     let otel = tracing_opentelemetry::layer().with_tracer(tracer);
-    let installed = tracing_subscriber::registry().with(filter).with(fmt).with(otel).try_init();
+    let installed = tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt)
+        .with(otel)
+        .try_init();
     if installed.is_ok() {
-        tracing::info!(service, otlp = endpoint.as_deref().unwrap_or("off"), "telemetry ready");
+        tracing::info!(
+            service,
+            otlp = endpoint.as_deref().unwrap_or("off"),
+            "telemetry ready"
+        );
     }
     Ok(TelemetryGuard { provider })
 }
@@ -127,5 +143,7 @@ pub fn current_trace_id() -> Option<String> {
     use opentelemetry::trace::TraceContextExt;
     let context = tracing::Span::current().context();
     let span_context = context.span().span_context().clone();
-    span_context.is_valid().then(|| span_context.trace_id().to_string())
+    span_context
+        .is_valid()
+        .then(|| span_context.trace_id().to_string())
 }

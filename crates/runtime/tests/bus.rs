@@ -14,15 +14,22 @@ use arl_testkit::{NatsServer, test_namespace, wait_for};
 use tokio::sync::mpsc;
 
 async fn connect(server: &NatsServer, namespace: &Namespace) -> Bus {
-    let bus = Bus::connect(BusConfig::new(server.url(), namespace.clone(), "test"), Metrics::new())
-        .await
-        .unwrap();
+    let bus = Bus::connect(
+        BusConfig::new(server.url(), namespace.clone(), "test"),
+        Metrics::new(),
+    )
+    .await
+    .unwrap();
     bus.provision().await.unwrap();
     bus
 }
 
 fn progress(run: &str, sequence: u64) -> RunProgressV1 {
-    RunProgressV1 { run_id: RunId::new(run).unwrap(), sequence, ..RunProgressV1::example() }
+    RunProgressV1 {
+        run_id: RunId::new(run).unwrap(),
+        sequence,
+        ..RunProgressV1::example()
+    }
 }
 
 fn fast_spec(namespace: &Namespace, durable: &str) -> ConsumerSpec {
@@ -62,7 +69,10 @@ fn forward(
 }
 
 async fn next(rx: &mut mpsc::UnboundedReceiver<Delivery>) -> Delivery {
-    tokio::time::timeout(Duration::from_secs(20), rx.recv()).await.expect("a delivery").unwrap()
+    tokio::time::timeout(Duration::from_secs(20), rx.recv())
+        .await
+        .expect("a delivery")
+        .unwrap()
 }
 
 #[tokio::test]
@@ -81,12 +91,21 @@ async fn typed_publish_carries_type_version_and_id_headers() {
     let delivery = next(&mut rx).await;
     assert_eq!(delivery.subject, event.subject(&ns));
     let headers = delivery.headers.as_ref().unwrap();
-    assert_eq!(headers.get(headers::EVENT_TYPE).unwrap().as_str(), "run.progress");
+    assert_eq!(
+        headers.get(headers::EVENT_TYPE).unwrap().as_str(),
+        "run.progress"
+    );
     assert_eq!(headers.get(headers::EVENT_VERSION).unwrap().as_str(), "1");
-    assert_eq!(headers.get(headers::MSG_ID).unwrap().as_str(), event.message_id());
+    assert_eq!(
+        headers.get(headers::MSG_ID).unwrap().as_str(),
+        event.message_id()
+    );
     assert_eq!(delivery.decode::<RunProgressV1>().unwrap(), event);
     let wrong = delivery.decode::<RunFailedV1>().unwrap_err();
-    assert!(wrong.to_string().contains("expected run.failed v1"), "{wrong}");
+    assert!(
+        wrong.to_string().contains("expected run.failed v1"),
+        "{wrong}"
+    );
     shutdown.trigger();
     shutdown.wait().await;
 }
@@ -127,15 +146,30 @@ async fn a_failing_handler_is_retried_then_succeeds() {
     let bus = connect(&server, &ns).await;
     let shutdown = Shutdown::new();
     let mut rx = forward(&bus, fast_spec(&ns, "flaky"), &shutdown, |delivery| {
-        if delivery.attempt < 2 { Err(HandlerError::Retry("disk busy".into())) } else { Ok(()) }
+        if delivery.attempt < 2 {
+            Err(HandlerError::Retry("disk busy".into()))
+        } else {
+            Ok(())
+        }
     });
     bus.publish(&progress("run-r", 1)).await.unwrap();
     assert_eq!(next(&mut rx).await.attempt, 1);
     assert_eq!(next(&mut rx).await.attempt, 2);
     // Acked on the second attempt: nothing more arrives, nothing is dead-lettered.
     bus.publish(&progress("run-r", 2)).await.unwrap();
-    assert_eq!(next(&mut rx).await.decode::<RunProgressV1>().unwrap().sequence, 2);
-    let dlq = bus.jetstream().get_stream(ns.stream(Domain::DeadLetter)).await.unwrap();
+    assert_eq!(
+        next(&mut rx)
+            .await
+            .decode::<RunProgressV1>()
+            .unwrap()
+            .sequence,
+        2
+    );
+    let dlq = bus
+        .jetstream()
+        .get_stream(ns.stream(Domain::DeadLetter))
+        .await
+        .unwrap();
     assert_eq!(dlq.get_info().await.unwrap().state.messages, 0);
     shutdown.trigger();
     shutdown.wait().await;
@@ -175,16 +209,39 @@ async fn messages_are_dead_lettered_after_max_deliver_and_on_rejection() {
     let () = parked;
     let dlq = bus.jetstream().get_stream(&dlq_stream).await.unwrap();
     let first = dlq.get_raw_message(1).await.unwrap();
-    let reason = first.headers.get(headers::DEAD_LETTER_REASON).unwrap().as_str().to_owned();
-    assert!(reason.contains("gave up after 3 deliveries: always failing"), "{reason}");
+    let reason = first
+        .headers
+        .get(headers::DEAD_LETTER_REASON)
+        .unwrap()
+        .as_str()
+        .to_owned();
+    assert!(
+        reason.contains("gave up after 3 deliveries: always failing"),
+        "{reason}"
+    );
     assert_eq!(
-        first.headers.get(headers::ORIGINAL_SUBJECT).unwrap().as_str(),
+        first
+            .headers
+            .get(headers::ORIGINAL_SUBJECT)
+            .unwrap()
+            .as_str(),
         progress("run-d", 1).subject(&ns)
     );
     let second = dlq.get_raw_message(2).await.unwrap();
-    assert_eq!(second.headers.get(headers::DEAD_LETTER_REASON).unwrap().as_str(), "can never work");
+    assert_eq!(
+        second
+            .headers
+            .get(headers::DEAD_LETTER_REASON)
+            .unwrap()
+            .as_str(),
+        "can never work"
+    );
     // Terminated, not redelivered.
-    assert!(tokio::time::timeout(Duration::from_millis(500), rx.recv()).await.is_err());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), rx.recv())
+            .await
+            .is_err()
+    );
     shutdown.trigger();
     shutdown.wait().await;
 }
@@ -195,7 +252,9 @@ async fn nothing_published_before_a_server_restart_is_lost() {
     let ns = test_namespace();
     let bus = connect(&server, &ns).await;
     for sequence in 1..=20 {
-        bus.publish(&progress("run-restart", sequence)).await.unwrap();
+        bus.publish(&progress("run-restart", sequence))
+            .await
+            .unwrap();
     }
     server.restart().unwrap();
 
@@ -205,7 +264,13 @@ async fn nothing_published_before_a_server_restart_is_lost() {
     let mut rx = forward(&bus, fast_spec(&ns, "after-restart"), &shutdown, |_| Ok(()));
     let mut seen = Vec::new();
     while seen.len() < 21 {
-        seen.push(next(&mut rx).await.decode::<RunProgressV1>().unwrap().sequence);
+        seen.push(
+            next(&mut rx)
+                .await
+                .decode::<RunProgressV1>()
+                .unwrap()
+                .sequence,
+        );
     }
     seen.sort_unstable();
     assert_eq!(seen, (1..=21).collect::<Vec<_>>());
@@ -221,7 +286,14 @@ async fn a_consumer_resumes_after_the_server_restarts_under_it() {
     let shutdown = Shutdown::new();
     let mut rx = forward(&bus, fast_spec(&ns, "survivor"), &shutdown, |_| Ok(()));
     bus.publish(&progress("run-s", 1)).await.unwrap();
-    assert_eq!(next(&mut rx).await.decode::<RunProgressV1>().unwrap().sequence, 1);
+    assert_eq!(
+        next(&mut rx)
+            .await
+            .decode::<RunProgressV1>()
+            .unwrap()
+            .sequence,
+        1
+    );
 
     server.restart().unwrap();
     bus.publish(&progress("run-s", 2)).await.unwrap();
@@ -247,7 +319,10 @@ async fn health_and_metrics_are_served() {
     assert!(health.starts_with("HTTP/1.1 200"), "{health}");
     assert!(health.contains("\"nats\":\"connected\""), "{health}");
     let metrics = http_get(addr, "/metrics").await;
-    assert!(metrics.contains("arl_events_published_total{event_type=\"run.progress\"} 1"), "{metrics}");
+    assert!(
+        metrics.contains("arl_events_published_total{event_type=\"run.progress\"} 1"),
+        "{metrics}"
+    );
     shutdown.trigger();
     shutdown.wait().await;
 }
@@ -298,8 +373,15 @@ async fn a_consumer_does_not_exceed_its_concurrency() {
         async move { (done.load(Ordering::SeqCst) == 12).then_some(()) }
     })
     .await;
-    assert!(peak.load(Ordering::SeqCst) <= 3, "peak {}", peak.load(Ordering::SeqCst));
-    assert!(peak.load(Ordering::SeqCst) >= 2, "handlers never overlapped");
+    assert!(
+        peak.load(Ordering::SeqCst) <= 3,
+        "peak {}",
+        peak.load(Ordering::SeqCst)
+    );
+    assert!(
+        peak.load(Ordering::SeqCst) >= 2,
+        "handlers never overlapped"
+    );
     shutdown.trigger();
     shutdown.wait().await;
 }

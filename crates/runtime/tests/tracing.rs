@@ -9,8 +9,8 @@ use arl_runtime::bus::BusConfig;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::telemetry::{self, current_trace_id};
 use arl_runtime::{Bus, ConsumerSpec, Metrics, Shutdown};
-use arl_schemas::events::{Example, RunProgressV1};
 use arl_schemas::Domain;
+use arl_schemas::events::{Example, RunProgressV1};
 use arl_testkit::{NatsServer, test_namespace, wait_for};
 use axum::body::Bytes;
 use tracing::Instrument;
@@ -36,7 +36,10 @@ async fn collector(shutdown: &Shutdown) -> (String, Arc<Mutex<Vec<Bytes>>>) {
 }
 
 fn hex_to_bytes(hex: &str) -> Vec<u8> {
-    (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect()
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+        .collect()
 }
 
 #[tokio::test]
@@ -47,9 +50,12 @@ async fn a_trace_crosses_the_bus_and_reaches_the_collector() {
 
     let server = NatsServer::start().unwrap();
     let ns = test_namespace();
-    let bus = Bus::connect(BusConfig::new(server.url(), ns.clone(), "t"), Metrics::new())
-        .await
-        .unwrap();
+    let bus = Bus::connect(
+        BusConfig::new(server.url(), ns.clone(), "t"),
+        Metrics::new(),
+    )
+    .await
+    .unwrap();
     bus.provision().await.unwrap();
 
     let consumer_trace = Arc::new(Mutex::new(None));
@@ -57,7 +63,11 @@ async fn a_trace_crosses_the_bus_and_reaches_the_collector() {
     let shutdown = Shutdown::new();
     shutdown.spawn(run_consumer(
         bus.clone(),
-        ConsumerSpec::new(Domain::Run, "traced", vec![ns.event_filter(Domain::Run, "progress")]),
+        ConsumerSpec::new(
+            Domain::Run,
+            "traced",
+            vec![ns.event_filter(Domain::Run, "progress")],
+        ),
         move |_delivery| {
             let seen = seen.clone();
             async move {
@@ -94,7 +104,10 @@ async fn a_trace_crosses_the_bus_and_reaches_the_collector() {
             let bodies = received.lock().unwrap();
             bodies
                 .iter()
-                .any(|body| body.windows(trace_bytes.len()).any(|w| w == trace_bytes.as_slice()))
+                .any(|body| {
+                    body.windows(trace_bytes.len())
+                        .any(|w| w == trace_bytes.as_slice())
+                })
                 .then_some(())
         }
     })

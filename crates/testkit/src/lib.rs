@@ -33,7 +33,12 @@ impl NatsServer {
         let binary = find_nats_server()?;
         let port = free_port()?;
         let store = tempfile::Builder::new().prefix("arl-nats-").tempdir()?;
-        let mut server = Self { binary, port, store, child: None };
+        let mut server = Self {
+            binary,
+            port,
+            store,
+            child: None,
+        };
         server.spawn()?;
         Ok(server)
     }
@@ -53,7 +58,10 @@ impl NatsServer {
     /// Stops the server the way an operator would (SIGTERM, then wait).
     pub fn stop(&mut self) -> anyhow::Result<()> {
         if let Some(mut child) = self.child.take() {
-            let status = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status()?;
+            let status = Command::new("kill")
+                .arg("-TERM")
+                .arg(child.id().to_string())
+                .status()?;
             if !status.success() {
                 child.kill()?;
             }
@@ -90,7 +98,14 @@ impl NatsServer {
     fn spawn(&mut self) -> anyhow::Result<()> {
         let log = std::fs::File::create(self.store.path().join("server.log"))?;
         let child = Command::new(&self.binary)
-            .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
+            .args([
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-sd",
+            ])
             .arg(self.store.path().join("jetstream"))
             .stdout(Stdio::null())
             .stderr(log)
@@ -99,13 +114,20 @@ impl NatsServer {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
         while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
                 let log = std::fs::read_to_string(self.store.path().join("server.log"))
                     .unwrap_or_default();
                 bail!("nats-server exited with {status} before accepting connections:\n{log}");
             }
             if Instant::now() > deadline {
-                bail!("nats-server did not accept connections on port {} within 20 s", self.port);
+                bail!(
+                    "nats-server did not accept connections on port {} within 20 s",
+                    self.port
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -147,7 +169,11 @@ pub fn find_nats_server() -> anyhow::Result<PathBuf> {
         "no nats-server {}.{} or newer found ({}); run `make deps`, or set ARL_NATS_SERVER",
         MIN_VERSION.0,
         MIN_VERSION.1,
-        if rejected.is_empty() { "none installed".to_owned() } else { rejected.join(", ") }
+        if rejected.is_empty() {
+            "none installed".to_owned()
+        } else {
+            rejected.join(", ")
+        }
     )
 }
 

@@ -13,7 +13,10 @@ fn main() -> std::io::Result<()> {
 
     for entry in arl_schemas::catalog::all_events() {
         let stem = entry.file_stem();
-        std::fs::write(json_dir.join(format!("{stem}.json")), pretty(&(entry.schema)())?)?;
+        std::fs::write(
+            json_dir.join(format!("{stem}.json")),
+            pretty(&(entry.schema)())?,
+        )?;
         let golden = golden_dir.join(format!("{stem}.json"));
         if !golden.exists() {
             std::fs::write(&golden, pretty(&(entry.example)())?)?;

@@ -5,7 +5,9 @@ use serde::{Deserialize, Serialize};
 
 /// Why a trial (or its grading) did not produce a usable sample. Each class has its own
 /// policy in the rollout service (retry, mask, fail the group, score zero).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureClass {
     /// Sandbox, image, bus or engine trouble: not the agent's fault.

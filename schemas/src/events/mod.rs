@@ -17,8 +17,7 @@ pub trait Example {
 macro_rules! event {
     ($ty:ty, $domain:ident, $event:literal, $version:literal, |$s:ident| $id:expr) => {
         impl crate::Event for $ty {
-            const TYPE: &'static str =
-                concat!(stringify!($domain), ".", $event);
+            const TYPE: &'static str = concat!(stringify!($domain), ".", $event);
             const VERSION: u32 = $version;
 
             fn subject(&self, ns: &crate::Namespace) -> String {
@@ -37,15 +36,37 @@ pub(crate) use event;
 #[doc(hidden)]
 #[macro_export]
 macro_rules! event_domain {
-    (run) => { $crate::Domain::Run };
-    (task) => { $crate::Domain::Task };
-    (image) => { $crate::Domain::Image };
-    (sandbox) => { $crate::Domain::Sandbox };
-    (trial) => { $crate::Domain::Trial };
-    (llm) => { $crate::Domain::Llm };
-    (trajectory) => { $crate::Domain::Trajectory };
-    (reward) => { $crate::Domain::Reward };
-    (train) => { $crate::Domain::Train };
-    (weights) => { $crate::Domain::Weights };
-    (eval) => { $crate::Domain::Eval };
+    (run) => {
+        $crate::Domain::Run
+    };
+    (task) => {
+        $crate::Domain::Task
+    };
+    (image) => {
+        $crate::Domain::Image
+    };
+    (sandbox) => {
+        $crate::Domain::Sandbox
+    };
+    (trial) => {
+        $crate::Domain::Trial
+    };
+    (llm) => {
+        $crate::Domain::Llm
+    };
+    (trajectory) => {
+        $crate::Domain::Trajectory
+    };
+    (reward) => {
+        $crate::Domain::Reward
+    };
+    (train) => {
+        $crate::Domain::Train
+    };
+    (weights) => {
+        $crate::Domain::Weights
+    };
+    (eval) => {
+        $crate::Domain::Eval
+    };
 }

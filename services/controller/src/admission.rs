@@ -9,9 +9,16 @@ use arl_schemas::{FieldError, RunId};
 /// What the controller decided about one run request.
 #[derive(Debug)]
 pub enum Admission {
-    Accept { request: Box<RunRequestedV1>, resources: ResolvedResources },
+    Accept {
+        request: Box<RunRequestedV1>,
+        resources: ResolvedResources,
+    },
     /// The request names a run (in its subject) but is invalid.
-    Reject { run_id: RunId, request: Option<Box<RunRequestedV1>>, errors: Vec<FieldError> },
+    Reject {
+        run_id: RunId,
+        request: Option<Box<RunRequestedV1>>,
+        errors: Vec<FieldError>,
+    },
 }
 
 /// Why a message could not even be tied to a run.
@@ -34,28 +41,50 @@ pub fn admit(
         subject: subject.to_owned(),
         reason: "not a run event subject of this namespace".into(),
     })?;
-    let run_id = RunId::new(token)
-        .map_err(|err| Unroutable { subject: subject.to_owned(), reason: err.to_string() })?;
+    let run_id = RunId::new(token).map_err(|err| Unroutable {
+        subject: subject.to_owned(),
+        reason: err.to_string(),
+    })?;
 
     let request = match arl_schemas::catalog::decode_run_request(body) {
         Ok(request) => request,
-        Err(errors) => return Ok(Admission::Reject { run_id, request: None, errors }),
+        Err(errors) => {
+            return Ok(Admission::Reject {
+                run_id,
+                request: None,
+                errors,
+            });
+        }
     };
     if request.run_id != run_id {
         let errors = vec![FieldError::new(
             "run_id",
-            format!("is {} but the message was published for run {run_id}", request.run_id),
+            format!(
+                "is {} but the message was published for run {run_id}",
+                request.run_id
+            ),
         )];
-        return Ok(Admission::Reject { run_id, request: Some(Box::new(request)), errors });
+        return Ok(Admission::Reject {
+            run_id,
+            request: Some(Box::new(request)),
+            errors,
+        });
     }
     match request.spec.check_resources(model_dir) {
-        Ok(resources) => Ok(Admission::Accept { request: Box::new(request), resources }),
+        Ok(resources) => Ok(Admission::Accept {
+            request: Box::new(request),
+            resources,
+        }),
         Err(errors) => {
             let errors = errors
                 .into_iter()
                 .map(|e| FieldError::new(format!("spec.{}", e.path), e.reason))
                 .collect();
-            Ok(Admission::Reject { run_id, request: Some(Box::new(request)), errors })
+            Ok(Admission::Reject {
+                run_id,
+                request: Some(Box::new(request)),
+                errors,
+            })
         }
     }
 }

@@ -9,7 +9,11 @@ use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use clap::Parser;
 
 #[derive(Debug, Parser)]
-#[command(name = "arl-controller", version, about = "ARL controller: owns each run's life")]
+#[command(
+    name = "arl-controller",
+    version,
+    about = "ARL controller: owns each run's life"
+)]
 struct Args {
     #[command(flatten)]
     common: CommonArgs,
@@ -25,8 +29,11 @@ async fn main() -> anyhow::Result<()> {
     let telemetry = telemetry::init("arl-controller", telemetry::otlp_endpoint_from_env())?;
     let namespace = args.common.namespace()?;
     let metrics = Metrics::new();
-    let bus = Bus::connect(BusConfig::new(&args.common.nats_url, namespace, "arl-controller"), metrics.clone())
-        .await?;
+    let bus = Bus::connect(
+        BusConfig::new(&args.common.nats_url, namespace, "arl-controller"),
+        metrics.clone(),
+    )
+    .await?;
     bus.provision().await.context("provisioning streams")?;
 
     let shutdown = Shutdown::new();

@@ -42,8 +42,11 @@ pub fn apply_train_step(state: &mut RunStateV1, event: &TrainStepV1) {
         });
         state.steps.sort_by_key(|s| s.step);
     }
-    state.phase =
-        if state.step >= state.total_steps { RunPhase::Evaluating } else { RunPhase::Rollout };
+    state.phase = if state.step >= state.total_steps {
+        RunPhase::Evaluating
+    } else {
+        RunPhase::Rollout
+    };
 }
 
 pub fn apply_evaluation(state: &mut RunStateV1, event: &EvaluationCompletedV1) {
@@ -86,7 +89,10 @@ pub fn apply_run_failed(state: &mut RunStateV1, event: &RunFailedV1) {
 /// Returns true when this call completed it.
 pub fn complete_if_done(state: &mut RunStateV1) -> bool {
     let trained = state.total_steps > 0 && state.step >= state.total_steps;
-    let evaluated = state.evaluations.iter().any(|e| e.step >= state.total_steps);
+    let evaluated = state
+        .evaluations
+        .iter()
+        .any(|e| e.step >= state.total_steps);
     if state.status.is_terminal() || !trained || !evaluated {
         return false;
     }
@@ -123,8 +129,8 @@ pub fn completed_event(state: &RunStateV1) -> RunCompletedV1 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arl_schemas::events::{Example, FailureCounts};
     use arl_schemas::RunId;
+    use arl_schemas::events::{Example, FailureCounts};
 
     fn accepted(total_steps: u32) -> RunStateV1 {
         RunStateV1 {

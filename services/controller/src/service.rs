@@ -32,7 +32,10 @@ pub struct ControllerConfig {
 
 impl Default for ControllerConfig {
     fn default() -> Self {
-        Self { model_dir: arl_schemas::spec::default_model_dir(), admission_concurrency: 8 }
+        Self {
+            model_dir: arl_schemas::spec::default_model_dir(),
+            admission_concurrency: 8,
+        }
     }
 }
 
@@ -68,7 +71,9 @@ impl Controller {
     /// Needs a provisioned namespace (`Bus::provision`).
     pub async fn new(bus: Bus, config: ControllerConfig) -> Result<Self, ControllerError> {
         let store = RunStore::open(&bus).await?;
-        Ok(Self { inner: Arc::new(Inner { bus, store, config }) })
+        Ok(Self {
+            inner: Arc::new(Inner { bus, store, config }),
+        })
     }
 
     /// Starts every consumer on tasks tracked by `shutdown`, and returns.
@@ -80,7 +85,9 @@ impl Controller {
             vec![ns.event_filter(Domain::Run, "requested")],
         );
         admission.concurrency = self.inner.config.admission_concurrency;
-        self.consume(shutdown, admission, |c, d| async move { c.on_run_requested(&d).await });
+        self.consume(shutdown, admission, |c, d| async move {
+            c.on_run_requested(&d).await
+        });
 
         self.fold::<TrainStepV1>(shutdown, Domain::Train, "step", |state, event| {
             progress::apply_train_step(state, event);
@@ -98,10 +105,15 @@ impl Controller {
         let trials = ConsumerSpec::new(
             Domain::Trial,
             FOLD,
-            vec![ns.event_filter(Domain::Trial, "finished"), ns.event_filter(Domain::Trial, "failed")],
+            vec![
+                ns.event_filter(Domain::Trial, "finished"),
+                ns.event_filter(Domain::Trial, "failed"),
+            ],
         )
         .ordered();
-        self.consume(shutdown, trials, |c, d| async move { c.on_trial_outcome(&d).await });
+        self.consume(shutdown, trials, |c, d| async move {
+            c.on_trial_outcome(&d).await
+        });
     }
 
     fn consume<F, Fut>(&self, shutdown: &Shutdown, spec: ConsumerSpec, handler: F)
@@ -127,12 +139,21 @@ impl Controller {
         apply: fn(&mut RunStateV1, &E),
     ) {
         let ns = self.inner.bus.namespace();
-        let durable = if domain == Domain::Run { format!("{FOLD}-{event}") } else { FOLD.into() };
-        let spec = ConsumerSpec::new(domain, durable, vec![ns.event_filter(domain, event)]).ordered();
+        let durable = if domain == Domain::Run {
+            format!("{FOLD}-{event}")
+        } else {
+            FOLD.into()
+        };
+        let spec =
+            ConsumerSpec::new(domain, durable, vec![ns.event_filter(domain, event)]).ordered();
         self.consume(shutdown, spec, move |controller, delivery| async move {
-            let event: E = delivery.decode().map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+            let event: E = delivery
+                .decode()
+                .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
             let run_id = run_of(&controller, &delivery)?;
-            controller.apply(&delivery, domain, &run_id, |state| apply(state, &event)).await
+            controller
+                .apply(&delivery, domain, &run_id, |state| apply(state, &event))
+                .await
         });
     }
 
@@ -142,7 +163,13 @@ impl Controller {
         match delivery.event_type().as_deref() {
             Some(TrialFinishedV1::TYPE) => {
                 delivery.decode::<TrialFinishedV1>().map_err(dead)?;
-                self.apply(delivery, Domain::Trial, &run_id, progress::apply_trial_finished).await
+                self.apply(
+                    delivery,
+                    Domain::Trial,
+                    &run_id,
+                    progress::apply_trial_finished,
+                )
+                .await
             }
             Some(TrialFailedV1::TYPE) => {
                 let event = delivery.decode::<TrialFailedV1>().map_err(dead)?;
@@ -183,7 +210,9 @@ impl Controller {
             .await
             .map_err(retry)?;
         let Some(state) = updated else {
-            return Err(HandlerError::DeadLetter(format!("run {run_id} is unknown to the controller")));
+            return Err(HandlerError::DeadLetter(format!(
+                "run {run_id} is unknown to the controller"
+            )));
         };
         // Publishing again after a redelivery is harmless: the message ids de-duplicate.
         self.announce(&state).await
@@ -253,33 +282,58 @@ impl Controller {
 }
 
 fn run_of(controller: &Controller, delivery: &Delivery) -> Result<RunId, HandlerError> {
-    let token = controller.inner.bus.namespace().run_token(&delivery.subject);
-    token
-        .and_then(|t| RunId::new(t).ok())
-        .ok_or_else(|| HandlerError::DeadLetter(format!("no run id in subject {}", delivery.subject)))
+    let token = controller
+        .inner
+        .bus
+        .namespace()
+        .run_token(&delivery.subject);
+    token.and_then(|t| RunId::new(t).ok()).ok_or_else(|| {
+        HandlerError::DeadLetter(format!("no run id in subject {}", delivery.subject))
+    })
 }
 
 fn initial_state(admission: Admission) -> RunStateV1 {
     let now = Utc::now();
     let (run_id, request, errors, resources) = match admission {
-        Admission::Accept { request, resources } => {
-            (request.run_id.clone(), Some(request), vec![], Some(resources))
-        }
-        Admission::Reject { run_id, request, errors } => (run_id, request, errors, None),
+        Admission::Accept { request, resources } => (
+            request.run_id.clone(),
+            Some(request),
+            vec![],
+            Some(resources),
+        ),
+        Admission::Reject {
+            run_id,
+            request,
+            errors,
+        } => (run_id, request, errors, None),
     };
-    let status = if resources.is_some() { RunStatus::Accepted } else { RunStatus::Rejected };
+    let status = if resources.is_some() {
+        RunStatus::Accepted
+    } else {
+        RunStatus::Rejected
+    };
     RunStateV1 {
         run_id,
-        name: request.as_ref().map(|r| r.spec.name.clone()).unwrap_or_default(),
+        name: request
+            .as_ref()
+            .map(|r| r.spec.name.clone())
+            .unwrap_or_default(),
         status,
         phase: RunPhase::Preparing,
-        submitted_by: request.as_ref().map(|r| r.submitted_by.clone()).unwrap_or_default(),
+        submitted_by: request
+            .as_ref()
+            .map(|r| r.submitted_by.clone())
+            .unwrap_or_default(),
         submitted_at: request.as_ref().map_or(now, |r| r.submitted_at),
         updated_at: now,
         total_steps: request.as_ref().map_or(0, |r| r.spec.trainer.total_steps),
         spec: request.map(|r| r.spec),
-        model_path: resources.as_ref().map(|r| r.model_path.display().to_string()),
-        dataset_path: resources.as_ref().map(|r| r.dataset_path.display().to_string()),
+        model_path: resources
+            .as_ref()
+            .map(|r| r.model_path.display().to_string()),
+        dataset_path: resources
+            .as_ref()
+            .map(|r| r.dataset_path.display().to_string()),
         errors,
         step: 0,
         policy_version: 0,

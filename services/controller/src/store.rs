@@ -34,14 +34,20 @@ pub struct RunStore {
 
 impl RunStore {
     pub async fn open(bus: &Bus) -> Result<Self, StoreError> {
-        Ok(Self { kv: bus.bucket(Bucket::RunState).await? })
+        Ok(Self {
+            kv: bus.bucket(Bucket::RunState).await?,
+        })
     }
 
     pub async fn get(&self, run_id: &RunId) -> Result<Option<Versioned>, StoreError> {
-        let entry = self.kv.entry(run_id.as_str()).await.map_err(|err| StoreError::Read {
-            run_id: run_id.clone(),
-            reason: err.to_string(),
-        })?;
+        let entry = self
+            .kv
+            .entry(run_id.as_str())
+            .await
+            .map_err(|err| StoreError::Read {
+                run_id: run_id.clone(),
+                reason: err.to_string(),
+            })?;
         let Some(entry) = entry else { return Ok(None) };
         if entry.operation != kv::Operation::Put {
             return Ok(None);
@@ -50,7 +56,10 @@ impl RunStore {
             run_id: run_id.clone(),
             reason: err.to_string(),
         })?;
-        Ok(Some(Versioned { state, revision: entry.revision }))
+        Ok(Some(Versioned {
+            state,
+            revision: entry.revision,
+        }))
     }
 
     /// Stores the first state of a run. Returns `None` if the run already had one.
@@ -59,9 +68,10 @@ impl RunStore {
         match self.kv.create(state.run_id.as_str(), body.into()).await {
             Ok(revision) => Ok(Some(revision)),
             Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
-            Err(err) => {
-                Err(StoreError::Write { run_id: state.run_id.clone(), reason: err.to_string() })
-            }
+            Err(err) => Err(StoreError::Write {
+                run_id: state.run_id.clone(),
+                reason: err.to_string(),
+            }),
         }
     }
 
@@ -73,7 +83,11 @@ impl RunStore {
         mut change: impl FnMut(&mut RunStateV1) -> bool,
     ) -> Result<Option<RunStateV1>, StoreError> {
         for _ in 0..32 {
-            let Some(Versioned { mut state, revision }) = self.get(run_id).await? else {
+            let Some(Versioned {
+                mut state,
+                revision,
+            }) = self.get(run_id).await?
+            else {
                 return Ok(None);
             };
             if !change(&mut state) {
@@ -92,12 +106,15 @@ impl RunStore {
                 }
             }
         }
-        Err(StoreError::Contended { run_id: run_id.clone() })
+        Err(StoreError::Contended {
+            run_id: run_id.clone(),
+        })
     }
 
     fn encode(&self, state: &RunStateV1) -> Result<Vec<u8>, StoreError> {
-        state
-            .encode()
-            .map_err(|err| StoreError::Write { run_id: state.run_id.clone(), reason: err.to_string() })
+        state.encode().map_err(|err| StoreError::Write {
+            run_id: state.run_id.clone(),
+            reason: err.to_string(),
+        })
     }
 }

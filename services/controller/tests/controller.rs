@@ -8,8 +8,8 @@ use arl_controller::{Controller, ControllerConfig};
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown, headers};
 use arl_schemas::events::{
-    Example, FailureClass, RunAcceptedV1, RunCompletedV1, RunProgressV1, RunRejectedV1,
-    RunRequestedV1, TrainStepV1, TrialFailedV1, TrialFinishedV1, EvaluationCompletedV1,
+    EvaluationCompletedV1, Example, FailureClass, RunAcceptedV1, RunCompletedV1, RunProgressV1,
+    RunRejectedV1, RunRequestedV1, TrainStepV1, TrialFailedV1, TrialFinishedV1,
 };
 use arl_schemas::spec::RunSpec;
 use arl_schemas::state::{RunStateV1, RunStatus};
@@ -26,10 +26,17 @@ impl Resources {
     fn new() -> Self {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("models")).unwrap();
-        std::fs::write(dir.path().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"), b"GGUF\x03\0\0\0")
-            .unwrap();
+        std::fs::write(
+            dir.path().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            b"GGUF\x03\0\0\0",
+        )
+        .unwrap();
         std::fs::create_dir_all(dir.path().join("tasks/fix-add")).unwrap();
-        std::fs::write(dir.path().join("tasks/fix-add/task.toml"), "version = \"1.0\"\n").unwrap();
+        std::fs::write(
+            dir.path().join("tasks/fix-add/task.toml"),
+            "version = \"1.0\"\n",
+        )
+        .unwrap();
         Self { dir }
     }
 
@@ -38,8 +45,7 @@ impl Resources {
     }
 
     fn spec(&self) -> RunSpec {
-        let mut spec = RunSpec::default();
-        spec.name = "smoke".into();
+        let mut spec = RunSpec { name: "smoke".into(), ..RunSpec::default() };
         spec.data.dataset = self.dir.path().join("tasks").display().to_string();
         spec
     }
@@ -56,22 +62,40 @@ impl Harness {
     async fn start() -> Self {
         let server = NatsServer::start().unwrap();
         let ns = test_namespace();
-        let bus = Bus::connect(BusConfig::new(server.url(), ns.clone(), "test"), Metrics::new())
-            .await
-            .unwrap();
+        let bus = Bus::connect(
+            BusConfig::new(server.url(), ns.clone(), "test"),
+            Metrics::new(),
+        )
+        .await
+        .unwrap();
         bus.provision().await.unwrap();
-        Self { server, ns, bus, resources: Resources::new() }
+        Self {
+            server,
+            ns,
+            bus,
+            resources: Resources::new(),
+        }
     }
 
     async fn controller(&self) -> Shutdown {
         let shutdown = Shutdown::new();
-        let config = ControllerConfig { model_dir: self.resources.model_dir(), admission_concurrency: 4 };
-        Controller::new(self.bus.clone(), config).await.unwrap().start(&shutdown);
+        let config = ControllerConfig {
+            model_dir: self.resources.model_dir(),
+            admission_concurrency: 4,
+        };
+        Controller::new(self.bus.clone(), config)
+            .await
+            .unwrap()
+            .start(&shutdown);
         shutdown
     }
 
     fn request(&self, spec: RunSpec) -> RunRequestedV1 {
-        RunRequestedV1 { run_id: RunId::generate(), spec, ..RunRequestedV1::example() }
+        RunRequestedV1 {
+            run_id: RunId::generate(),
+            spec,
+            ..RunRequestedV1::example()
+        }
     }
 
     async fn state(&self, run_id: &RunId) -> Option<RunStateV1> {
@@ -80,7 +104,12 @@ impl Harness {
         Some(RunStateV1::decode(&bytes).unwrap())
     }
 
-    async fn wait_state(&self, run_id: &RunId, what: &str, check: impl Fn(&RunStateV1) -> bool) -> RunStateV1 {
+    async fn wait_state(
+        &self,
+        run_id: &RunId,
+        what: &str,
+        check: impl Fn(&RunStateV1) -> bool,
+    ) -> RunStateV1 {
         wait_for(what, Duration::from_secs(30), || async {
             self.state(run_id).await.filter(|s| check(s))
         })
@@ -94,11 +123,16 @@ impl Harness {
 
     /// Publishes raw bytes on a run's request subject, as a misbehaving client would.
     async fn publish_raw_request(&self, run_id: &str, body: Vec<u8>) {
-        let subject = self.ns.event_subject(Domain::Run, &RunId::new(run_id).unwrap(), "requested");
+        let subject = self
+            .ns
+            .event_subject(Domain::Run, &RunId::new(run_id).unwrap(), "requested");
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(headers::EVENT_TYPE, RunRequestedV1::TYPE);
         headers.insert(headers::EVENT_VERSION, "1");
-        self.bus.publish_bytes(subject, headers, body.into()).await.unwrap();
+        self.bus
+            .publish_bytes(subject, headers, body.into())
+            .await
+            .unwrap();
     }
 }
 
@@ -114,17 +148,28 @@ async fn a_valid_request_is_accepted_and_recorded() {
     let request = h.request(h.resources.spec());
     h.bus.publish(&request).await.unwrap();
 
-    let state = h.wait_state(&request.run_id, "accepted", |s| s.status == RunStatus::Accepted).await;
+    let state = h
+        .wait_state(&request.run_id, "accepted", |s| {
+            s.status == RunStatus::Accepted
+        })
+        .await;
     assert_eq!(state.name, "smoke");
     assert_eq!(state.total_steps, 2);
-    assert!(state.model_path.unwrap().ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"));
+    assert!(
+        state
+            .model_path
+            .unwrap()
+            .ends_with("SmolLM2-135M-Instruct.Q4_1.gguf")
+    );
     let accepted: Vec<RunAcceptedV1> = h.events(Domain::Run, &request.run_id, "accepted").await;
     assert_eq!(accepted.len(), 1);
-    let progress: Vec<RunProgressV1> = wait_for("first progress", Duration::from_secs(10), || async {
-        let events: Vec<RunProgressV1> = h.events(Domain::Run, &request.run_id, "progress").await;
-        (!events.is_empty()).then_some(events)
-    })
-    .await;
+    let progress: Vec<RunProgressV1> =
+        wait_for("first progress", Duration::from_secs(10), || async {
+            let events: Vec<RunProgressV1> =
+                h.events(Domain::Run, &request.run_id, "progress").await;
+            (!events.is_empty()).then_some(events)
+        })
+        .await;
     assert_eq!(progress[0].sequence, 1);
     assert_eq!(progress[0].percent, 0.0);
     stop(controller).await;
@@ -138,21 +183,51 @@ fn spec_json(resources: &Resources) -> serde_json::Value {
 async fn ten_kinds_of_bad_spec_are_rejected_with_the_field_path() {
     let h = Harness::start().await;
     let controller = h.controller().await;
-    let missing = h.resources.dir.path().join("nothing-here").display().to_string();
+    let missing = h
+        .resources
+        .dir
+        .path()
+        .join("nothing-here")
+        .display()
+        .to_string();
     let not_gguf = h.resources.dir.path().join("weights.gguf");
     std::fs::write(&not_gguf, b"not a model").unwrap();
 
     type Mutation = Box<dyn Fn(&mut serde_json::Value)>;
     let cases: Vec<(&str, Mutation)> = vec![
         ("spec.rollout.n", Box::new(|s| s["rollout"]["n"] = 0.into())),
-        ("spec.rollout.temperature", Box::new(|s| s["rollout"]["temperature"] = (-1.0).into())),
-        ("spec.rollout.top_p", Box::new(|s| s["rollout"]["top_p"] = 1.5.into())),
-        ("spec.optim.lr", Box::new(|s| s["optim"]["lr"] = "fast".into())),
-        ("spec.algorithm.adv_estimator", Box::new(|s| s["algorithm"]["adv_estimator"] = "ppo9".into())),
-        ("spec.algorithm.clip_ratio_low", Box::new(|s| s["algorithm"]["clip_ratio_low"] = (-0.1).into())),
-        ("spec.trainer.total_steps", Box::new(|s| s["trainer"]["total_steps"] = 0.into())),
-        ("spec.trainer.device", Box::new(|s| s["trainer"]["device"] = "tpu".into())),
-        ("spec.rollout.nn", Box::new(|s| s["rollout"]["nn"] = 3.into())),
+        (
+            "spec.rollout.temperature",
+            Box::new(|s| s["rollout"]["temperature"] = (-1.0).into()),
+        ),
+        (
+            "spec.rollout.top_p",
+            Box::new(|s| s["rollout"]["top_p"] = 1.5.into()),
+        ),
+        (
+            "spec.optim.lr",
+            Box::new(|s| s["optim"]["lr"] = "fast".into()),
+        ),
+        (
+            "spec.algorithm.adv_estimator",
+            Box::new(|s| s["algorithm"]["adv_estimator"] = "ppo9".into()),
+        ),
+        (
+            "spec.algorithm.clip_ratio_low",
+            Box::new(|s| s["algorithm"]["clip_ratio_low"] = (-0.1).into()),
+        ),
+        (
+            "spec.trainer.total_steps",
+            Box::new(|s| s["trainer"]["total_steps"] = 0.into()),
+        ),
+        (
+            "spec.trainer.device",
+            Box::new(|s| s["trainer"]["device"] = "tpu".into()),
+        ),
+        (
+            "spec.rollout.nn",
+            Box::new(|s| s["rollout"]["nn"] = 3.into()),
+        ),
         ("spec.data.dataset", {
             let missing = missing.clone();
             Box::new(move |s| s["data"]["dataset"] = missing.clone().into())
@@ -161,10 +236,13 @@ async fn ten_kinds_of_bad_spec_are_rejected_with_the_field_path() {
             let path = not_gguf.display().to_string();
             Box::new(move |s| s["model"]["path"] = path.clone().into())
         }),
-        ("spec.data.train_batch_size", Box::new(|s| {
-            s["data"]["train_size"] = 2.into();
-            s["data"]["train_batch_size"] = 4.into();
-        })),
+        (
+            "spec.data.train_batch_size",
+            Box::new(|s| {
+                s["data"]["train_size"] = 2.into();
+                s["data"]["train_batch_size"] = 4.into();
+            }),
+        ),
     ];
     let mut runs = Vec::new();
     for (path, mutate) in &cases {
@@ -177,11 +255,14 @@ async fn ten_kinds_of_bad_spec_are_rejected_with_the_field_path() {
             "submitted_by": "test",
             "spec": spec,
         });
-        h.publish_raw_request(run_id.as_str(), serde_json::to_vec(&body).unwrap()).await;
+        h.publish_raw_request(run_id.as_str(), serde_json::to_vec(&body).unwrap())
+            .await;
         runs.push((run_id, *path));
     }
     for (run_id, path) in runs {
-        let state = h.wait_state(&run_id, "rejected", |s| s.status == RunStatus::Rejected).await;
+        let state = h
+            .wait_state(&run_id, "rejected", |s| s.status == RunStatus::Rejected)
+            .await;
         let paths: Vec<_> = state.errors.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(paths, [path], "{:?}", state.errors);
         let rejected: Vec<RunRejectedV1> = h.events(Domain::Run, &run_id, "rejected").await;
@@ -195,23 +276,36 @@ async fn ten_kinds_of_bad_spec_are_rejected_with_the_field_path() {
 async fn undecodable_bytes_are_rejected_not_dropped() {
     let h = Harness::start().await;
     let controller = h.controller().await;
-    h.publish_raw_request("run-garbage", b"\x89PNG\r\n\x1a\n not json".to_vec()).await;
-    h.publish_raw_request("run-not-object", b"[1, 2, 3]".to_vec()).await;
+    h.publish_raw_request("run-garbage", b"\x89PNG\r\n\x1a\n not json".to_vec())
+        .await;
+    h.publish_raw_request("run-not-object", b"[1, 2, 3]".to_vec())
+        .await;
 
     for run in ["run-garbage", "run-not-object"] {
         let run_id = RunId::new(run).unwrap();
-        let state = h.wait_state(&run_id, "rejected", |s| s.status == RunStatus::Rejected).await;
+        let state = h
+            .wait_state(&run_id, "rejected", |s| s.status == RunStatus::Rejected)
+            .await;
         assert!(!state.errors.is_empty());
         let rejected: Vec<RunRejectedV1> = h.events(Domain::Run, &run_id, "rejected").await;
         assert_eq!(rejected.len(), 1, "{run}");
     }
     let garbage = h.state(&RunId::new("run-garbage").unwrap()).await.unwrap();
-    assert!(garbage.errors[0].reason.contains("not valid JSON"), "{:?}", garbage.errors);
+    assert!(
+        garbage.errors[0].reason.contains("not valid JSON"),
+        "{:?}",
+        garbage.errors
+    );
     stop(controller).await;
 }
 
 fn step(run_id: &RunId, step: u32) -> TrainStepV1 {
-    TrainStepV1 { run_id: run_id.clone(), step, policy_version: u64::from(step), ..TrainStepV1::example() }
+    TrainStepV1 {
+        run_id: run_id.clone(),
+        step,
+        policy_version: u64::from(step),
+        ..TrainStepV1::example()
+    }
 }
 
 #[tokio::test]
@@ -221,7 +315,8 @@ async fn a_restarted_controller_carries_on_with_state_intact() {
     let request = h.request(h.resources.spec());
     h.bus.publish(&request).await.unwrap();
     let run = request.run_id.clone();
-    h.wait_state(&run, "accepted", |s| s.status == RunStatus::Accepted).await;
+    h.wait_state(&run, "accepted", |s| s.status == RunStatus::Accepted)
+        .await;
     h.bus.publish(&step(&run, 1)).await.unwrap();
     h.wait_state(&run, "step 1", |s| s.step == 1).await;
     stop(controller).await;
@@ -268,7 +363,8 @@ async fn duplicates_are_processed_once() {
     assert!(second.duplicate);
     assert_eq!(first.sequence, second.sequence);
     let run = request.run_id.clone();
-    h.wait_state(&run, "accepted", |s| s.status == RunStatus::Accepted).await;
+    h.wait_state(&run, "accepted", |s| s.status == RunStatus::Accepted)
+        .await;
 
     // The same trial failure published twice (a retrying publisher) counts once.
     let mut failed = TrialFailedV1::example();
@@ -278,7 +374,9 @@ async fn duplicates_are_processed_once() {
     let mut other = failed.clone();
     other.slot.attempt = 1;
     h.bus.publish(&other).await.unwrap();
-    let state = h.wait_state(&run, "two failures", |s| s.failures.total() == 2).await;
+    let state = h
+        .wait_state(&run, "two failures", |s| s.failures.total() == 2)
+        .await;
     assert_eq!(state.failures.context_overflow, 2);
 
     let accepted: Vec<RunAcceptedV1> = h.events(Domain::Run, &run, "accepted").await;
@@ -293,7 +391,9 @@ async fn a_request_survives_a_server_restart_before_it_is_consumed() {
     h.bus.publish(&request).await.unwrap();
     h.server.restart().unwrap();
     let controller = h.controller().await;
-    h.wait_state(&request.run_id, "accepted", |s| s.status == RunStatus::Accepted).await;
+    h.wait_state(&request.run_id, "accepted", |s| {
+        s.status == RunStatus::Accepted
+    })
+    .await;
     stop(controller).await;
 }
-

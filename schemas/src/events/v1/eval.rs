@@ -5,8 +5,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{example_run, example_time};
-use crate::events::{Example, event};
 use crate::RunId;
+use crate::events::{Example, event};
 
 /// Unbiased pass@k over tasks (Chen et al., 2021).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -47,7 +47,13 @@ impl Example for EvaluationCompletedV1 {
             resolution_rate: 0.0925,
             ci95_low: 0.0678,
             ci95_high: 0.1250,
-            pass_at_k: vec![PassAtK { k: 1, value: 0.0925 }, PassAtK { k: 4, value: 0.21 }],
+            pass_at_k: vec![
+                PassAtK {
+                    k: 1,
+                    value: 0.0925,
+                },
+                PassAtK { k: 4, value: 0.21 },
+            ],
             at: example_time(),
         }
     }

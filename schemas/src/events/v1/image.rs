@@ -29,7 +29,10 @@ pub struct ImageReadyV1 {
     pub build_seconds: f64,
     pub at: DateTime<Utc>,
 }
-event!(ImageReadyV1, image, "ready", 1, |e| format!("image.ready:{}:{}", e.run_id, e.task_id));
+event!(ImageReadyV1, image, "ready", 1, |e| format!(
+    "image.ready:{}:{}",
+    e.run_id, e.task_id
+));
 
 /// Why an environment could not be made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -60,12 +63,17 @@ pub struct ImageFailedV1 {
     pub log_tail: String,
     pub at: DateTime<Utc>,
 }
-event!(ImageFailedV1, image, "failed", 1, |e| format!("image.failed:{}:{}", e.run_id, e.task_id));
+event!(ImageFailedV1, image, "failed", 1, |e| format!(
+    "image.failed:{}:{}",
+    e.run_id, e.task_id
+));
 
 fn example_environment() -> EnvironmentRef {
     EnvironmentRef {
         name: "swebench/django__django-11880".into(),
-        digest: Some("sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08".into()),
+        digest: Some(
+            "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08".into(),
+        ),
     }
 }
 

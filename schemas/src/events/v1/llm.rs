@@ -50,7 +50,10 @@ pub struct LlmCallV1 {
     pub backend: String,
     pub model: String,
 }
-event!(LlmCallV1, llm, "call", 1, |e| format!("llm.call:{}:{}", e.trial_id, e.turn_index));
+event!(LlmCallV1, llm, "call", 1, |e| format!(
+    "llm.call:{}:{}",
+    e.trial_id, e.turn_index
+));
 
 impl Example for LlmCallV1 {
     fn example() -> Self {

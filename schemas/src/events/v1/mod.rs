@@ -28,7 +28,9 @@ use chrono::{DateTime, TimeZone, Utc};
 
 /// A fixed instant for examples, so golden files are reproducible.
 pub(crate) fn example_time() -> DateTime<Utc> {
-    Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).single().unwrap_or_default()
+    Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0)
+        .single()
+        .unwrap_or_default()
 }
 
 pub(crate) fn example_run() -> crate::RunId {

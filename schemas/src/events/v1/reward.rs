@@ -57,11 +57,17 @@ impl Example for RewardScoredV1 {
             task_id: example_task(),
             attempt: 0,
             reward: 1.1,
-            breakdown: RewardBreakdown { pass: 1.0, short_patch_bonus: 0.1, fast_bonus: 0.0 },
+            breakdown: RewardBreakdown {
+                pass: 1.0,
+                short_patch_bonus: 0.1,
+                fast_bonus: 0.0,
+            },
             resolved: true,
             tests: Some(TestReport {
                 fail_to_pass: TestSetOutcome {
-                    passed: vec!["test_missing_attr (model_fields.tests.GetFieldDisplayTests)".into()],
+                    passed: vec![
+                        "test_missing_attr (model_fields.tests.GetFieldDisplayTests)".into(),
+                    ],
                     failed: vec![],
                 },
                 pass_to_pass: TestSetOutcome {

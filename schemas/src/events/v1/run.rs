@@ -19,7 +19,10 @@ pub struct RunRequestedV1 {
     /// Who submitted it (user@host), for the audit trail.
     pub submitted_by: String,
 }
-event!(RunRequestedV1, run, "requested", 1, |e| format!("run.requested:{}", e.run_id));
+event!(RunRequestedV1, run, "requested", 1, |e| format!(
+    "run.requested:{}",
+    e.run_id
+));
 
 /// The controller validated the spec: the run will start.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -32,7 +35,10 @@ pub struct RunAcceptedV1 {
     /// The dataset file or directory the spec resolved to.
     pub dataset_path: String,
 }
-event!(RunAcceptedV1, run, "accepted", 1, |e| format!("run.accepted:{}", e.run_id));
+event!(RunAcceptedV1, run, "accepted", 1, |e| format!(
+    "run.accepted:{}",
+    e.run_id
+));
 
 /// The controller refused the request; `errors` lists every problem found.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -41,7 +47,10 @@ pub struct RunRejectedV1 {
     pub rejected_at: DateTime<Utc>,
     pub errors: Vec<FieldError>,
 }
-event!(RunRejectedV1, run, "rejected", 1, |e| format!("run.rejected:{}", e.run_id));
+event!(RunRejectedV1, run, "rejected", 1, |e| format!(
+    "run.rejected:{}",
+    e.run_id
+));
 
 /// Where a run is in its pipeline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -70,7 +79,10 @@ pub struct RunProgressV1 {
     /// 0–100.
     pub percent: f32,
 }
-event!(RunProgressV1, run, "progress", 1, |e| format!("run.progress:{}:{}", e.run_id, e.sequence));
+event!(RunProgressV1, run, "progress", 1, |e| format!(
+    "run.progress:{}:{}",
+    e.run_id, e.sequence
+));
 
 /// Every step trained and the final evaluation done.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -84,7 +96,10 @@ pub struct RunCompletedV1 {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub final_resolution_rate: Option<f64>,
 }
-event!(RunCompletedV1, run, "completed", 1, |e| format!("run.completed:{}", e.run_id));
+event!(RunCompletedV1, run, "completed", 1, |e| format!(
+    "run.completed:{}",
+    e.run_id
+));
 
 /// The run stopped before completion.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -95,7 +110,10 @@ pub struct RunFailedV1 {
     pub service: String,
     pub reason: String,
 }
-event!(RunFailedV1, run, "failed", 1, |e| format!("run.failed:{}", e.run_id));
+event!(RunFailedV1, run, "failed", 1, |e| format!(
+    "run.failed:{}",
+    e.run_id
+));
 
 impl Example for RunRequestedV1 {
     fn example() -> Self {
@@ -127,7 +145,10 @@ impl Example for RunRejectedV1 {
             rejected_at: example_time(),
             errors: vec![
                 FieldError::new("rollout.n", "must be at least 1, got 0"),
-                FieldError::new("model.path", "no such file or directory: /models/missing.gguf"),
+                FieldError::new(
+                    "model.path",
+                    "no such file or directory: /models/missing.gguf",
+                ),
             ],
         }
     }
@@ -143,7 +164,10 @@ impl Example for RunProgressV1 {
             step: 1,
             total_steps: 2,
             trials_finished: 12,
-            failures: FailureCounts { timeout: 1, ..FailureCounts::default() },
+            failures: FailureCounts {
+                timeout: 1,
+                ..FailureCounts::default()
+            },
             percent: 50.0,
         }
     }

@@ -30,7 +30,10 @@ pub struct SandboxLeasedV1 {
     /// True when the sandbox came from a warm pool.
     pub warm: bool,
 }
-event!(SandboxLeasedV1, sandbox, "leased", 1, |e| format!("sandbox.leased:{}", e.lease_id));
+event!(SandboxLeasedV1, sandbox, "leased", 1, |e| format!(
+    "sandbox.leased:{}",
+    e.lease_id
+));
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
@@ -50,7 +53,10 @@ pub struct SandboxReleasedV1 {
     pub reason: ReleaseReason,
     pub at: DateTime<Utc>,
 }
-event!(SandboxReleasedV1, sandbox, "released", 1, |e| format!("sandbox.released:{}", e.lease_id));
+event!(SandboxReleasedV1, sandbox, "released", 1, |e| format!(
+    "sandbox.released:{}",
+    e.lease_id
+));
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct SandboxFailedV1 {
@@ -76,7 +82,10 @@ fn example_lease() -> LeaseId {
 }
 
 fn example_environment() -> EnvironmentRef {
-    EnvironmentRef { name: "harbor/fix-fizzbuzz".into(), digest: None }
+    EnvironmentRef {
+        name: "harbor/fix-fizzbuzz".into(),
+        digest: None,
+    }
 }
 
 impl Example for SandboxLeasedV1 {

@@ -55,4 +55,3 @@ impl Example for TaskBatchV1 {
         }
     }
 }
-

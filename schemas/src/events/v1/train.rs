@@ -5,8 +5,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{example_run, example_time};
-use crate::events::{Example, event};
 use crate::RunId;
+use crate::events::{Example, event};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct TrainMetrics {
@@ -47,7 +47,10 @@ pub struct TrainStepV1 {
     pub timing: StepTiming,
     pub at: DateTime<Utc>,
 }
-event!(TrainStepV1, train, "step", 1, |e| format!("train.step:{}:{}", e.run_id, e.step));
+event!(TrainStepV1, train, "step", 1, |e| format!(
+    "train.step:{}:{}",
+    e.run_id, e.step
+));
 
 impl Example for TrainStepV1 {
     fn example() -> Self {

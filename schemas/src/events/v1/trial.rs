@@ -79,7 +79,13 @@ event!(TrialFailedV1, trial, "failed", 1, |e| format!(
 ));
 
 fn example_slot() -> TrialSlot {
-    TrialSlot { task_id: example_task(), step: 1, split: Split::Train, sample_index: 2, attempt: 0 }
+    TrialSlot {
+        task_id: example_task(),
+        step: 1,
+        split: Split::Train,
+        sample_index: 2,
+        attempt: 0,
+    }
 }
 
 impl Example for TrialStartedV1 {
