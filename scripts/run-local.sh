@@ -28,8 +28,6 @@ fi
 pids+=($!)
 
 run_id="$("$bin/arl" run submit "$spec" --wait)"
-echo
-"$bin/arl" run status "$run_id" || true
 cat <<MSG
 
 The controller admitted run $run_id. The rollout, reward, trainer and evaluator
