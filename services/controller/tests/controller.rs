@@ -45,7 +45,10 @@ impl Resources {
     }
 
     fn spec(&self) -> RunSpec {
-        let mut spec = RunSpec { name: "smoke".into(), ..RunSpec::default() };
+        let mut spec = RunSpec {
+            name: "smoke".into(),
+            ..RunSpec::default()
+        };
         spec.data.dataset = self.dir.path().join("tasks").display().to_string();
         spec
     }
