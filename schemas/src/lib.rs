@@ -9,6 +9,7 @@ pub mod event;
 pub mod events;
 pub mod ids;
 pub mod namespace;
+pub mod rpc;
 pub mod spec;
 pub mod state;
 

@@ -199,6 +199,13 @@ impl Namespace {
         Some(run)
     }
 
+    /// `arl.rpc.sandbox.<instance>.<op>`: request/reply subjects of the sandbox service,
+    /// outside every stream. Lease requests go to instance `any` (a queue group); renew
+    /// and release go to the instance that granted the lease.
+    pub fn sandbox_rpc(&self, instance: &str, op: crate::rpc::SandboxOp) -> String {
+        format!("{}.rpc.sandbox.{}.{}", self.subject_root(), instance, op.token())
+    }
+
     pub fn bucket(&self, bucket: Bucket) -> String {
         format!("{}{}", self.upper_prefix(), bucket.suffix())
     }
@@ -242,6 +249,17 @@ mod tests {
         assert_eq!(ns.run_token("t42.arl.run.r-1.requested"), Some("r-1"));
         assert_eq!(ns.run_token("arl.run.r-1.requested"), None);
         assert_eq!(ns.run_token("t42.arl.run"), None);
+    }
+
+    #[test]
+    fn rpc_subjects_are_outside_the_streams() {
+        let ns = Namespace::default();
+        let lease = ns.sandbox_rpc("any", crate::rpc::SandboxOp::Lease);
+        assert_eq!(lease, "arl.rpc.sandbox.any.lease");
+        for domain in Domain::ALL {
+            let captured = ns.stream_subjects(domain);
+            assert!(!lease.starts_with(captured.trim_end_matches('>')), "{captured}");
+        }
     }
 
     #[test]

@@ -240,3 +240,24 @@ async fn a_killed_controller_restarts_with_the_run_intact_and_watch_sees_it_fini
     assert_eq!(state.steps.len(), 2);
     assert_eq!(state.name, "e2e");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_stops_the_controller_gracefully() {
+    let mut deployment = Deployment::start();
+    // Wait until it serves: a submitted run gets decided.
+    let submitted = deployment.arl(&["run", "submit", "smoke.toml", "--wait"]);
+    assert!(submitted.status.success(), "{}", text(&submitted.stderr));
+    let mut child = deployment.controller.take().unwrap();
+    let sent = Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status = wait_for("the controller to exit", Duration::from_secs(20), || {
+        let exited = child.try_wait().unwrap();
+        async move { exited }
+    })
+    .await;
+    assert!(status.success(), "controller exited with {status}");
+}

@@ -14,6 +14,7 @@ pub mod consumer;
 pub mod headers;
 pub mod http;
 pub mod metrics;
+pub mod rpc;
 pub mod shutdown;
 pub mod telemetry;
 
