@@ -203,7 +203,12 @@ impl Namespace {
     /// outside every stream. Lease requests go to instance `any` (a queue group); renew
     /// and release go to the instance that granted the lease.
     pub fn sandbox_rpc(&self, instance: &str, op: crate::rpc::SandboxOp) -> String {
-        format!("{}.rpc.sandbox.{}.{}", self.subject_root(), instance, op.token())
+        format!(
+            "{}.rpc.sandbox.{}.{}",
+            self.subject_root(),
+            instance,
+            op.token()
+        )
     }
 
     pub fn bucket(&self, bucket: Bucket) -> String {
@@ -258,7 +263,10 @@ mod tests {
         assert_eq!(lease, "arl.rpc.sandbox.any.lease");
         for domain in Domain::ALL {
             let captured = ns.stream_subjects(domain);
-            assert!(!lease.starts_with(captured.trim_end_matches('>')), "{captured}");
+            assert!(
+                !lease.starts_with(captured.trim_end_matches('>')),
+                "{captured}"
+            );
         }
     }
 

@@ -48,7 +48,10 @@ impl std::fmt::Display for RpcErrorCode {
 
 impl RpcError {
     pub fn new(code: RpcErrorCode, message: impl Into<String>) -> Self {
-        Self { code, message: message.into() }
+        Self {
+            code,
+            message: message.into(),
+        }
     }
 }
 

@@ -44,14 +44,23 @@ impl Bus {
         })?;
         let mut headers = HeaderMap::new();
         crate::telemetry::inject_context(&mut headers);
-        let sent = self.client().request_with_headers(subject.clone(), headers, body.into());
+        let sent = self
+            .client()
+            .request_with_headers(subject.clone(), headers, body.into());
         let message = match tokio::time::timeout(timeout, sent).await {
             Err(_) => return Err(RequestError::TimedOut { subject, timeout }),
             Ok(Err(err)) => {
                 return Err(match err.kind() {
-                    async_nats::RequestErrorKind::NoResponders => RequestError::NoResponders { subject },
-                    async_nats::RequestErrorKind::TimedOut => RequestError::TimedOut { subject, timeout },
-                    _ => RequestError::Transport { subject, reason: err.to_string() },
+                    async_nats::RequestErrorKind::NoResponders => {
+                        RequestError::NoResponders { subject }
+                    }
+                    async_nats::RequestErrorKind::TimedOut => {
+                        RequestError::TimedOut { subject, timeout }
+                    }
+                    _ => RequestError::Transport {
+                        subject,
+                        reason: err.to_string(),
+                    },
                 });
             }
             Ok(Ok(message)) => message,
@@ -59,13 +68,18 @@ impl Bus {
         match serde_json::from_slice::<Reply<Rep>>(&message.payload) {
             Ok(Reply::Ok(reply)) => Ok(reply),
             Ok(Reply::Error(err)) => Err(RequestError::Refused(err)),
-            Err(err) => Err(RequestError::BadReply { subject, reason: err.to_string() }),
+            Err(err) => Err(RequestError::BadReply {
+                subject,
+                reason: err.to_string(),
+            }),
         }
     }
 }
 
-/// Answers requests on `subject` until shutdown. With a `queue_group`, replicas share the
-/// requests. At most `concurrency` handlers run at once.
+/// Subscribes to `subject` and returns the loop that answers its requests until shutdown
+/// (spawn it). The subscription exists when this returns, so no request sent afterwards
+/// is missed. With a `queue_group`, replicas share the requests. At most `concurrency`
+/// handlers run at once.
 pub async fn serve<Req, Rep, H, Fut>(
     bus: Bus,
     subject: String,
@@ -73,7 +87,7 @@ pub async fn serve<Req, Rep, H, Fut>(
     concurrency: usize,
     handler: H,
     shutdown: Shutdown,
-) -> Result<(), RequestError>
+) -> Result<impl Future<Output = ()> + Send + 'static, RequestError>
 where
     Req: DeserializeOwned + Send + 'static,
     Rep: Serialize + Send + 'static,
@@ -85,54 +99,72 @@ where
         reason: err.to_string(),
     };
     let mut requests = match &queue_group {
-        Some(group) => bus.client().queue_subscribe(subject.clone(), group.clone()).await.map_err(transport)?,
-        None => bus.client().subscribe(subject.clone()).await.map_err(transport)?,
+        Some(group) => bus
+            .client()
+            .queue_subscribe(subject.clone(), group.clone())
+            .await
+            .map_err(transport)?,
+        None => bus
+            .client()
+            .subscribe(subject.clone())
+            .await
+            .map_err(transport)?,
     };
+    bus.client()
+        .flush()
+        .await
+        .map_err(|err| RequestError::Transport {
+            subject: subject.clone(),
+            reason: err.to_string(),
+        })?;
     let handler = Arc::new(handler);
     let permits = Arc::new(Semaphore::new(concurrency.max(1)));
-    loop {
-        let message = tokio::select! {
-            () = shutdown.triggered() => break,
-            message = requests.next() => match message {
-                Some(message) => message,
-                None => break,
-            },
-        };
-        let Some(reply_to) = message.reply.clone() else {
-            tracing::warn!(subject = %message.subject, "request without a reply subject; ignored");
-            continue;
-        };
-        let Ok(permit) = permits.clone().acquire_owned().await else { break };
-        let (bus, handler) = (bus.clone(), handler.clone());
-        let span = tracing::info_span!("rpc", subject = %message.subject, otel.kind = "server");
-        if let Some(headers) = message.headers.as_ref() {
-            crate::telemetry::set_parent_from_headers(&span, headers);
-        }
-        shutdown.spawn(
-            async move {
-                let reply = match serde_json::from_slice::<Req>(&message.payload) {
-                    Ok(request) => match handler(request).await {
-                        Ok(answer) => Reply::Ok(answer),
-                        Err(err) => Reply::Error(err),
-                    },
-                    Err(err) => Reply::Error(RpcError::new(
-                        RpcErrorCode::BadRequest,
-                        format!("cannot decode the request: {err}"),
-                    )),
-                };
-                match serde_json::to_vec(&reply) {
-                    Ok(body) => {
-                        if let Err(err) = bus.client().publish(reply_to, body.into()).await {
-                            tracing::warn!(%err, "cannot send the reply");
-                        }
-                    }
-                    Err(err) => tracing::error!(%err, "cannot encode the reply"),
-                }
-                drop(permit);
+    Ok(async move {
+        loop {
+            let message = tokio::select! {
+                () = shutdown.triggered() => break,
+                message = requests.next() => match message {
+                    Some(message) => message,
+                    None => break,
+                },
+            };
+            let Some(reply_to) = message.reply.clone() else {
+                tracing::warn!(subject = %message.subject, "request without a reply subject; ignored");
+                continue;
+            };
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                break;
+            };
+            let (bus, handler) = (bus.clone(), handler.clone());
+            let span = tracing::info_span!("rpc", subject = %message.subject, otel.kind = "server");
+            if let Some(headers) = message.headers.as_ref() {
+                crate::telemetry::set_parent_from_headers(&span, headers);
             }
-            .instrument(span),
-        );
-    }
-    let _ = requests.unsubscribe().await;
-    Ok(())
+            shutdown.spawn(
+                async move {
+                    let reply = match serde_json::from_slice::<Req>(&message.payload) {
+                        Ok(request) => match handler(request).await {
+                            Ok(answer) => Reply::Ok(answer),
+                            Err(err) => Reply::Error(err),
+                        },
+                        Err(err) => Reply::Error(RpcError::new(
+                            RpcErrorCode::BadRequest,
+                            format!("cannot decode the request: {err}"),
+                        )),
+                    };
+                    match serde_json::to_vec(&reply) {
+                        Ok(body) => {
+                            if let Err(err) = bus.client().publish(reply_to, body.into()).await {
+                                tracing::warn!(%err, "cannot send the reply");
+                            }
+                        }
+                        Err(err) => tracing::error!(%err, "cannot encode the reply"),
+                    }
+                    drop(permit);
+                }
+                .instrument(span),
+            );
+        }
+        let _ = requests.unsubscribe().await;
+    })
 }

@@ -1,0 +1,399 @@
+//! The local backend: bubblewrap.
+//!
+//! Every command runs in fresh mount, pid, ipc, uts, network, user and cgroup namespaces
+//! as an unprivileged host user, with the host's system folders read-only, a private
+//! `/tmp`, and the lease's work tree as the only writable place. The network namespace
+//! has only loopback; `arl-sandbox-init` relays one loopback port to the token proxy's Unix
+//! socket. Limits come from the lease's cgroups (or rlimits). On timeout or release the
+//! whole process tree dies: killing bubblewrap ends the pid namespace, and the cgroup is
+//! swept.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use arl_schemas::LeaseId;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+
+use crate::backend::{Backend, BackendError, ExecOutput, ExecSpec, SandboxHandle};
+use crate::cgroup::{CgroupSupport, LeaseCgroup};
+use crate::config::{ResolvedLimits, SandboxConfig};
+use crate::environment::Environment;
+
+/// Inside the sandbox.
+const INIT_PATH: &str = "/run/arl/init";
+const PROXY_SOCKET_PATH: &str = "/run/arl/proxy.sock";
+
+#[derive(Debug)]
+pub struct Bubblewrap {
+    init_binary: PathBuf,
+    proxy_socket: Option<PathBuf>,
+    proxy_port: u16,
+    uid: u32,
+    gid: u32,
+    cgroups: CgroupSupport,
+}
+
+impl Bubblewrap {
+    /// Checks that bubblewrap and setpriv are installed, copies the init binary where the
+    /// sandbox user can read it, and detects cgroups.
+    pub fn new(config: &SandboxConfig) -> Result<Self, BackendError> {
+        for tool in ["bwrap", "setpriv", "git", "tar"] {
+            let found = std::process::Command::new(tool)
+                .arg("--version")
+                .output()
+                .is_ok();
+            if !found {
+                return Err(BackendError::Spawn(format!(
+                    "{tool} is not installed; on Debian: apt-get install bubblewrap util-linux git tar"
+                )));
+            }
+        }
+        let bin_dir = config.state_dir.join("bin");
+        std::fs::create_dir_all(&bin_dir).map_err(|e| BackendError::Spawn(e.to_string()))?;
+        let init = bin_dir.join("arl-sandbox-init");
+        std::fs::copy(&config.init_binary, &init).map_err(|e| {
+            BackendError::Spawn(format!(
+                "cannot copy {} (build it with `cargo build --bins`): {e}",
+                config.init_binary.display()
+            ))
+        })?;
+        set_mode(&init, 0o755)?;
+        make_traversable(&config.state_dir)?;
+        set_mode(&bin_dir, 0o755)?;
+        let scope = uuid::Uuid::new_v5(
+            &uuid::Uuid::NAMESPACE_URL,
+            config.state_dir.to_string_lossy().as_bytes(),
+        );
+        let cgroups = CgroupSupport::detect(&scope.simple().to_string()[..12]);
+        tracing::info!(limits = cgroups.describe(), "bubblewrap backend ready");
+        Ok(Self {
+            init_binary: init,
+            proxy_socket: config.proxy_socket.clone(),
+            proxy_port: config.proxy_port,
+            uid: config.sandbox_uid,
+            gid: config.sandbox_gid,
+            cgroups,
+        })
+    }
+
+    pub fn cgroups(&self) -> &CgroupSupport {
+        &self.cgroups
+    }
+
+    /// The bubblewrap arguments for one command of `sandbox`.
+    fn bwrap_args(&self, sandbox: &SandboxHandle, spec: &ExecSpec) -> Vec<String> {
+        let mut args: Vec<String> = Vec::new();
+        let mut push = |parts: &[&str]| args.extend(parts.iter().map(|s| (*s).to_owned()));
+        push(&[
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--hostname",
+            "sandbox",
+        ]);
+        push(&["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]);
+        for top in ["bin", "lib", "lib64", "sbin", "lib32", "libx32"] {
+            let host = Path::new("/").join(top);
+            match std::fs::read_link(&host) {
+                Ok(target) => {
+                    let target = target.to_string_lossy().into_owned();
+                    push(&["--symlink", &target, &format!("/{top}")]);
+                }
+                Err(_) if host.is_dir() => {
+                    push(&["--ro-bind", &format!("/{top}"), &format!("/{top}")])
+                }
+                Err(_) => {}
+            }
+        }
+        push(&[
+            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run",
+        ]);
+        push(&["--ro-bind", &self.init_binary.to_string_lossy(), INIT_PATH]);
+        if let Some(socket) = &self.proxy_socket {
+            push(&["--bind-try", &socket.to_string_lossy(), PROXY_SOCKET_PATH]);
+        }
+        let tree = sandbox.dir.join("tree");
+        push(&[
+            "--bind",
+            &tree.to_string_lossy(),
+            &sandbox.workdir,
+            "--chdir",
+            &sandbox.workdir,
+        ]);
+        // Everything not mounted writable above (the root tmpfs included) is read-only.
+        push(&["--remount-ro", "/"]);
+        push(&["--clearenv"]);
+        push(&["--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin"]);
+        push(&["--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8"]);
+        if self.proxy_socket.is_some() {
+            let url = format!("http://127.0.0.1:{}/v1", self.proxy_port);
+            push(&["--setenv", "ARL_PROXY_URL", &url]);
+        }
+        for (name, value) in &spec.env {
+            push(&["--setenv", name, value]);
+        }
+        push(&["--", INIT_PATH]);
+        if self.proxy_socket.is_some() {
+            let relay = format!("127.0.0.1:{}={PROXY_SOCKET_PATH}", self.proxy_port);
+            push(&["--relay", &relay]);
+        }
+        push(&["--", "/bin/sh", "-c", &spec.command]);
+        args
+    }
+}
+
+fn set_mode(path: &Path, mode: u32) -> Result<(), BackendError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| BackendError::Spawn(format!("chmod {}: {e}", path.display())))
+}
+
+/// Lets the sandbox user reach lease trees under `dir` without listing anything.
+fn make_traversable(dir: &Path) -> Result<(), BackendError> {
+    std::fs::create_dir_all(dir).map_err(|e| BackendError::Spawn(e.to_string()))?;
+    set_mode(dir, 0o711)?;
+    let mut current = dir.parent();
+    while let Some(parent) = current {
+        // Parents must be traversable (x) for the sandbox user; do not loosen more.
+        use std::os::unix::fs::PermissionsExt;
+        if let Ok(meta) = std::fs::metadata(parent)
+            && meta.permissions().mode() & 0o001 == 0
+        {
+            tracing::warn!(
+                folder = %parent.display(),
+                "the sandbox user cannot traverse this folder; put state_dir elsewhere"
+            );
+        }
+        current = parent.parent();
+    }
+    Ok(())
+}
+
+async fn run(program: &str, args: &[&str], dir: Option<&Path>) -> Result<String, String> {
+    let mut command = tokio::process::Command::new(program);
+    command.args(args).stdin(Stdio::null());
+    if let Some(dir) = dir {
+        command.current_dir(dir);
+    }
+    let output = command
+        .output()
+        .await
+        .map_err(|e| format!("{program}: {e}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "{program} {} failed ({}): {}",
+            args.join(" "),
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+impl Backend for Bubblewrap {
+    async fn prepare(&self, environment: &Environment, dir: &Path) -> Result<String, BackendError> {
+        let fail = |reason: String| BackendError::Prepare {
+            environment: environment.name.clone(),
+            reason,
+        };
+        tokio::fs::create_dir_all(dir)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        set_mode(dir, 0o711)?;
+        let tree = dir.join("tree");
+        let source = format!("{}/.", environment.tree.display());
+        run(
+            "cp",
+            &["-a", "--reflink=auto", &source, &tree.to_string_lossy()],
+            None,
+        )
+        .await
+        .map_err(fail)?;
+        let git = [
+            "-c",
+            "user.name=arl",
+            "-c",
+            "user.email=arl@localhost",
+            "-c",
+            "safe.directory=*",
+        ];
+        let base = if tree.join(".git").exists() {
+            let mut args = git.to_vec();
+            args.extend(["rev-parse", "HEAD"]);
+            run("git", &args, Some(&tree)).await.map_err(fail)?
+        } else {
+            let steps: [&[&str]; 3] = [
+                &["init", "-q"],
+                &["add", "-A"],
+                &["commit", "-q", "--allow-empty", "--no-verify", "-m", "base"],
+            ];
+            for step in steps {
+                let mut args = git.to_vec();
+                args.extend_from_slice(step);
+                run("git", &args, Some(&tree)).await.map_err(fail)?;
+            }
+            let mut args = git.to_vec();
+            args.extend(["rev-parse", "HEAD"]);
+            run("git", &args, Some(&tree)).await.map_err(fail)?
+        };
+        let owner = format!("{}:{}", self.uid, self.gid);
+        run("chown", &["-R", &owner, &tree.to_string_lossy()], None)
+            .await
+            .map_err(fail)?;
+        Ok(base)
+    }
+
+    async fn activate(
+        &self,
+        lease_id: &LeaseId,
+        limits: &ResolvedLimits,
+    ) -> Result<LeaseCgroup, BackendError> {
+        self.cgroups.create(lease_id.as_str(), limits).map_err(|e| {
+            BackendError::Limits(format!("{} for {lease_id}: {e}", self.cgroups.describe()))
+        })
+    }
+
+    async fn exec(
+        &self,
+        sandbox: &SandboxHandle,
+        spec: ExecSpec,
+    ) -> Result<ExecOutput, BackendError> {
+        let started = Instant::now();
+        // A root shell joins the lease's cgroups (or sets rlimits), drops to the sandbox
+        // user and becomes bubblewrap; the command starts already limited.
+        let mut script = String::from(
+            "while [ \"$1\" != -- ]; do echo $$ > \"$1\" || exit 125; shift; done; shift; ",
+        );
+        script.push_str(&format!(
+            "ulimit -t {} 2>/dev/null; ",
+            sandbox.limits.cpu_seconds
+        ));
+        if sandbox.cgroup.is_empty() {
+            script.push_str(&format!(
+                "ulimit -v {} 2>/dev/null; ",
+                sandbox.limits.memory_mb * 1024
+            ));
+        }
+        script.push_str("exec \"$@\"");
+        let mut command = tokio::process::Command::new("/bin/sh");
+        command.arg("-c").arg(script).arg("arl-exec");
+        command.args(sandbox.cgroup.procs_files());
+        command.arg("--");
+        command.args([
+            "setpriv",
+            &format!("--reuid={}", self.uid),
+            &format!("--regid={}", self.gid),
+            "--clear-groups",
+            "--",
+            "bwrap",
+        ]);
+        command.args(self.bwrap_args(sandbox, &spec));
+        command
+            .stdin(if spec.stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = command
+            .spawn()
+            .map_err(|e| BackendError::Spawn(e.to_string()))?;
+
+        if let (Some(input), Some(mut stdin)) = (spec.stdin, child.stdin.take()) {
+            tokio::spawn(async move {
+                // The command may exit without reading; a broken pipe is its business.
+                let _ = stdin.write_all(&input).await;
+            });
+        }
+        let stdout = child.stdout.take();
+        let stderr = child.stderr.take();
+        let limit = spec.output_limit;
+        let out_task = tokio::spawn(capture(stdout, limit));
+        let err_task = tokio::spawn(capture(stderr, limit));
+
+        let (exit_code, timed_out) = tokio::select! {
+            status = child.wait() => {
+                let status = status.map_err(|e| BackendError::Spawn(e.to_string()))?;
+                (exit_code_of(status), false)
+            }
+            () = tokio::time::sleep(spec.timeout) => {
+                kill_tree(&mut child, &sandbox.cgroup).await;
+                (-1, true)
+            }
+            () = sandbox.ended.cancelled() => {
+                kill_tree(&mut child, &sandbox.cgroup).await;
+                (-1, false)
+            }
+        };
+        let (stdout, out_truncated) = out_task.await.unwrap_or_default();
+        let (stderr, err_truncated) = err_task.await.unwrap_or_default();
+        Ok(ExecOutput {
+            exit_code,
+            stdout,
+            stderr,
+            timed_out,
+            truncated: out_truncated || err_truncated,
+            duration: started.elapsed(),
+        })
+    }
+
+    async fn destroy(&self, dir: &Path, cgroup: &LeaseCgroup) {
+        cgroup.destroy().await;
+        if let Err(err) = tokio::fs::remove_dir_all(dir).await
+            && err.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(dir = %dir.display(), %err, "cannot delete a sandbox's files");
+        }
+    }
+
+    fn leftover_cgroups(&self) -> Vec<LeaseCgroup> {
+        self.cgroups.leftovers()
+    }
+}
+
+fn exit_code_of(status: std::process::ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    status
+        .code()
+        .or_else(|| status.signal().map(|s| 128 + s))
+        .unwrap_or(-1)
+}
+
+/// Kills bubblewrap (which takes its pid namespace with it) and sweeps the cgroup for
+/// anything that escaped into a new session.
+async fn kill_tree(child: &mut tokio::process::Child, cgroup: &LeaseCgroup) {
+    let _ = child.start_kill();
+    let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
+    if !cgroup.is_empty() {
+        let swept = LeaseCgroup {
+            dirs: cgroup.dirs.clone(),
+        };
+        swept.kill_all().await;
+    }
+}
+
+/// Reads a stream to its end, keeping at most `limit` bytes.
+async fn capture<R: AsyncRead + Unpin>(stream: Option<R>, limit: usize) -> (Vec<u8>, bool) {
+    let Some(mut stream) = stream else {
+        return (Vec::new(), false);
+    };
+    let mut kept = Vec::new();
+    let mut truncated = false;
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        match stream.read(&mut buffer).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                let room = limit.saturating_sub(kept.len());
+                if n > room {
+                    truncated = true;
+                }
+                kept.extend_from_slice(&buffer[..n.min(room)]);
+            }
+        }
+    }
+    (kept, truncated)
+}

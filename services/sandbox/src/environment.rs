@@ -1,0 +1,148 @@
+//! Environment snapshots: `<environments_dir>/<name>/tree/` is the work tree a sandbox
+//! starts from; `<name>/environment.json` may say where it is mounted (`{"workdir":
+//! "/testbed"}`, default `/app`). The image builder writes them; the sandbox only reads.
+
+use std::path::{Path, PathBuf};
+
+use arl_schemas::events::EnvironmentRef;
+use serde::Deserialize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EnvironmentError {
+    #[error(
+        "environment name {0:?} is invalid: use letters, digits, '.', '_', '-' and '/' separators, no '..'"
+    )]
+    BadName(String),
+    #[error("environment {name} does not exist (no {path}); build it with the image builder first")]
+    Missing { name: String, path: String },
+    #[error("environment {name}: {path} is unreadable: {reason}")]
+    BadMetadata {
+        name: String,
+        path: String,
+        reason: String,
+    },
+}
+
+/// A resolved environment snapshot.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Environment {
+    pub name: String,
+    pub tree: PathBuf,
+    /// Absolute path of the work tree inside the sandbox.
+    pub workdir: String,
+}
+
+#[derive(Deserialize)]
+struct Metadata {
+    #[serde(default = "default_workdir")]
+    workdir: String,
+}
+
+fn default_workdir() -> String {
+    "/app".into()
+}
+
+pub fn resolve(root: &Path, env: &EnvironmentRef) -> Result<Environment, EnvironmentError> {
+    let name = env.name.as_str();
+    let valid = !name.is_empty()
+        && !name.starts_with('/')
+        && name.split('/').all(|part| {
+            !part.is_empty()
+                && part != "."
+                && part != ".."
+                && part
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        });
+    if !valid {
+        return Err(EnvironmentError::BadName(name.to_owned()));
+    }
+    let dir = root.join(name);
+    let tree = dir.join("tree");
+    if !tree.is_dir() {
+        return Err(EnvironmentError::Missing {
+            name: name.to_owned(),
+            path: tree.display().to_string(),
+        });
+    }
+    let metadata_path = dir.join("environment.json");
+    let workdir = match std::fs::read(&metadata_path) {
+        Ok(bytes) => {
+            let metadata: Metadata =
+                serde_json::from_slice(&bytes).map_err(|err| EnvironmentError::BadMetadata {
+                    name: name.to_owned(),
+                    path: metadata_path.display().to_string(),
+                    reason: err.to_string(),
+                })?;
+            metadata.workdir
+        }
+        Err(_) => default_workdir(),
+    };
+    let sane_workdir = workdir.starts_with('/')
+        && !workdir.split('/').any(|p| p == "..")
+        && !["/", "/proc", "/dev", "/usr", "/etc", "/run", "/tmp"].contains(&workdir.as_str());
+    if !sane_workdir {
+        return Err(EnvironmentError::BadMetadata {
+            name: name.to_owned(),
+            path: metadata_path.display().to_string(),
+            reason: format!("workdir {workdir:?} must be an absolute path outside system folders"),
+        });
+    }
+    Ok(Environment {
+        name: name.to_owned(),
+        tree,
+        workdir,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(name: &str) -> EnvironmentRef {
+        EnvironmentRef {
+            name: name.into(),
+            digest: None,
+        }
+    }
+
+    #[test]
+    fn names_cannot_escape_the_root() {
+        let root = std::env::temp_dir();
+        for bad in ["", "/abs", "../x", "a/../b", "a//b", "a b"] {
+            assert!(
+                matches!(resolve(&root, &env(bad)), Err(EnvironmentError::BadName(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn workdir_defaults_and_is_checked() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("harbor/t1/tree")).unwrap();
+        assert_eq!(
+            resolve(root.path(), &env("harbor/t1")).unwrap().workdir,
+            "/app"
+        );
+        std::fs::write(
+            root.path().join("harbor/t1/environment.json"),
+            r#"{"workdir":"/etc"}"#,
+        )
+        .unwrap();
+        assert!(resolve(root.path(), &env("harbor/t1")).is_err());
+        std::fs::write(
+            root.path().join("harbor/t1/environment.json"),
+            r#"{"workdir":"/testbed"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            resolve(root.path(), &env("harbor/t1")).unwrap().workdir,
+            "/testbed"
+        );
+        assert!(matches!(
+            resolve(root.path(), &env("nope")),
+            Err(EnvironmentError::Missing { .. })
+        ));
+    }
+}

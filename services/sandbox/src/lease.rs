@@ -1,0 +1,150 @@
+//! The lease table: who holds which sandbox until when.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+
+use arl_schemas::{LeaseId, RunId, TrialId};
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use tokio::sync::OwnedSemaphorePermit;
+
+use crate::backend::SandboxHandle;
+use crate::environment::Environment;
+
+/// What is written next to a lease's files, so that a restarted service can reap it and
+/// say whose it was.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LeaseRecord {
+    pub lease_id: LeaseId,
+    pub run_id: RunId,
+    pub instance: String,
+    pub environment: String,
+    pub created_at: DateTime<Utc>,
+}
+
+impl LeaseRecord {
+    pub const FILE: &'static str = "lease.json";
+
+    pub fn write(&self, dir: &Path) -> std::io::Result<()> {
+        let body = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
+        std::fs::write(dir.join(Self::FILE), body)
+    }
+
+    pub fn read(dir: &Path) -> Option<Self> {
+        serde_json::from_slice(&std::fs::read(dir.join(Self::FILE)).ok()?).ok()
+    }
+}
+
+#[derive(Debug)]
+pub struct Lease {
+    pub record: LeaseRecord,
+    pub trial_id: Option<TrialId>,
+    pub environment: Environment,
+    /// Bearer token of the exec and file API.
+    pub token: String,
+    /// The commit diffs are taken against.
+    pub base: String,
+    pub handle: SandboxHandle,
+    expires_at: Mutex<DateTime<Utc>>,
+    /// Held for the lease's life: bounds leases per instance.
+    _capacity: OwnedSemaphorePermit,
+}
+
+impl Lease {
+    pub fn new(
+        record: LeaseRecord,
+        trial_id: Option<TrialId>,
+        environment: Environment,
+        base: String,
+        handle: SandboxHandle,
+        expires_at: DateTime<Utc>,
+        capacity: OwnedSemaphorePermit,
+    ) -> Self {
+        Self {
+            record,
+            trial_id,
+            environment,
+            token: uuid::Uuid::new_v4().simple().to_string(),
+            base,
+            handle,
+            expires_at: Mutex::new(expires_at),
+            _capacity: capacity,
+        }
+    }
+
+    pub fn id(&self) -> &LeaseId {
+        &self.record.lease_id
+    }
+
+    pub fn expires_at(&self) -> DateTime<Utc> {
+        *self
+            .expires_at
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn extend_to(&self, at: DateTime<Utc>) {
+        *self
+            .expires_at
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = at;
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct LeaseTable {
+    leases: RwLock<HashMap<LeaseId, Arc<Lease>>>,
+}
+
+impl LeaseTable {
+    pub fn insert(&self, lease: Arc<Lease>) {
+        self.write().insert(lease.id().clone(), lease);
+    }
+
+    pub fn get(&self, id: &LeaseId) -> Option<Arc<Lease>> {
+        self.leases
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(id)
+            .cloned()
+    }
+
+    /// Removes a lease; only one caller gets it (release and expiry may race).
+    pub fn remove(&self, id: &LeaseId) -> Option<Arc<Lease>> {
+        self.write().remove(id)
+    }
+
+    pub fn expired(&self, now: DateTime<Utc>) -> Vec<LeaseId> {
+        let leases = self.leases.read().unwrap_or_else(PoisonError::into_inner);
+        leases
+            .values()
+            .filter(|l| l.expires_at() <= now)
+            .map(|l| l.id().clone())
+            .collect()
+    }
+
+    pub fn ids(&self) -> Vec<LeaseId> {
+        self.leases
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .keys()
+            .cloned()
+            .collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.leases
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<LeaseId, Arc<Lease>>> {
+        self.leases.write().unwrap_or_else(PoisonError::into_inner)
+    }
+}

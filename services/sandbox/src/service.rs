@@ -1,0 +1,504 @@
+//! The sandbox service: lease, renew and release over NATS; expiry; reaping what an
+//! earlier instance left; lifecycle events.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arl_runtime::rpc::serve;
+use arl_runtime::{Bus, Shutdown};
+use arl_schemas::events::{
+    EnvironmentRef, ReleaseReason, SandboxBackend, SandboxFailedV1, SandboxLeasedV1,
+    SandboxReleasedV1,
+};
+use arl_schemas::rpc::{
+    LeaseGrantV1, LeaseRequestV1, ReleaseRequestV1, ReleasedV1, RenewRequestV1, RenewedV1,
+    RpcError, RpcErrorCode, SandboxOp,
+};
+use arl_schemas::{Event, LeaseId};
+use chrono::Utc;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{Backend, ExecOutput, ExecSpec, SandboxHandle};
+use crate::bwrap::Bubblewrap;
+use crate::config::SandboxConfig;
+use crate::environment::{self, EnvironmentError};
+use crate::lease::{Lease, LeaseRecord, LeaseTable};
+use crate::pool::WarmPools;
+
+pub(crate) struct Inner<B: Backend> {
+    pub(crate) bus: Bus,
+    pub(crate) config: SandboxConfig,
+    pub(crate) backend: Arc<B>,
+    pub(crate) pools: WarmPools<B>,
+    pub(crate) leases: LeaseTable,
+    capacity: Arc<Semaphore>,
+    shutdown: Shutdown,
+}
+
+/// A running sandbox service. Cheap to clone.
+pub struct SandboxService<B: Backend = Bubblewrap> {
+    pub(crate) inner: Arc<Inner<B>>,
+}
+
+impl<B: Backend> Clone for SandboxService<B> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Backend(#[from] crate::backend::BackendError),
+    #[error("cannot prepare {path}: {source}")]
+    StateDir {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("cannot serve the exec API on {addr}: {source}")]
+    Http {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot answer lease requests: {0}")]
+    Rpc(String),
+}
+
+impl SandboxService<Bubblewrap> {
+    /// Starts the service with the bubblewrap backend: reaps leftovers, serves the exec
+    /// API on `http_addr`, and answers lease requests until `shutdown`.
+    pub async fn start_local(
+        bus: Bus,
+        mut config: SandboxConfig,
+        http_addr: SocketAddr,
+        shutdown: &Shutdown,
+    ) -> Result<Self, StartError> {
+        for dir in [
+            config.state_dir.join("leases"),
+            config.state_dir.join("warm"),
+        ] {
+            std::fs::create_dir_all(&dir).map_err(|source| StartError::StateDir {
+                path: dir.display().to_string(),
+                source,
+            })?;
+        }
+        let backend = Arc::new(Bubblewrap::new(&config)?);
+        let listener = tokio::net::TcpListener::bind(http_addr)
+            .await
+            .map_err(|source| StartError::Http {
+                addr: http_addr,
+                source,
+            })?;
+        let bound = listener.local_addr().map_err(|source| StartError::Http {
+            addr: http_addr,
+            source,
+        })?;
+        config.public_url = format!("http://{bound}");
+        let service = Self::assemble(bus, config, backend, shutdown);
+        service.start(listener).await?;
+        Ok(service)
+    }
+}
+
+impl<B: Backend> SandboxService<B> {
+    fn assemble(bus: Bus, config: SandboxConfig, backend: Arc<B>, shutdown: &Shutdown) -> Self {
+        let pools = WarmPools::new(
+            backend.clone(),
+            config.state_dir.join("warm"),
+            config.pool_min_idle,
+            config.pool_max_size,
+            shutdown.clone(),
+        );
+        let capacity = Arc::new(Semaphore::new(config.max_leases));
+        Self {
+            inner: Arc::new(Inner {
+                bus,
+                config,
+                backend,
+                pools,
+                leases: LeaseTable::default(),
+                capacity,
+                shutdown: shutdown.clone(),
+            }),
+        }
+    }
+
+    pub fn public_url(&self) -> &str {
+        &self.inner.config.public_url
+    }
+
+    pub fn instance(&self) -> &str {
+        &self.inner.config.instance
+    }
+
+    pub fn active_leases(&self) -> usize {
+        self.inner.leases.len()
+    }
+
+    /// Prepared trees waiting per environment.
+    pub fn idle_trees(&self) -> std::collections::HashMap<String, usize> {
+        self.inner.pools.idle()
+    }
+
+    /// Starts pre-warming an environment's pool (e.g. when a run's tasks are known).
+    pub fn prewarm(&self, environment: &EnvironmentRef) -> Result<(), EnvironmentError> {
+        let environment = environment::resolve(&self.inner.config.environments_dir, environment)?;
+        self.inner.pools.refill(&environment);
+        Ok(())
+    }
+
+    async fn start(&self, listener: tokio::net::TcpListener) -> Result<(), StartError> {
+        self.reap_leftovers().await;
+        let shutdown = self.inner.shutdown.clone();
+
+        let router = crate::api::router(self.clone()).merge(arl_runtime::http::ops_router(
+            "sandbox",
+            self.inner.bus.clone(),
+            self.inner.bus.metrics().clone(),
+        ));
+        let token = shutdown.token();
+        shutdown.spawn(async move {
+            let served = axum::serve(listener, router)
+                .with_graceful_shutdown(async move { token.cancelled().await })
+                .await;
+            if let Err(err) = served {
+                tracing::error!(%err, "sandbox HTTP API stopped");
+            }
+        });
+
+        let ns = self.inner.bus.namespace().clone();
+        let instance = self.inner.config.instance.clone();
+        let service = self.clone();
+        self.answer(
+            ns.sandbox_rpc("any", SandboxOp::Lease),
+            Some("sandbox".into()),
+            move |req: LeaseRequestV1| {
+                let service = service.clone();
+                async move { service.lease(req).await }
+            },
+        )
+        .await?;
+        let service = self.clone();
+        self.answer(
+            ns.sandbox_rpc(&instance, SandboxOp::Renew),
+            None,
+            move |req: RenewRequestV1| {
+                let service = service.clone();
+                async move { service.renew(req) }
+            },
+        )
+        .await?;
+        let service = self.clone();
+        self.answer(
+            ns.sandbox_rpc(&instance, SandboxOp::Release),
+            None,
+            move |req: ReleaseRequestV1| {
+                let service = service.clone();
+                async move {
+                    service
+                        .release(req.lease_id.clone(), ReleaseReason::Released)
+                        .await
+                        .map(|()| ReleasedV1 {
+                            lease_id: req.lease_id,
+                        })
+                }
+            },
+        )
+        .await?;
+
+        let service = self.clone();
+        shutdown.spawn(async move { service.expire_leases().await });
+        tracing::info!(instance = %self.inner.config.instance, url = %self.inner.config.public_url, "sandbox service ready");
+        Ok(())
+    }
+
+    /// Subscribes (before returning) and answers requests on a task.
+    async fn answer<Req, Rep, H, Fut>(
+        &self,
+        subject: String,
+        group: Option<String>,
+        handler: H,
+    ) -> Result<(), StartError>
+    where
+        Req: serde::de::DeserializeOwned + Send + 'static,
+        Rep: serde::Serialize + Send + 'static,
+        H: Fn(Req) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<Rep, RpcError>> + Send + 'static,
+    {
+        let (bus, shutdown) = (self.inner.bus.clone(), self.inner.shutdown.clone());
+        let answering = serve(bus, subject, group, 64, handler, shutdown)
+            .await
+            .map_err(|e| StartError::Rpc(e.to_string()))?;
+        self.inner.shutdown.spawn(answering);
+        Ok(())
+    }
+
+    /// Grants a lease: a work tree (warm if possible), limits, a token.
+    pub async fn lease(&self, request: LeaseRequestV1) -> Result<LeaseGrantV1, RpcError> {
+        let config = &self.inner.config;
+        if request.ttl_s == 0 || request.ttl_s > config.max_ttl.as_secs() {
+            return Err(RpcError::new(
+                RpcErrorCode::BadRequest,
+                format!(
+                    "ttl_s must be between 1 and {}, got {}",
+                    config.max_ttl.as_secs(),
+                    request.ttl_s
+                ),
+            ));
+        }
+        let environment = environment::resolve(&config.environments_dir, &request.environment)
+            .map_err(|err| {
+                let code = match err {
+                    EnvironmentError::Missing { .. } => RpcErrorCode::NotFound,
+                    _ => RpcErrorCode::BadRequest,
+                };
+                RpcError::new(code, err.to_string())
+            })?;
+        let permit = self
+            .inner
+            .capacity
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| {
+                RpcError::new(
+                    RpcErrorCode::Busy,
+                    format!(
+                        "all {} leases of instance {} are in use; retry later",
+                        config.max_leases, config.instance
+                    ),
+                )
+            })?;
+        let lease_id = LeaseId::generate();
+        let limits = config.default_limits.merge(&request.limits);
+        let failed = |message: String| {
+            let event = SandboxFailedV1 {
+                run_id: request.run_id.clone(),
+                lease_id: Some(lease_id.clone()),
+                trial_id: request.trial_id.clone(),
+                environment: request.environment.clone(),
+                message: message.clone(),
+                at: Utc::now(),
+            };
+            (event, RpcError::new(RpcErrorCode::Internal, message))
+        };
+
+        let (tree, warm) = match self.inner.pools.take(&environment).await {
+            Ok(taken) => taken,
+            Err(err) => {
+                let (event, error) = failed(err.to_string());
+                self.announce(&event).await;
+                return Err(error);
+            }
+        };
+        let dir = config.state_dir.join("leases").join(lease_id.as_str());
+        let record = LeaseRecord {
+            lease_id: lease_id.clone(),
+            run_id: request.run_id.clone(),
+            instance: config.instance.clone(),
+            environment: environment.name.clone(),
+            created_at: Utc::now(),
+        };
+        let placed = std::fs::rename(&tree.dir, &dir).and_then(|()| record.write(&dir));
+        let cgroup = match placed {
+            Ok(()) => self
+                .inner
+                .backend
+                .activate(&lease_id, &limits)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(err) => Err(format!("cannot place the work tree: {err}")),
+        };
+        let cgroup = match cgroup {
+            Ok(cgroup) => cgroup,
+            Err(message) => {
+                let cleanup = if dir.exists() {
+                    dir.clone()
+                } else {
+                    tree.dir.clone()
+                };
+                self.inner
+                    .backend
+                    .destroy(&cleanup, &Default::default())
+                    .await;
+                let (event, error) = failed(message);
+                self.announce(&event).await;
+                return Err(error);
+            }
+        };
+        let expires_at = Utc::now() + chrono::Duration::seconds(request.ttl_s as i64);
+        let handle = SandboxHandle {
+            lease_id: lease_id.clone(),
+            dir,
+            workdir: environment.workdir.clone(),
+            cgroup,
+            limits,
+            ended: CancellationToken::new(),
+        };
+        let lease = Arc::new(Lease::new(
+            record,
+            request.trial_id.clone(),
+            environment,
+            tree.base,
+            handle,
+            expires_at,
+            permit,
+        ));
+        self.inner.leases.insert(lease.clone());
+        let endpoint = format!("{}/leases/{lease_id}", config.public_url);
+        self.announce(&SandboxLeasedV1 {
+            run_id: request.run_id.clone(),
+            lease_id: lease_id.clone(),
+            trial_id: request.trial_id.clone(),
+            environment: request.environment.clone(),
+            backend: SandboxBackend::Bubblewrap,
+            endpoint: endpoint.clone(),
+            expires_at,
+            warm,
+        })
+        .await;
+        Ok(LeaseGrantV1 {
+            lease_id,
+            instance: config.instance.clone(),
+            endpoint,
+            token: lease.token.clone(),
+            workdir: lease.environment.workdir.clone(),
+            proxy_url: config
+                .proxy_socket
+                .as_ref()
+                .map(|_| format!("http://127.0.0.1:{}/v1", config.proxy_port)),
+            expires_at,
+            warm,
+        })
+    }
+
+    pub fn renew(&self, request: RenewRequestV1) -> Result<RenewedV1, RpcError> {
+        let max = self.inner.config.max_ttl.as_secs();
+        if request.ttl_s == 0 || request.ttl_s > max {
+            return Err(RpcError::new(
+                RpcErrorCode::BadRequest,
+                format!("ttl_s must be between 1 and {max}"),
+            ));
+        }
+        let lease = self
+            .inner
+            .leases
+            .get(&request.lease_id)
+            .ok_or_else(|| not_found(&request.lease_id))?;
+        let expires_at = Utc::now() + chrono::Duration::seconds(request.ttl_s as i64);
+        lease.extend_to(expires_at);
+        Ok(RenewedV1 {
+            lease_id: request.lease_id,
+            expires_at,
+        })
+    }
+
+    /// Ends a lease: kills what runs in it, deletes its files, and says so.
+    pub async fn release(&self, lease_id: LeaseId, reason: ReleaseReason) -> Result<(), RpcError> {
+        let lease = self
+            .inner
+            .leases
+            .remove(&lease_id)
+            .ok_or_else(|| not_found(&lease_id))?;
+        lease.handle.ended.cancel();
+        self.inner
+            .backend
+            .destroy(&lease.handle.dir, &lease.handle.cgroup)
+            .await;
+        self.announce(&SandboxReleasedV1 {
+            run_id: lease.record.run_id.clone(),
+            lease_id,
+            reason,
+            at: Utc::now(),
+        })
+        .await;
+        Ok(())
+    }
+
+    /// Runs a command in a lease's sandbox.
+    pub async fn exec(&self, lease: &Lease, spec: ExecSpec) -> Result<ExecOutput, RpcError> {
+        self.inner
+            .backend
+            .exec(&lease.handle, spec)
+            .await
+            .map_err(|err| RpcError::new(RpcErrorCode::Internal, err.to_string()))
+    }
+
+    async fn expire_leases(&self) {
+        let shutdown = self.inner.shutdown.clone();
+        loop {
+            tokio::select! {
+                () = shutdown.triggered() => break,
+                () = tokio::time::sleep(Duration::from_millis(250)) => {}
+            }
+            for lease_id in self.inner.leases.expired(Utc::now()) {
+                tracing::info!(lease = %lease_id, "lease expired");
+                let _ = self.release(lease_id, ReleaseReason::Expired).await;
+            }
+        }
+        // Leases die with the service; a restarted one would reap them anyway.
+        for lease_id in self.inner.leases.ids() {
+            let _ = self.release(lease_id, ReleaseReason::Reaped).await;
+        }
+        let _ = tokio::fs::remove_dir_all(self.inner.config.state_dir.join("warm")).await;
+    }
+
+    /// Destroys leases and warm trees an earlier instance left on this machine.
+    async fn reap_leftovers(&self) {
+        let leases_dir = self.inner.config.state_dir.join("leases");
+        let mut reaped = 0;
+        for dir in read_dirs(&leases_dir) {
+            let record = LeaseRecord::read(&dir);
+            self.inner.backend.destroy(&dir, &Default::default()).await;
+            reaped += 1;
+            if let Some(record) = record {
+                self.announce(&SandboxReleasedV1 {
+                    run_id: record.run_id,
+                    lease_id: record.lease_id,
+                    reason: ReleaseReason::Reaped,
+                    at: Utc::now(),
+                })
+                .await;
+            }
+        }
+        for cgroup in self.inner.backend.leftover_cgroups() {
+            cgroup.destroy().await;
+        }
+        for dir in read_dirs(&self.inner.config.state_dir.join("warm")) {
+            self.inner.backend.destroy(&dir, &Default::default()).await;
+        }
+        if reaped > 0 {
+            tracing::warn!(reaped, "reaped leases left by an earlier instance");
+        }
+    }
+
+    async fn announce<E: Event>(&self, event: &E) {
+        // Lifecycle events are for observers; a lease does not fail because one is late.
+        if let Err(err) = self.inner.bus.publish(event).await {
+            tracing::warn!(event = E::TYPE, %err, "cannot publish a sandbox event");
+        }
+    }
+}
+
+fn not_found(lease_id: &LeaseId) -> RpcError {
+    RpcError::new(
+        RpcErrorCode::NotFound,
+        format!("no lease {lease_id} on this instance (expired or released?)"),
+    )
+}
+
+fn read_dirs(dir: &std::path::Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|p| p.is_dir())
+                .collect()
+        })
+        .unwrap_or_default()
+}

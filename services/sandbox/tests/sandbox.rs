@@ -1,0 +1,596 @@
+//! The sandbox service for real: bubblewrap, cgroups, a private nats-server. Must run as
+//! root (it drops each sandbox to an unprivileged user and writes cgroups).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, Metrics, Shutdown};
+use arl_sandbox::{SandboxConfig, SandboxService};
+use arl_schemas::events::{EnvironmentRef, ReleaseReason, SandboxReleasedV1};
+use arl_schemas::rpc::{
+    ExecResult, FileEntry, LeaseGrantV1, LeaseRequestV1, ReleaseRequestV1, ReleasedV1,
+    RenewRequestV1, RenewedV1, SandboxLimits, SandboxOp,
+};
+use arl_schemas::{Domain, Namespace, RunId};
+use arl_testkit::{HttpResponse, NatsServer, http, test_namespace, wait_for};
+
+struct Harness {
+    server: NatsServer,
+    ns: Namespace,
+    bus: Bus,
+    files: tempfile::TempDir,
+    shutdown: Shutdown,
+    service: SandboxService,
+}
+
+fn init_binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_arl-sandbox-init"))
+}
+
+/// A Harbor-like environment: the fix-mean example task's files.
+fn make_environments(root: &Path) {
+    let tree = root.join("harbor/fix-mean/tree");
+    std::fs::create_dir_all(&tree).unwrap();
+    let example =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/tasks/fix-mean/environment/app");
+    for entry in std::fs::read_dir(example).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), tree.join(entry.file_name())).unwrap();
+    }
+}
+
+fn config(files: &Path) -> SandboxConfig {
+    let mut config = SandboxConfig::local(
+        files.join("state"),
+        files.join("environments"),
+        init_binary(),
+    );
+    config.pool_min_idle = 1;
+    config.max_leases = 300;
+    config
+}
+
+impl Harness {
+    async fn start() -> Self {
+        Self::start_with(|_| {}).await
+    }
+
+    async fn start_with(adjust: impl FnOnce(&mut SandboxConfig)) -> Self {
+        let server = NatsServer::start().unwrap();
+        let ns = test_namespace();
+        let bus = Bus::connect(
+            BusConfig::new(server.url(), ns.clone(), "test"),
+            Metrics::new(),
+        )
+        .await
+        .unwrap();
+        bus.provision().await.unwrap();
+        let files = tempfile::Builder::new()
+            .prefix("arl-sbx-")
+            .tempdir()
+            .unwrap();
+        make_environments(&files.path().join("environments"));
+        let mut config = config(files.path());
+        adjust(&mut config);
+        let shutdown = Shutdown::new();
+        let service = SandboxService::start_local(
+            bus.clone(),
+            config,
+            "127.0.0.1:0".parse().unwrap(),
+            &shutdown,
+        )
+        .await
+        .unwrap();
+        Self {
+            server,
+            ns,
+            bus,
+            files,
+            shutdown,
+            service,
+        }
+    }
+
+    async fn lease_with(&self, limits: SandboxLimits, ttl_s: u64) -> LeaseGrantV1 {
+        let request = LeaseRequestV1 {
+            run_id: RunId::new("run-sbx").unwrap(),
+            trial_id: None,
+            environment: EnvironmentRef {
+                name: "harbor/fix-mean".into(),
+                digest: None,
+            },
+            ttl_s,
+            limits,
+        };
+        self.bus
+            .request(
+                self.ns.sandbox_rpc("any", SandboxOp::Lease),
+                &request,
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap()
+    }
+
+    async fn lease(&self) -> LeaseGrantV1 {
+        self.lease_with(SandboxLimits::default(), 600).await
+    }
+
+    async fn release(&self, grant: &LeaseGrantV1) {
+        let _: ReleasedV1 = self
+            .bus
+            .request(
+                self.ns.sandbox_rpc(&grant.instance, SandboxOp::Release),
+                &ReleaseRequestV1 {
+                    lease_id: grant.lease_id.clone(),
+                },
+                Duration::from_secs(30),
+            )
+            .await
+            .unwrap();
+    }
+
+    async fn stop(self) {
+        self.shutdown.trigger();
+        self.shutdown.wait().await;
+    }
+}
+
+async fn call(grant: &LeaseGrantV1, method: &str, path: &str, body: &[u8]) -> HttpResponse {
+    let auth = format!("Bearer {}", grant.token);
+    let headers = [
+        ("Authorization", auth.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    http(&format!("{}{path}", grant.endpoint), method, &headers, body)
+        .await
+        .unwrap()
+}
+
+async fn exec_with(grant: &LeaseGrantV1, command: &str, timeout_s: f64) -> ExecResult {
+    let body = serde_json::json!({"command": command, "timeout_s": timeout_s});
+    let response = call(grant, "POST", "/exec", body.to_string().as_bytes()).await;
+    assert_eq!(response.status, 200, "{}", response.text());
+    response.json()
+}
+
+async fn exec(grant: &LeaseGrantV1, command: &str) -> ExecResult {
+    exec_with(grant, command, 30.0).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lease_exec_files_diff_release() {
+    let h = Harness::start().await;
+    let grant = h.lease().await;
+    assert_eq!(grant.workdir, "/app");
+
+    let result = exec(&grant, "echo hello; pwd; id -u; ls").await;
+    assert_eq!(result.exit_code, 0, "{result:?}");
+    assert_eq!(result.stdout, "hello\n/app\n65534\nstats.py\n");
+
+    // Files: write, read, list.
+    assert_eq!(
+        call(&grant, "PUT", "/files?path=notes/todo.txt", b"fix mean\n")
+            .await
+            .status,
+        204
+    );
+    let read = call(&grant, "GET", "/files?path=notes/todo.txt", b"").await;
+    assert_eq!((read.status, read.text().as_str()), (200, "fix mean\n"));
+    assert_eq!(
+        call(&grant, "GET", "/files?path=missing.txt", b"")
+            .await
+            .status,
+        404
+    );
+    assert_eq!(
+        call(&grant, "GET", "/files?path=../etc/passwd", b"")
+            .await
+            .status,
+        400
+    );
+    let listed: Vec<FileEntry> = call(&grant, "GET", "/list?path=", b"").await.json();
+    let names: Vec<_> = listed.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, [".git", "notes", "stats.py"]);
+
+    // Fix the bug and see it in the diff against the base.
+    let fixed = exec(
+        &grant,
+        "sed -i 's/values\\[1:\\]/values/; s/len(values) - 1/len(values)/' stats.py",
+    )
+    .await;
+    assert_eq!(fixed.exit_code, 0, "{fixed:?}");
+    let diff = call(&grant, "GET", "/diff", b"").await;
+    assert_eq!(diff.status, 200);
+    let diff = diff.text();
+    assert!(
+        diff.contains("-    for v in values[1:]:") && diff.contains("+    for v in values:"),
+        "{diff}"
+    );
+    assert!(diff.contains("+++ b/notes/todo.txt"), "{diff}");
+
+    // Tar out, tar in.
+    let tar = call(&grant, "GET", "/tar?path=notes", b"").await;
+    assert_eq!(tar.status, 200);
+    assert!(tar.body.len() >= 512);
+    assert_eq!(
+        call(&grant, "PUT", "/tar?path=copy", &tar.body)
+            .await
+            .status,
+        204
+    );
+    assert_eq!(
+        call(&grant, "GET", "/files?path=copy/todo.txt", b"")
+            .await
+            .text(),
+        "fix mean\n"
+    );
+
+    // Auth.
+    let mut stolen = grant.clone();
+    stolen.token = "guess".into();
+    assert_eq!(call(&stolen, "GET", "/diff", b"").await.status, 401);
+
+    // Renew, then release.
+    let renewed: RenewedV1 = h
+        .bus
+        .request(
+            h.ns.sandbox_rpc(&grant.instance, SandboxOp::Renew),
+            &RenewRequestV1 {
+                lease_id: grant.lease_id.clone(),
+                ttl_s: 900,
+            },
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    assert!(renewed.expires_at > grant.expires_at);
+    let lease_dir = h
+        .files
+        .path()
+        .join("state/leases")
+        .join(grant.lease_id.as_str());
+    assert!(lease_dir.exists());
+    h.release(&grant).await;
+    assert!(!lease_dir.exists());
+    assert_eq!(call(&grant, "GET", "/diff", b"").await.status, 404);
+    let released: Vec<SandboxReleasedV1> = h
+        .bus
+        .replay(
+            Domain::Sandbox,
+            h.ns.event_subject(Domain::Sandbox, &RunId::new("run-sbx").unwrap(), "released"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(released.len(), 1);
+    assert_eq!(released[0].reason, ReleaseReason::Released);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_lease_requests_get_clear_errors() {
+    let h = Harness::start().await;
+    let request = |name: &str, ttl_s| LeaseRequestV1 {
+        run_id: RunId::new("run-sbx").unwrap(),
+        trial_id: None,
+        environment: EnvironmentRef {
+            name: name.into(),
+            digest: None,
+        },
+        ttl_s,
+        limits: SandboxLimits::default(),
+    };
+    let subject = h.ns.sandbox_rpc("any", SandboxOp::Lease);
+    for (req, code) in [
+        (request("harbor/none", 60), "not_found"),
+        (request("../etc", 60), "bad_request"),
+        (request("harbor/fix-mean", 0), "bad_request"),
+    ] {
+        let err = h
+            .bus
+            .request::<_, LeaseGrantV1>(subject.clone(), &req, Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().starts_with(code), "{err}");
+    }
+    // Not even JSON: still an answer.
+    let reply = h
+        .bus
+        .client()
+        .request(subject, "nope".into())
+        .await
+        .unwrap();
+    assert!(String::from_utf8_lossy(&reply.payload).contains("bad_request"));
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unrenewed_lease_expires_and_is_destroyed() {
+    let h = Harness::start().await;
+    let grant = h.lease_with(SandboxLimits::default(), 1).await;
+    let lease_dir = h
+        .files
+        .path()
+        .join("state/leases")
+        .join(grant.lease_id.as_str());
+    assert!(lease_dir.exists());
+    wait_for("the lease to expire", Duration::from_secs(10), || async {
+        (!lease_dir.exists()).then_some(())
+    })
+    .await;
+    assert_eq!(
+        call(&grant, "POST", "/exec", br#"{"command":"true"}"#)
+            .await
+            .status,
+        404
+    );
+    let released: Vec<SandboxReleasedV1> =
+        wait_for("the released event", Duration::from_secs(10), || async {
+            let events: Vec<SandboxReleasedV1> = h
+                .bus
+                .replay(
+                    Domain::Sandbox,
+                    h.ns.event_subject(
+                        Domain::Sandbox,
+                        &RunId::new("run-sbx").unwrap(),
+                        "released",
+                    ),
+                )
+                .await
+                .unwrap();
+            (!events.is_empty()).then_some(events)
+        })
+        .await;
+    assert_eq!(released[0].reason, ReleaseReason::Expired);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_hundred_concurrent_leases() {
+    let h = Harness::start().await;
+    let started = Instant::now();
+    let grants = futures::future::join_all((0..200).map(|_| h.lease())).await;
+    let leased = started.elapsed();
+    let results = futures::future::join_all(grants.iter().enumerate().map(|(i, g)| async move {
+        let r = exec(g, &format!("echo {i} > mine.txt && cat mine.txt")).await;
+        (i, r)
+    }))
+    .await;
+    for (i, result) in results {
+        assert_eq!(result.stdout.trim(), i.to_string(), "{result:?}");
+    }
+    assert_eq!(h.service.active_leases(), 200);
+    futures::future::join_all(grants.iter().map(|g| h.release(g))).await;
+    assert_eq!(h.service.active_leases(), 0);
+    eprintln!(
+        "200 leases in {leased:?}, exec+release in {:?}",
+        started.elapsed() - leased
+    );
+    h.stop().await;
+}
+
+// --- Isolation. Each of these fails if the corresponding isolation is removed. ---
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sandboxed_code_cannot_open_tcp_connections() {
+    let h = Harness::start().await;
+    let grant = h.lease().await;
+    let nats_port = h.server.port();
+    let script = format!(
+        "python3 - <<'PY'\nimport socket\nfor host, port in [('127.0.0.1', {nats_port}), ('1.1.1.1', 53), ('10.0.0.1', 80)]:\n    s = socket.socket()\n    s.settimeout(2)\n    try:\n        s.connect((host, port))\n        print('CONNECTED', host, port)\n    except OSError as e:\n        print('refused', host, port, e.errno)\nPY"
+    );
+    let result = exec(&grant, &script).await;
+    assert_eq!(result.exit_code, 0, "{result:?}");
+    assert!(!result.stdout.contains("CONNECTED"), "{}", result.stdout);
+    assert_eq!(
+        result.stdout.matches("refused").count(),
+        3,
+        "{}",
+        result.stdout
+    );
+    // The host can reach the same port, so the difference is the sandbox.
+    assert!(std::net::TcpStream::connect(("127.0.0.1", nats_port)).is_ok());
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sandboxed_code_cannot_write_outside_its_work_tree() {
+    let h = Harness::start().await;
+    let grant = h.lease().await;
+    let marker = format!("arl-escape-{}", grant.lease_id);
+    let script = format!(
+        "for p in /usr/{marker} /etc/{marker} /var/{marker} /{marker} /root/{marker} /opt/{marker}; do \
+         if touch $p 2>/dev/null; then echo WROTE $p; else echo denied $p; fi; done; \
+         touch /app/inside && echo ok-inside; touch /tmp/{marker} && echo ok-tmp"
+    );
+    let result = exec(&grant, &script).await;
+    assert!(!result.stdout.contains("WROTE"), "{}", result.stdout);
+    assert_eq!(
+        result.stdout.matches("denied").count(),
+        6,
+        "{}",
+        result.stdout
+    );
+    assert!(result.stdout.contains("ok-inside"));
+    for dir in ["/usr", "/etc", "/var", "/", "/tmp", "/opt"] {
+        assert!(
+            !Path::new(dir).join(&marker).exists(),
+            "{dir}/{marker} exists on the host"
+        );
+    }
+    let inside = h
+        .files
+        .path()
+        .join("state/leases")
+        .join(grant.lease_id.as_str())
+        .join("tree/inside");
+    assert!(inside.exists());
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sandboxed_code_cannot_see_host_processes() {
+    let h = Harness::start().await;
+    let grant = h.lease().await;
+    let mut host_process = std::process::Command::new("sleep")
+        .arg("30.4242")
+        .spawn()
+        .unwrap();
+    let result = exec(
+        &grant,
+        "ls /proc | grep -c '^[0-9]'; cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '",
+    )
+    .await;
+    host_process.kill().unwrap();
+    let _ = host_process.wait();
+    let mut lines = result.stdout.lines();
+    let visible: usize = lines.next().unwrap().trim().parse().unwrap();
+    assert!(
+        visible <= 6,
+        "{visible} processes visible: {}",
+        result.stdout
+    );
+    assert!(!result.stdout.contains("30.4242"), "{}", result.stdout);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sandboxes_cannot_read_each_others_files() {
+    let h = Harness::start().await;
+    let (a, b) = (h.lease().await, h.lease().await);
+    assert_eq!(exec(&a, "echo s3cret > secret.txt").await.exit_code, 0);
+    let a_tree = h
+        .files
+        .path()
+        .join("state/leases")
+        .join(a.lease_id.as_str())
+        .join("tree");
+    assert!(a_tree.join("secret.txt").exists());
+    let script = format!(
+        "cat /app/secret.txt 2>&1; cat {}/secret.txt 2>&1; ls {} 2>&1; grep -rs s3cret /tmp /run /app; echo done",
+        a_tree.display(),
+        h.files.path().display()
+    );
+    let result = exec(&b, &script).await;
+    assert!(!result.stdout.contains("s3cret"), "{}", result.stdout);
+    assert!(result.stdout.contains("done"));
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fork_bomb_is_contained() {
+    let h = Harness::start().await;
+    let grant = h
+        .lease_with(
+            SandboxLimits {
+                pids: Some(64),
+                ..Default::default()
+            },
+            600,
+        )
+        .await;
+    let started = Instant::now();
+    let bomb = exec_with(
+        &grant,
+        "bomb() { bomb | bomb & }; bomb; sleep 3; echo survived",
+        5.0,
+    )
+    .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    // The service still answers, and the sandbox works again.
+    let other = h.lease().await;
+    assert_eq!(exec(&other, "echo fine").await.stdout, "fine\n");
+    let again = exec(&grant, "echo alive").await;
+    assert_eq!(again.stdout, "alive\n", "{again:?} after {bomb:?}");
+    let host_threads = std::fs::read_to_string("/proc/loadavg").unwrap();
+    let running: u64 = host_threads
+        .split_whitespace()
+        .nth(3)
+        .unwrap()
+        .split('/')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(running < 20_000, "{running} tasks on the host");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_memory_hog_is_contained() {
+    let h = Harness::start().await;
+    let grant = h
+        .lease_with(
+            SandboxLimits {
+                memory_mb: Some(128),
+                ..Default::default()
+            },
+            600,
+        )
+        .await;
+    let hog = exec(
+        &grant,
+        "python3 -c \"x = bytearray(1024 * 1024 * 1024); print('allocated', len(x))\"",
+    )
+    .await;
+    assert_ne!(hog.exit_code, 0, "{hog:?}");
+    assert!(!hog.stdout.contains("allocated"), "{hog:?}");
+    assert_eq!(exec(&grant, "echo still-here").await.stdout, "still-here\n");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runaway_command_is_killed_at_its_timeout_with_its_children() {
+    let h = Harness::start().await;
+    let grant = h.lease().await;
+    let started = Instant::now();
+    let result = exec_with(&grant, "(sleep 100.31 &); sleep 100.32", 1.0).await;
+    let took = started.elapsed();
+    assert!(result.timed_out, "{result:?}");
+    assert_eq!(result.exit_code, -1);
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let leftovers = std::process::Command::new("pgrep")
+        .args(["-f", "sleep 100.3"])
+        .output()
+        .unwrap();
+    assert!(
+        leftovers.stdout.is_empty(),
+        "left running: {}",
+        String::from_utf8_lossy(&leftovers.stdout)
+    );
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_proxy_socket_is_reachable_and_nothing_else() {
+    let socket_dir = tempfile::Builder::new()
+        .prefix("arl-proxy-")
+        .tempdir()
+        .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(socket_dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let socket = socket_dir.path().join("proxy.sock");
+    let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let proxy = axum::Router::new().route(
+        "/v1/models",
+        axum::routing::get(|| async { "{\"data\":[\"proxy-ok\"]}" }),
+    );
+    let server = tokio::spawn(async move { axum::serve(listener, proxy).await });
+
+    let h = Harness::start_with(|config| config.proxy_socket = Some(socket.clone())).await;
+    let grant = h.lease().await;
+    assert_eq!(grant.proxy_url.as_deref(), Some("http://127.0.0.1:8000/v1"));
+    let script = "python3 -c \"import os, urllib.request; print(urllib.request.urlopen(os.environ['ARL_PROXY_URL'] + '/models', timeout=5).read().decode())\"";
+    let result = exec(&grant, script).await;
+    assert_eq!(result.exit_code, 0, "{result:?}");
+    assert!(result.stdout.contains("proxy-ok"), "{result:?}");
+    server.abort();
+    h.stop().await;
+}
