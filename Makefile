@@ -24,7 +24,7 @@ TOOLS_STAMP := $(TOOLS)/.installed-$(TOOLS_HASH)
 SMOLLM2 := $(ARL_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 SPEC ?= examples/smoke.toml
 
-.PHONY: help deps models build run test lint fmt gen bench loadtest clean-cache
+.PHONY: help deps system-deps models build run test lint fmt gen bench loadtest clean-cache
 
 help:
 	@echo "make run      install what is missing, build, and run $(SPEC) on this machine"
@@ -35,7 +35,13 @@ help:
 	@echo "make loadtest admission throughput/latency against a JetStream baseline"
 	@echo "make lint | fmt | bench | clean-cache"
 
-deps: $(TOOLS_STAMP)
+deps: $(TOOLS_STAMP) system-deps
+
+# Debian packages the sandbox needs (bubblewrap; setpriv, git and tar are on every Debian).
+system-deps:
+	@if ! command -v bwrap >/dev/null; then \
+	    if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq bubblewrap; \
+	    else echo "bubblewrap is missing: sudo apt-get install bubblewrap"; exit 1; fi; fi
 
 $(TOOLS_STAMP): tools/requirements.txt
 	@command -v python3 >/dev/null || { echo "python3 is required (apt-get install python3 python3-venv)"; exit 1; }

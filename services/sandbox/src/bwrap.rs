@@ -52,12 +52,17 @@ impl Bubblewrap {
         let bin_dir = config.state_dir.join("bin");
         std::fs::create_dir_all(&bin_dir).map_err(|e| BackendError::Spawn(e.to_string()))?;
         let init = bin_dir.join("arl-sandbox-init");
-        std::fs::copy(&config.init_binary, &init).map_err(|e| {
-            BackendError::Spawn(format!(
-                "cannot copy {} (build it with `cargo build --bins`): {e}",
-                config.init_binary.display()
-            ))
-        })?;
+        // Copy, then rename: a sandbox left by a killed instance may still be running the
+        // old copy, which cannot be overwritten in place.
+        let staged = bin_dir.join(format!(".arl-sandbox-init.{}", std::process::id()));
+        std::fs::copy(&config.init_binary, &staged)
+            .and_then(|_| std::fs::rename(&staged, &init))
+            .map_err(|e| {
+                BackendError::Spawn(format!(
+                    "cannot install {} (build it with `cargo build --bins`): {e}",
+                    config.init_binary.display()
+                ))
+            })?;
         set_mode(&init, 0o755)?;
         make_traversable(&config.state_dir)?;
         set_mode(&bin_dir, 0o755)?;
