@@ -77,6 +77,9 @@ test: deps lint build
 	cargo test --workspace --no-fail-fast
 
 bench: loadtest
+	cargo build --release --quiet -p arl-sandbox --bins
+	cargo build --release --quiet -p arl-loadtest --bin arl-bench-sandbox
+	$(CARGO_TARGET_DIR)/release/arl-bench-sandbox
 
 loadtest: deps
 	cargo run --release --quiet -p arl-loadtest -- --runs 2000 --concurrency 64
