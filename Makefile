@@ -83,7 +83,7 @@ lint:
 gen:
 	cargo run --quiet -p arl-schemas --bin arl-gen-schemas
 
-test: deps lint build
+test: deps models lint build
 	cargo test --workspace --no-fail-fast
 
 bench: loadtest

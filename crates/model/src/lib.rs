@@ -4,6 +4,12 @@
 //! - [`config`]: the architecture, from Hugging Face `config.json` or GGUF metadata.
 pub mod chat;
 pub mod config;
+pub mod generate;
 pub mod gguf;
+pub mod load;
+pub mod model;
+pub mod ops;
 pub mod quant;
+pub mod tensor;
 pub mod tokenizer;
+pub mod weights;

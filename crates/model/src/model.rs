@@ -1,0 +1,246 @@
+//! The transformer: token embedding, `num_hidden_layers` blocks of (RMSNorm → grouped-query
+//! attention with RoPE → residual, RMSNorm → SwiGLU MLP → residual), final RMSNorm, head.
+//! This file holds inference with a KV cache; `train.rs` the training forward/backward.
+
+use rayon::prelude::*;
+
+use crate::config::ModelConfig;
+use crate::ops;
+use crate::weights::Weights;
+
+#[derive(Clone, Debug)]
+pub struct Model {
+    pub config: ModelConfig,
+    pub weights: Weights,
+    /// RoPE inverse frequencies: (hd/2)
+    pub inv_freq: Vec<f32>,
+}
+
+/// Keys and values of one sequence, per layer: (len, nkv, hd) each.
+#[derive(Clone, Debug)]
+pub struct KvCache {
+    pub k: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+    pub len: usize,
+}
+
+impl KvCache {
+    pub fn new(config: &ModelConfig) -> Self {
+        Self {
+            k: vec![Vec::new(); config.num_hidden_layers],
+            v: vec![Vec::new(); config.num_hidden_layers],
+            len: 0,
+        }
+    }
+
+    /// Forgets everything after the first `len` positions (for prefix reuse).
+    pub fn truncate(&mut self, len: usize, kv_dim: usize) {
+        self.len = self.len.min(len);
+        for (k, v) in self.k.iter_mut().zip(&mut self.v) {
+            k.truncate(self.len * kv_dim);
+            v.truncate(self.len * kv_dim);
+        }
+    }
+}
+
+/// New tokens of one sequence for one forward pass.
+pub struct SeqInput<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut KvCache,
+}
+
+impl Model {
+    pub fn new(config: ModelConfig, weights: Weights) -> Self {
+        let inv_freq = config
+            .rope_inv_freq()
+            .into_iter()
+            .map(|f| f as f32)
+            .collect();
+        Self {
+            config,
+            weights,
+            inv_freq,
+        }
+    }
+
+    fn lm_head(&self) -> &[f32] {
+        &self
+            .weights
+            .lm_head
+            .as_ref()
+            .unwrap_or(&self.weights.embed)
+            .data
+    }
+
+    /// Runs the new tokens of every sequence through the model, extending their caches;
+    /// returns the logits (V) after each sequence's last new token. Prefill (many tokens of
+    /// one sequence) and batched decode (one token of many) are the same call.
+    pub fn forward(&self, inputs: &mut [SeqInput<'_>]) -> Vec<Vec<f32>> {
+        let cfg = &self.config;
+        let (c, kv, hd, i_dim) = (
+            cfg.hidden_size,
+            cfg.kv_dim(),
+            cfg.head_dim(),
+            cfg.intermediate_size,
+        );
+        let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let n: usize = inputs.iter().map(|s| s.tokens.len()).sum();
+        if n == 0 {
+            return vec![Vec::new(); inputs.len()];
+        }
+        let positions: Vec<usize> = inputs
+            .iter()
+            .flat_map(|s| (0..s.tokens.len()).map(move |i| s.cache.len + i))
+            .collect();
+
+        let mut x = vec![0f32; n * c]; // (N, C)
+        for (row, &token) in x
+            .chunks_mut(c)
+            .zip(inputs.iter().flat_map(|s| s.tokens.iter()))
+        {
+            row.copy_from_slice(&self.weights.embed.data[token as usize * c..][..c]);
+        }
+        let mut h = vec![0f32; n * c];
+        let mut rstd = vec![0f32; n];
+        let (mut q, mut k, mut v) = (vec![0f32; n * c], vec![0f32; n * kv], vec![0f32; n * kv]);
+        let mut att_out = vec![0f32; n * c];
+        let mut proj = vec![0f32; n * c];
+        let (mut gate, mut up, mut act) = (
+            vec![0f32; n * i_dim],
+            vec![0f32; n * i_dim],
+            vec![0f32; n * i_dim],
+        );
+        let eps = cfg.rms_norm_eps as f32;
+
+        for (l, w) in self.weights.layers.iter().enumerate() {
+            ops::rmsnorm_forward(&mut h, &mut rstd, &x, &w.attn_norm.data, eps);
+            ops::matmul_forward(
+                &mut q,
+                &h,
+                &w.wq.data,
+                w.bq.as_ref().map(|b| &b.data[..]),
+                n,
+                c,
+                c,
+            );
+            ops::matmul_forward(
+                &mut k,
+                &h,
+                &w.wk.data,
+                w.bk.as_ref().map(|b| &b.data[..]),
+                n,
+                c,
+                kv,
+            );
+            ops::matmul_forward(
+                &mut v,
+                &h,
+                &w.wv.data,
+                w.bv.as_ref().map(|b| &b.data[..]),
+                n,
+                c,
+                kv,
+            );
+            ops::rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
+            ops::rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
+
+            // Append to each sequence's cache, then attend over it.
+            let mut offset = 0;
+            for seq in inputs.iter_mut() {
+                let t = seq.tokens.len();
+                seq.cache.k[l].extend_from_slice(&k[offset * kv..(offset + t) * kv]);
+                seq.cache.v[l].extend_from_slice(&v[offset * kv..(offset + t) * kv]);
+                offset += t;
+            }
+            let mut offset = 0;
+            for seq in inputs.iter() {
+                let t = seq.tokens.len();
+                let start = seq.cache.len;
+                cached_attention(
+                    &mut att_out[offset * c..(offset + t) * c],
+                    &q[offset * c..(offset + t) * c],
+                    &seq.cache.k[l],
+                    &seq.cache.v[l],
+                    start,
+                    heads,
+                    kv_heads,
+                    hd,
+                );
+                offset += t;
+            }
+            ops::matmul_forward(&mut proj, &att_out, &w.wo.data, None, n, c, c);
+            x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
+
+            ops::rmsnorm_forward(&mut h, &mut rstd, &x, &w.ffn_norm.data, eps);
+            ops::matmul_forward(&mut gate, &h, &w.w_gate.data, None, n, c, i_dim);
+            ops::matmul_forward(&mut up, &h, &w.w_up.data, None, n, c, i_dim);
+            ops::swiglu_forward(&mut act, &gate, &up);
+            ops::matmul_forward(&mut proj, &act, &w.w_down.data, None, n, i_dim, c);
+            x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
+        }
+        for seq in inputs.iter_mut() {
+            seq.cache.len += seq.tokens.len();
+        }
+
+        // Logits only at each sequence's last token.
+        let mut last_rows = Vec::with_capacity(inputs.len());
+        let mut end = 0;
+        for seq in inputs.iter() {
+            end += seq.tokens.len();
+            last_rows.push(end - 1);
+        }
+        let m = last_rows.len();
+        let mut last = vec![0f32; m * c];
+        for (dst, &row) in last.chunks_mut(c).zip(&last_rows) {
+            dst.copy_from_slice(&x[row * c..][..c]);
+        }
+        let mut normed = vec![0f32; m * c];
+        let mut r = vec![0f32; m];
+        ops::rmsnorm_forward(
+            &mut normed,
+            &mut r,
+            &last,
+            &self.weights.final_norm.data,
+            eps,
+        );
+        let vocab = cfg.vocab_size;
+        let mut logits = vec![0f32; m * vocab];
+        ops::matmul_forward(&mut logits, &normed, self.lm_head(), None, m, c, vocab);
+        logits.chunks(vocab).map(<[f32]>::to_vec).collect()
+    }
+}
+
+/// Attention of `t` new query rows at positions start.. over a cache of start + t keys.
+/// q, out: (t, nh, hd); k, v: (start + t, nkv, hd)
+#[allow(clippy::too_many_arguments)]
+fn cached_attention(
+    out: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    start: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+) {
+    let group = heads / kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    out.par_chunks_mut(hd).enumerate().for_each(|(row, o)| {
+        let (i, h) = (row / heads, row % heads);
+        let kvh = h / group;
+        let qi = &q[row * hd..][..hd];
+        let visible = start + i + 1;
+        let mut scores: Vec<f32> = (0..visible)
+            .map(|j| {
+                let kj = &k[(j * kv_heads + kvh) * hd..][..hd];
+                qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale
+            })
+            .collect();
+        ops::softmax(&mut scores);
+        o.iter_mut().for_each(|o| *o = 0.0);
+        for (j, p) in scores.iter().enumerate() {
+            let vj = &v[(j * kv_heads + kvh) * hd..][..hd];
+            o.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
+        }
+    });
+}

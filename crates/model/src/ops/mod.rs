@@ -1,0 +1,285 @@
+//! The compute boundary: every numerical kernel the model uses, as forward/backward pairs
+//! on row-major f32 slices, with shapes in comments (llm.c style). The model code calls
+//! only these functions; this CPU module is the reference a CUDA backend (cudarc) must
+//! agree with.
+//!
+//! Notation: N tokens, C channels (hidden size), O outputs, I inputs, V vocabulary,
+//! nh heads, hd head size.
+
+mod gemm;
+
+pub use gemm::{matmul_backward, matmul_forward};
+
+use rayon::prelude::*;
+
+/// out = x / rms(x) * w, per row. `rstd` keeps 1/rms for the backward pass.
+/// x, out: (N, C); w: (C); rstd: (N)
+pub fn rmsnorm_forward(out: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+    let c = w.len();
+    out.par_chunks_mut(c)
+        .zip(rstd.par_iter_mut())
+        .zip(x.par_chunks(c))
+        .for_each(|((o, r), x)| {
+            let ms = x.iter().map(|v| v * v).sum::<f32>() / c as f32;
+            let s = 1.0 / (ms + eps).sqrt();
+            *r = s;
+            for ((o, x), w) in o.iter_mut().zip(x).zip(w) {
+                *o = x * s * w;
+            }
+        });
+}
+
+/// dx += d(rmsnorm)/dx · dout; dw += Σ_rows dout · x · rstd.
+pub fn rmsnorm_backward(
+    dx: &mut [f32],
+    dw: &mut [f32],
+    dout: &[f32],
+    x: &[f32],
+    w: &[f32],
+    rstd: &[f32],
+) {
+    let c = w.len();
+    // dx rows are independent; dw is a reduction over rows (done per thread, then summed).
+    dx.par_chunks_mut(c)
+        .zip(dout.par_chunks(c))
+        .zip(x.par_chunks(c))
+        .zip(rstd.par_iter())
+        .for_each(|(((dx, dout), x), &s)| {
+            // y = x*s*w; dy/dx = s*w*δ - x*s^3*(Σ dout*w*x)/C
+            let dot: f32 = dout.iter().zip(w).zip(x).map(|((d, w), x)| d * w * x).sum();
+            let k = s * s * s * dot / c as f32;
+            for (((dx, d), w), x) in dx.iter_mut().zip(dout).zip(w).zip(x) {
+                *dx += s * w * d - k * x;
+            }
+        });
+    let partial = dout
+        .par_chunks(c)
+        .zip(x.par_chunks(c))
+        .zip(rstd.par_iter())
+        .fold(
+            || vec![0f32; c],
+            |mut acc, ((d, x), &s)| {
+                for ((a, d), x) in acc.iter_mut().zip(d).zip(x) {
+                    *a += d * x * s;
+                }
+                acc
+            },
+        )
+        .reduce(
+            || vec![0f32; c],
+            |mut a, b| {
+                a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                a
+            },
+        );
+    dw.iter_mut().zip(&partial).for_each(|(d, p)| *d += p);
+}
+
+/// Rotary position embedding in Hugging Face's `rotate_half` layout, in place.
+/// x: (N, nh, hd); positions: (N); inv_freq: (hd/2). `sign` = -1 undoes it (backward).
+pub fn rope_apply(x: &mut [f32], heads: usize, positions: &[usize], inv_freq: &[f32], sign: f32) {
+    let hd = inv_freq.len() * 2;
+    let half = hd / 2;
+    x.par_chunks_mut(heads * hd)
+        .zip(positions.par_iter())
+        .for_each(|(row, &pos)| {
+            let angles: Vec<(f32, f32)> = inv_freq
+                .iter()
+                .map(|f| {
+                    let a = pos as f32 * f;
+                    (a.cos(), sign * a.sin())
+                })
+                .collect();
+            for head in row.chunks_mut(hd) {
+                for (i, &(cos, sin)) in angles.iter().enumerate() {
+                    let (x1, x2) = (head[i], head[i + half]);
+                    head[i] = x1 * cos - x2 * sin;
+                    head[i + half] = x2 * cos + x1 * sin;
+                }
+            }
+        });
+}
+
+/// SwiGLU: out = silu(gate) * up. gate, up, out: (N, I)
+pub fn swiglu_forward(out: &mut [f32], gate: &[f32], up: &[f32]) {
+    out.par_iter_mut()
+        .zip(gate.par_iter())
+        .zip(up.par_iter())
+        .for_each(|((o, g), u)| {
+            *o = g / (1.0 + (-g).exp()) * u;
+        });
+}
+
+/// dgate, dup += from dout.
+pub fn swiglu_backward(dgate: &mut [f32], dup: &mut [f32], dout: &[f32], gate: &[f32], up: &[f32]) {
+    dgate
+        .par_iter_mut()
+        .zip(dup.par_iter_mut())
+        .zip(dout.par_iter())
+        .zip(gate.par_iter())
+        .zip(up.par_iter())
+        .for_each(|((((dg, du), d), g), u)| {
+            let sig = 1.0 / (1.0 + (-g).exp());
+            let silu = g * sig;
+            *du += d * silu;
+            *dg += d * u * (sig * (1.0 + g * (1.0 - sig)));
+        });
+}
+
+/// Causal self-attention of one sequence with grouped-query heads.
+/// q: (T, nh, hd); k, v: (T, nkv, hd); out: (T, nh, hd); att: (nh, T, T) probabilities.
+pub fn attention_forward(
+    out: &mut [f32],
+    att: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    t: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+) {
+    let group = heads / kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let head_outputs: Vec<Vec<f32>> = att
+        .par_chunks_mut(t * t)
+        .enumerate()
+        .map(|(h, att_h)| {
+            let kvh = h / group;
+            let mut out_h = vec![0f32; t * hd];
+            for i in 0..t {
+                let qi = &q[(i * heads + h) * hd..][..hd];
+                let row = &mut att_h[i * t..][..t];
+                let mut max = f32::NEG_INFINITY;
+                for j in 0..=i {
+                    let kj = &k[(j * kv_heads + kvh) * hd..][..hd];
+                    let s = qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    row[j] = s;
+                    max = max.max(s);
+                }
+                let mut sum = 0.0;
+                for s in row[..=i].iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                for s in row[..=i].iter_mut() {
+                    *s /= sum;
+                }
+                row[i + 1..].iter_mut().for_each(|s| *s = 0.0);
+                let oi = &mut out_h[i * hd..][..hd];
+                for j in 0..=i {
+                    let p = row[j];
+                    let vj = &v[(j * kv_heads + kvh) * hd..][..hd];
+                    oi.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
+                }
+            }
+            out_h
+        })
+        .collect();
+    for (h, out_h) in head_outputs.iter().enumerate() {
+        for i in 0..t {
+            out[(i * heads + h) * hd..][..hd].copy_from_slice(&out_h[i * hd..][..hd]);
+        }
+    }
+}
+
+/// Backward of [`attention_forward`]: dq, dk, dv += from dout.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    dout: &[f32],
+    att: &[f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    t: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+) {
+    let group = heads / kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    // Per head: (dq_h, dk_h, dv_h) computed in parallel, then added (kv heads are shared).
+    let grads: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..heads)
+        .into_par_iter()
+        .map(|h| {
+            let kvh = h / group;
+            let att_h = &att[h * t * t..][..t * t];
+            let (mut dq_h, mut dk_h, mut dv_h) =
+                (vec![0f32; t * hd], vec![0f32; t * hd], vec![0f32; t * hd]);
+            let mut datt = vec![0f32; t];
+            for i in 0..t {
+                let doi = &dout[(i * heads + h) * hd..][..hd];
+                let row = &att_h[i * t..][..t];
+                // dP_ij = dout_i · v_j ; dv_j += P_ij dout_i
+                for j in 0..=i {
+                    let vj = &v[(j * kv_heads + kvh) * hd..][..hd];
+                    datt[j] = doi.iter().zip(vj).map(|(a, b)| a * b).sum();
+                    dv_h[j * hd..][..hd]
+                        .iter_mut()
+                        .zip(doi)
+                        .for_each(|(d, o)| *d += row[j] * o);
+                }
+                // softmax backward: dS_ij = P_ij (dP_ij - Σ_l P_il dP_il)
+                let dot: f32 = (0..=i).map(|j| row[j] * datt[j]).sum();
+                let qi = &q[(i * heads + h) * hd..][..hd];
+                for j in 0..=i {
+                    let ds = row[j] * (datt[j] - dot) * scale;
+                    let kj = &k[(j * kv_heads + kvh) * hd..][..hd];
+                    dq_h[i * hd..][..hd]
+                        .iter_mut()
+                        .zip(kj)
+                        .for_each(|(d, k)| *d += ds * k);
+                    dk_h[j * hd..][..hd]
+                        .iter_mut()
+                        .zip(qi)
+                        .for_each(|(d, q)| *d += ds * q);
+                }
+            }
+            (dq_h, dk_h, dv_h)
+        })
+        .collect();
+    for (h, (dq_h, dk_h, dv_h)) in grads.iter().enumerate() {
+        let kvh = h / group;
+        for i in 0..t {
+            dq[(i * heads + h) * hd..][..hd]
+                .iter_mut()
+                .zip(&dq_h[i * hd..][..hd])
+                .for_each(|(a, b)| *a += b);
+            dk[(i * kv_heads + kvh) * hd..][..hd]
+                .iter_mut()
+                .zip(&dk_h[i * hd..][..hd])
+                .for_each(|(a, b)| *a += b);
+            dv[(i * kv_heads + kvh) * hd..][..hd]
+                .iter_mut()
+                .zip(&dv_h[i * hd..][..hd])
+                .for_each(|(a, b)| *a += b);
+        }
+    }
+}
+
+/// Log-softmax statistics of one row of logits: (log Σ exp, entropy).
+pub fn logsumexp_entropy(logits: &[f32]) -> (f32, f32) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&z| f64::from((z - max).exp())).sum();
+    let lse = max + sum.ln() as f32;
+    // H = lse - Σ p z
+    let expected: f64 = logits
+        .iter()
+        .map(|&z| f64::from((z - lse).exp()) * f64::from(z))
+        .sum();
+    (lse, lse - expected as f32)
+}
+
+/// In-place softmax of one row.
+pub fn softmax(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    row.iter_mut().for_each(|v| *v /= sum);
+}

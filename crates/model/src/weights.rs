@@ -1,0 +1,426 @@
+//! Model parameters in Hugging Face layout (linear weights (out, in), row-major), loaded
+//! from GGUF (dequantized to f32) or safetensors, saved as safetensors.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use crate::config::{Architecture, ModelConfig};
+use crate::gguf::{GgufError, GgufFile};
+use crate::tensor::Tensor;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("safetensors {path}: {reason}")]
+    Safetensors { path: String, reason: String },
+    #[error("tensor {0} is missing")]
+    Missing(String),
+    #[error("tensor {name} has shape {found:?}, expected {expected:?}")]
+    Shape {
+        name: String,
+        found: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    #[error("cannot write {path}: {reason}")]
+    Write { path: String, reason: String },
+}
+
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    pub attn_norm: Tensor,  // (C)
+    pub wq: Tensor,         // (C, C)
+    pub bq: Option<Tensor>, // (C)
+    pub wk: Tensor,         // (KV, C)
+    pub bk: Option<Tensor>, // (KV)
+    pub wv: Tensor,         // (KV, C)
+    pub bv: Option<Tensor>, // (KV)
+    pub wo: Tensor,         // (C, C)
+    pub ffn_norm: Tensor,   // (C)
+    pub w_gate: Tensor,     // (I, C)
+    pub w_up: Tensor,       // (I, C)
+    pub w_down: Tensor,     // (C, I)
+}
+
+#[derive(Clone, Debug)]
+pub struct Weights {
+    pub embed: Tensor, // (V, C)
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: Tensor, // (C)
+    /// Absent when tied to `embed`.
+    pub lm_head: Option<Tensor>, // (V, C)
+}
+
+impl LayerWeights {
+    /// (Hugging Face name suffix, tensor) of every parameter of the layer.
+    pub fn named(&self) -> Vec<(&'static str, &Tensor)> {
+        let mut v = vec![
+            ("input_layernorm.weight", &self.attn_norm),
+            ("self_attn.q_proj.weight", &self.wq),
+        ];
+        v.extend(self.bq.as_ref().map(|t| ("self_attn.q_proj.bias", t)));
+        v.push(("self_attn.k_proj.weight", &self.wk));
+        v.extend(self.bk.as_ref().map(|t| ("self_attn.k_proj.bias", t)));
+        v.push(("self_attn.v_proj.weight", &self.wv));
+        v.extend(self.bv.as_ref().map(|t| ("self_attn.v_proj.bias", t)));
+        v.extend([
+            ("self_attn.o_proj.weight", &self.wo),
+            ("post_attention_layernorm.weight", &self.ffn_norm),
+            ("mlp.gate_proj.weight", &self.w_gate),
+            ("mlp.up_proj.weight", &self.w_up),
+            ("mlp.down_proj.weight", &self.w_down),
+        ]);
+        v
+    }
+
+    pub fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor)> {
+        let mut v: Vec<(&'static str, &mut Tensor)> = vec![
+            ("input_layernorm.weight", &mut self.attn_norm),
+            ("self_attn.q_proj.weight", &mut self.wq),
+        ];
+        v.extend(self.bq.as_mut().map(|t| ("self_attn.q_proj.bias", t)));
+        v.push(("self_attn.k_proj.weight", &mut self.wk));
+        v.extend(self.bk.as_mut().map(|t| ("self_attn.k_proj.bias", t)));
+        v.push(("self_attn.v_proj.weight", &mut self.wv));
+        v.extend(self.bv.as_mut().map(|t| ("self_attn.v_proj.bias", t)));
+        v.extend([
+            ("self_attn.o_proj.weight", &mut self.wo),
+            ("post_attention_layernorm.weight", &mut self.ffn_norm),
+            ("mlp.gate_proj.weight", &mut self.w_gate),
+            ("mlp.up_proj.weight", &mut self.w_up),
+            ("mlp.down_proj.weight", &mut self.w_down),
+        ]);
+        v
+    }
+}
+
+impl Weights {
+    /// Every parameter with its Hugging Face name, in a fixed order.
+    pub fn named(&self) -> Vec<(String, &Tensor)> {
+        let mut v = vec![("model.embed_tokens.weight".to_owned(), &self.embed)];
+        for (i, layer) in self.layers.iter().enumerate() {
+            v.extend(
+                layer
+                    .named()
+                    .into_iter()
+                    .map(|(n, t)| (format!("model.layers.{i}.{n}"), t)),
+            );
+        }
+        v.push(("model.norm.weight".to_owned(), &self.final_norm));
+        v.extend(
+            self.lm_head
+                .as_ref()
+                .map(|t| ("lm_head.weight".to_owned(), t)),
+        );
+        v
+    }
+
+    pub fn named_mut(&mut self) -> Vec<(String, &mut Tensor)> {
+        let mut v = vec![("model.embed_tokens.weight".to_owned(), &mut self.embed)];
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            v.extend(
+                layer
+                    .named_mut()
+                    .into_iter()
+                    .map(|(n, t)| (format!("model.layers.{i}.{n}"), t)),
+            );
+        }
+        v.push(("model.norm.weight".to_owned(), &mut self.final_norm));
+        v.extend(
+            self.lm_head
+                .as_mut()
+                .map(|t| ("lm_head.weight".to_owned(), t)),
+        );
+        v
+    }
+
+    pub fn parameter_count(&self) -> usize {
+        self.named().iter().map(|(_, t)| t.len()).sum()
+    }
+
+    /// Zero-filled weights of the same shapes (for gradients and optimizer moments).
+    pub fn zeros_like(&self) -> Self {
+        let z = |t: &Tensor| Tensor::zeros(&t.shape);
+        Self {
+            embed: z(&self.embed),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerWeights {
+                    attn_norm: z(&l.attn_norm),
+                    wq: z(&l.wq),
+                    bq: l.bq.as_ref().map(z),
+                    wk: z(&l.wk),
+                    bk: l.bk.as_ref().map(z),
+                    wv: z(&l.wv),
+                    bv: l.bv.as_ref().map(z),
+                    wo: z(&l.wo),
+                    ffn_norm: z(&l.ffn_norm),
+                    w_gate: z(&l.w_gate),
+                    w_up: z(&l.w_up),
+                    w_down: z(&l.w_down),
+                })
+                .collect(),
+            final_norm: z(&self.final_norm),
+            lm_head: self.lm_head.as_ref().map(z),
+        }
+    }
+
+    fn from_source(
+        config: &ModelConfig,
+        mut get: impl FnMut(&str, &[usize]) -> Result<Option<Tensor>, WeightsError>,
+    ) -> Result<Self, WeightsError> {
+        let (c, kv, i, v) = (
+            config.hidden_size,
+            config.kv_dim(),
+            config.intermediate_size,
+            config.vocab_size,
+        );
+        let mut need = |name: &str, shape: &[usize]| {
+            get(name, shape)?.ok_or_else(|| WeightsError::Missing(name.to_owned()))
+        };
+        let embed = need("model.embed_tokens.weight", &[v, c])?;
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        let bias = config.architecture.qkv_bias();
+        for l in 0..config.num_hidden_layers {
+            let p = |n: &str| format!("model.layers.{l}.{n}");
+            layers.push(LayerWeights {
+                attn_norm: need(&p("input_layernorm.weight"), &[c])?,
+                wq: need(&p("self_attn.q_proj.weight"), &[c, c])?,
+                bq: if bias {
+                    Some(need(&p("self_attn.q_proj.bias"), &[c])?)
+                } else {
+                    None
+                },
+                wk: need(&p("self_attn.k_proj.weight"), &[kv, c])?,
+                bk: if bias {
+                    Some(need(&p("self_attn.k_proj.bias"), &[kv])?)
+                } else {
+                    None
+                },
+                wv: need(&p("self_attn.v_proj.weight"), &[kv, c])?,
+                bv: if bias {
+                    Some(need(&p("self_attn.v_proj.bias"), &[kv])?)
+                } else {
+                    None
+                },
+                wo: need(&p("self_attn.o_proj.weight"), &[c, c])?,
+                ffn_norm: need(&p("post_attention_layernorm.weight"), &[c])?,
+                w_gate: need(&p("mlp.gate_proj.weight"), &[i, c])?,
+                w_up: need(&p("mlp.up_proj.weight"), &[i, c])?,
+                w_down: need(&p("mlp.down_proj.weight"), &[c, i])?,
+            });
+        }
+        let final_norm = need("model.norm.weight", &[c])?;
+        let lm_head = if config.tie_word_embeddings {
+            None
+        } else {
+            Some(need("lm_head.weight", &[v, c])?)
+        };
+        Ok(Self {
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+        })
+    }
+
+    /// Dequantizes a GGUF model into Hugging Face layout (undoing llama.cpp's q/k row
+    /// permutation for `llama`, whose GGUF rope is interleaved).
+    pub fn from_gguf(file: &GgufFile, config: &ModelConfig) -> Result<Self, WeightsError> {
+        Self::from_source(config, |hf_name, shape| {
+            let Some(gguf_name) = gguf_name(hf_name) else {
+                return Ok(None);
+            };
+            let Some(info) = file.tensor(&gguf_name) else {
+                return Ok(None);
+            };
+            let found: Vec<usize> = info.dims.iter().rev().map(|d| *d as usize).collect();
+            if found != shape {
+                return Err(WeightsError::Shape {
+                    name: gguf_name,
+                    found,
+                    expected: shape.to_vec(),
+                });
+            }
+            let mut data = file.tensor_f32(&gguf_name)?;
+            if config.architecture == Architecture::Llama {
+                if hf_name.ends_with("q_proj.weight") {
+                    data = unpermute_rows(&data, config.num_attention_heads, shape[1]);
+                } else if hf_name.ends_with("k_proj.weight") {
+                    data = unpermute_rows(&data, config.num_key_value_heads, shape[1]);
+                }
+            }
+            Ok(Some(Tensor::new(shape.to_vec(), data)))
+        })
+    }
+
+    /// Loads `model.safetensors` or the shards named by `model.safetensors.index.json`.
+    pub fn from_safetensors_dir(dir: &Path, config: &ModelConfig) -> Result<Self, WeightsError> {
+        let files = safetensors_files(dir)?;
+        let mut buffers = Vec::new();
+        for file in &files {
+            let bytes = std::fs::read(file).map_err(|e| st_error(file, e))?;
+            buffers.push((file.clone(), bytes));
+        }
+        let mut index: HashMap<String, usize> = HashMap::new();
+        let mut parsed = Vec::new();
+        for (n, (file, bytes)) in buffers.iter().enumerate() {
+            let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| st_error(file, e))?;
+            for name in st.names() {
+                index.insert(name.to_owned(), n);
+            }
+            parsed.push(st);
+        }
+        Self::from_source(config, |name, shape| {
+            let Some(&n) = index.get(name) else {
+                return Ok(None);
+            };
+            let view = parsed[n]
+                .tensor(name)
+                .map_err(|e| st_error(&buffers[n].0, e))?;
+            if view.shape() != shape {
+                return Err(WeightsError::Shape {
+                    name: name.to_owned(),
+                    found: view.shape().to_vec(),
+                    expected: shape.to_vec(),
+                });
+            }
+            let data =
+                to_f32(view.dtype(), view.data()).ok_or_else(|| WeightsError::Safetensors {
+                    path: buffers[n].0.display().to_string(),
+                    reason: format!(
+                        "{name} has dtype {:?}; F32, F16 and BF16 are supported",
+                        view.dtype()
+                    ),
+                })?;
+            Ok(Some(Tensor::new(shape.to_vec(), data)))
+        })
+    }
+
+    /// Writes `model.safetensors` (f32) in Hugging Face naming.
+    pub fn save_safetensors(&self, path: &Path) -> Result<(), WeightsError> {
+        let named = self.named();
+        let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = named
+            .iter()
+            .map(|(n, t)| {
+                (
+                    n.clone(),
+                    t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    t.shape.clone(),
+                )
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
+            .iter()
+            .map(|(n, b, s)| {
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| WeightsError::Write {
+                        path: path.display().to_string(),
+                        reason: e.to_string(),
+                    })
+            })
+            .collect::<Result<_, _>>()?;
+        safetensors::serialize_to_file(views, None, path).map_err(|e| WeightsError::Write {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })
+    }
+}
+
+fn st_error(path: &Path, e: impl std::fmt::Display) -> WeightsError {
+    WeightsError::Safetensors {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    }
+}
+
+fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, WeightsError> {
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    let index_path = dir.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&index_path).map_err(|e| st_error(&index_path, e))?;
+    let index: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| st_error(&index_path, e))?;
+    let mut files: Vec<String> = index["weight_map"]
+        .as_object()
+        .map(|m| {
+            m.values()
+                .filter_map(|v| v.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    files.sort();
+    files.dedup();
+    if files.is_empty() {
+        return Err(st_error(&index_path, "weight_map is empty"));
+    }
+    Ok(files.into_iter().map(|f| dir.join(f)).collect())
+}
+
+fn to_f32(dtype: safetensors::Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
+    Some(match dtype {
+        safetensors::Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        safetensors::Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        safetensors::Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        _ => return None,
+    })
+}
+
+/// GGUF tensor name of a Hugging Face parameter.
+fn gguf_name(hf: &str) -> Option<String> {
+    match hf {
+        "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
+        "model.norm.weight" => return Some("output_norm.weight".into()),
+        "lm_head.weight" => return Some("output.weight".into()),
+        _ => {}
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, name) = rest.split_once('.')?;
+    let gguf = match name {
+        "input_layernorm.weight" => "attn_norm.weight",
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.q_proj.bias" => "attn_q.bias",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.k_proj.bias" => "attn_k.bias",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.v_proj.bias" => "attn_v.bias",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{gguf}"))
+}
+
+/// llama.cpp stores llama q/k rows as (head, hd/2, 2) — interleaved rope pairs; Hugging
+/// Face as (head, 2, hd/2). Row `h*hd + 2i + j` of GGUF is row `h*hd + j*hd/2 + i` here.
+fn unpermute_rows(data: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let rows = data.len() / cols;
+    let hd = rows / heads;
+    let mut out = vec![0f32; data.len()];
+    for h in 0..heads {
+        for i in 0..hd / 2 {
+            for j in 0..2 {
+                let from = h * hd + 2 * i + j;
+                let to = h * hd + j * (hd / 2) + i;
+                out[to * cols..][..cols].copy_from_slice(&data[from * cols..][..cols]);
+            }
+        }
+    }
+    out
+}
