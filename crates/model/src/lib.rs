@@ -12,4 +12,5 @@ pub mod ops;
 pub mod quant;
 pub mod tensor;
 pub mod tokenizer;
+pub mod train;
 pub mod weights;

@@ -166,6 +166,25 @@ impl Weights {
         }
     }
 
+    /// Random weights (norms at 1, the rest uniform in ±scale): tiny test models.
+    pub fn random(config: &ModelConfig, seed: u64, scale: f32) -> Self {
+        let mut rng = crate::generate::Rng::new(seed);
+        Self::from_source(config, |name, shape| {
+            let len = shape.iter().product();
+            let data = if name.ends_with("layernorm.weight") || name.ends_with("norm.weight") {
+                (0..len)
+                    .map(|_| 1.0 + 0.1 * (rng.next_f32() - 0.5))
+                    .collect()
+            } else {
+                (0..len)
+                    .map(|_| scale * (2.0 * rng.next_f32() - 1.0))
+                    .collect()
+            };
+            Ok(Some(Tensor::new(shape.to_vec(), data)))
+        })
+        .unwrap_or_else(|_| unreachable_weights())
+    }
+
     fn from_source(
         config: &ModelConfig,
         mut get: impl FnMut(&str, &[usize]) -> Result<Option<Tensor>, WeightsError>,
@@ -326,6 +345,16 @@ impl Weights {
             path: path.display().to_string(),
             reason: e.to_string(),
         })
+    }
+}
+
+/// `from_source` with a source that always answers cannot fail.
+fn unreachable_weights() -> Weights {
+    Weights {
+        embed: Tensor::zeros(&[0]),
+        layers: Vec::new(),
+        final_norm: Tensor::zeros(&[0]),
+        lm_head: None,
     }
 }
 
