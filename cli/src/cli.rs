@@ -39,6 +39,40 @@ pub enum Command {
     /// Submit, inspect and follow training runs.
     #[command(subcommand)]
     Run(RunCommand),
+    /// Inspect a model and run it on CPU: what you reach for when debugging token truth.
+    #[command(subcommand)]
+    Model(ModelCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ModelCommand {
+    /// Architecture, sizes, tokenizer and chat template of a GGUF file or HF folder.
+    Info {
+        /// A GGUF file, a Hugging Face folder, or an installed model's name.
+        path: String,
+    },
+    /// Generate a continuation (greedy unless --temperature is given).
+    Generate {
+        path: String,
+        #[arg(long)]
+        prompt: String,
+        /// Wrap the prompt as a user message in the model's chat template.
+        #[arg(long)]
+        chat: bool,
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Per-token log-probabilities of a JSON array of token ids, each given its prefix.
+    Logprobs {
+        path: String,
+        /// A file holding a JSON array of token ids (`-` for standard input).
+        #[arg(long)]
+        tokens: PathBuf,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -4,6 +4,7 @@
 //! spec; 3 the bus could not be reached or refused; 4 no such run; 5 timed out waiting.
 
 mod cli;
+mod model;
 mod run;
 
 use std::process::ExitCode;
@@ -15,6 +16,7 @@ async fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     let outcome = match cli.command {
         cli::Command::Run(command) => run::execute(&cli.bus, command).await,
+        cli::Command::Model(command) => model::execute(command),
     };
     match outcome {
         Ok(code) => code,

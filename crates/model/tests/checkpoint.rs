@@ -10,12 +10,22 @@ use arl_model::ops;
 
 fn cached_logprobs(model: &arl_model::model::Model, tokens: &[u32]) -> Vec<f32> {
     let mut cache = KvCache::new(&model.config);
-    let mut logits = model.forward(&mut [SeqInput { tokens: &tokens[..1], cache: &mut cache }]).remove(0);
+    let mut logits = model
+        .forward(&mut [SeqInput {
+            tokens: &tokens[..1],
+            cache: &mut cache,
+        }])
+        .remove(0);
     let mut out = Vec::new();
     for &t in &tokens[1..] {
         let (lse, _) = ops::logsumexp_entropy(&logits);
         out.push(logits[t as usize] - lse);
-        logits = model.forward(&mut [SeqInput { tokens: &[t], cache: &mut cache }]).remove(0);
+        logits = model
+            .forward(&mut [SeqInput {
+                tokens: &[t],
+                cache: &mut cache,
+            }])
+            .remove(0);
     }
     out
 }
@@ -23,7 +33,10 @@ fn cached_logprobs(model: &arl_model::model::Model, tokens: &[u32]) -> Vec<f32> 
 #[test]
 fn hf_checkpoint_round_trips_and_forwards_agree() {
     let loaded = LoadedModel::open(&common::smollm2()).unwrap();
-    let tokens = loaded.tokenizer.encode("<|im_start|>user\nHow do I sort a list in Python?<|im_end|>\n").unwrap();
+    let tokens = loaded
+        .tokenizer
+        .encode("<|im_start|>user\nHow do I sort a list in Python?<|im_end|>\n")
+        .unwrap();
 
     let (_, train_lp) = loaded.model.forward_train(&[&tokens]);
     let inference_lp = cached_logprobs(&loaded.model, &tokens);
@@ -33,13 +46,22 @@ fn hf_checkpoint_round_trips_and_forwards_agree() {
 
     let dir = tempfile::tempdir().unwrap();
     loaded.save_hf(dir.path()).unwrap();
-    for file in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+    for file in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
         assert!(dir.path().join(file).is_file(), "{file} missing");
     }
     let reloaded = LoadedModel::open(dir.path()).unwrap();
     assert_eq!(reloaded.format, "huggingface");
     assert_eq!(reloaded.model.config, loaded.model.config);
-    assert_eq!(reloaded.tokenizer.encode("def f(x): return 42").unwrap(), loaded.tokenizer.encode("def f(x): return 42").unwrap());
+    assert_eq!(
+        reloaded.tokenizer.encode("def f(x): return 42").unwrap(),
+        loaded.tokenizer.encode("def f(x): return 42").unwrap()
+    );
     let (_, reloaded_lp) = reloaded.model.forward_train(&[&tokens]);
     assert_eq!(reloaded_lp, train_lp, "weights changed in the round trip");
     let rendered = reloaded.chat_template.as_ref().unwrap().render(

@@ -18,22 +18,35 @@ fn cache_dir() -> PathBuf {
 }
 
 fn llama_cpp(model: &Path, prompt: &[u32]) -> anyhow::Result<(f64, f64)> {
-    let python = std::env::var_os("ARL_TOOLS_PYTHON").map(PathBuf::from).unwrap_or(cache_dir().join("tools/bin/python"));
+    let python = std::env::var_os("ARL_TOOLS_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or(cache_dir().join("tools/bin/python"));
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/llamacpp_reference.py");
     let mut child = std::process::Command::new(python)
         .arg(script)
         .arg(model)
         .arg(DECODE_STEPS.to_string())
-        .arg(std::thread::available_parallelism().map_or(2, |n| n.get()).to_string())
+        .arg(
+            std::thread::available_parallelism()
+                .map_or(2, |n| n.get())
+                .to_string(),
+        )
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()?;
     // The same prompt three times; the last run is measured (warm caches, no prompt reuse).
     let prompts = vec![prompt.to_vec(), prompt.to_vec(), prompt.to_vec()];
-    child.stdin.take().ok_or_else(|| anyhow::anyhow!("no stdin"))?.write_all(serde_json::to_string(&prompts)?.as_bytes())?;
+    child
+        .stdin
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("no stdin"))?
+        .write_all(serde_json::to_string(&prompts)?.as_bytes())?;
     let output = child.wait_with_output()?;
-    anyhow::ensure!(output.status.success(), "llama.cpp reference failed (run `make deps`)");
+    anyhow::ensure!(
+        output.status.success(),
+        "llama.cpp reference failed (run `make deps`)"
+    );
     let answers: Vec<serde_json::Value> = serde_json::from_slice(&output.stdout)?;
     let timings = &answers.last().ok_or_else(|| anyhow::anyhow!("no answer"))?["timings"];
     Ok((
@@ -49,11 +62,18 @@ fn main() -> anyhow::Result<()> {
         .join("SmolLM2-135M-Instruct.Q4_1.gguf");
     let loaded = LoadedModel::open(&path)?;
     let model = &loaded.model;
-    let template = loaded.chat_template.as_ref().ok_or_else(|| anyhow::anyhow!("no chat template"))?;
+    let template = loaded
+        .chat_template
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("no chat template"))?;
     let question = "Here is a Python function with a bug. It should return the mean of a list, but \
         it skips the first element and divides by the wrong count:\n\ndef mean(values):\n    total = 0\n    \
         for v in values[1:]:\n        total += v\n    return total / (len(values) - 1)\n\nExplain the bug and fix it.";
-    let prompt = loaded.tokenizer.encode(&template.render(&[ChatMessage::new("user", question)], None, true)?)?;
+    let prompt = loaded.tokenizer.encode(&template.render(
+        &[ChatMessage::new("user", question)],
+        None,
+        true,
+    )?)?;
     let n = prompt.len();
 
     // Prefill: best of 3.
@@ -61,17 +81,30 @@ fn main() -> anyhow::Result<()> {
     for _ in 0..3 {
         let mut cache = KvCache::new(&model.config);
         let started = Instant::now();
-        model.forward(&mut [SeqInput { tokens: &prompt, cache: &mut cache }]);
+        model.forward(&mut [SeqInput {
+            tokens: &prompt,
+            cache: &mut cache,
+        }]);
         prefill = prefill.min(started.elapsed().as_secs_f64());
     }
 
     // Decode, batch 1: greedy steps after the prompt.
     let mut cache = KvCache::new(&model.config);
-    let mut logits = model.forward(&mut [SeqInput { tokens: &prompt, cache: &mut cache }]).remove(0);
+    let mut logits = model
+        .forward(&mut [SeqInput {
+            tokens: &prompt,
+            cache: &mut cache,
+        }])
+        .remove(0);
     let started = Instant::now();
     for _ in 0..DECODE_STEPS {
         let next = argmax(&logits);
-        logits = model.forward(&mut [SeqInput { tokens: &[next], cache: &mut cache }]).remove(0);
+        logits = model
+            .forward(&mut [SeqInput {
+                tokens: &[next],
+                cache: &mut cache,
+            }])
+            .remove(0);
     }
     let decode1 = DECODE_STEPS as f64 / started.elapsed().as_secs_f64();
 
@@ -79,15 +112,31 @@ fn main() -> anyhow::Result<()> {
     let mut caches: Vec<KvCache> = (0..8).map(|_| KvCache::new(&model.config)).collect();
     let mut next: Vec<u32> = caches
         .iter_mut()
-        .map(|cache| argmax(&model.forward(&mut [SeqInput { tokens: &prompt, cache }]).remove(0)))
+        .map(|cache| {
+            argmax(
+                &model
+                    .forward(&mut [SeqInput {
+                        tokens: &prompt,
+                        cache,
+                    }])
+                    .remove(0),
+            )
+        })
         .collect();
     let steps = DECODE_STEPS / 2;
     let started = Instant::now();
     for _ in 0..steps {
         let tokens: Vec<[u32; 1]> = next.iter().map(|t| [*t]).collect();
-        let mut inputs: Vec<SeqInput<'_>> =
-            caches.iter_mut().zip(&tokens).map(|(cache, t)| SeqInput { tokens: t, cache }).collect();
-        next = model.forward(&mut inputs).iter().map(|l| argmax(l)).collect();
+        let mut inputs: Vec<SeqInput<'_>> = caches
+            .iter_mut()
+            .zip(&tokens)
+            .map(|(cache, t)| SeqInput { tokens: t, cache })
+            .collect();
+        next = model
+            .forward(&mut inputs)
+            .iter()
+            .map(|l| argmax(l))
+            .collect();
     }
     let decode8 = (steps * 8) as f64 / started.elapsed().as_secs_f64();
 
@@ -108,15 +157,46 @@ fn main() -> anyhow::Result<()> {
     let train = (4 * n) as f64 / best_train;
 
     let (lc_prefill, lc_decode) = llama_cpp(&path, &prompt)?;
-    println!("\nSmolLM2-135M-Instruct (Q4_1 GGUF), {n}-token prompt, {} threads", rayon::current_num_threads());
-    println!("{:<34} {:>12} {:>12} {:>9}", "", "ARL tok/s", "llama.cpp", "ratio");
-    println!("{:<34} {:>12.1} {:>12.1} {:>8.2}x", "prefill", n as f64 / prefill, lc_prefill, n as f64 / prefill / lc_prefill);
-    println!("{:<34} {:>12.1} {:>12.1} {:>8.2}x", "decode, batch 1", decode1, lc_decode, decode1 / lc_decode);
-    println!("{:<34} {:>12.1} {:>12} {:>9}", "decode, batch 8 (total)", decode8, "-", "-");
-    println!("{:<34} {:>12.1} {:>12} {:>9}", "training (fwd + bwd + AdamW)", train, "-", "-");
+    println!(
+        "\nSmolLM2-135M-Instruct (Q4_1 GGUF), {n}-token prompt, {} threads",
+        rayon::current_num_threads()
+    );
+    println!(
+        "{:<34} {:>12} {:>12} {:>9}",
+        "", "ARL tok/s", "llama.cpp", "ratio"
+    );
+    println!(
+        "{:<34} {:>12.1} {:>12.1} {:>8.2}x",
+        "prefill",
+        n as f64 / prefill,
+        lc_prefill,
+        n as f64 / prefill / lc_prefill
+    );
+    println!(
+        "{:<34} {:>12.1} {:>12.1} {:>8.2}x",
+        "decode, batch 1",
+        decode1,
+        lc_decode,
+        decode1 / lc_decode
+    );
+    println!(
+        "{:<34} {:>12.1} {:>12} {:>9}",
+        "decode, batch 8 (total)", decode8, "-", "-"
+    );
+    println!(
+        "{:<34} {:>12.1} {:>12} {:>9}",
+        "training (fwd + bwd + AdamW)", train, "-", "-"
+    );
     Ok(())
 }
 
 fn argmax(logits: &[f32]) -> u32 {
-    logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &z)| if z > b.1 { (i, z) } else { b }).0 as u32
+    logits
+        .iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &z)| if z > b.1 { (i, z) } else { b },
+        )
+        .0 as u32
 }
