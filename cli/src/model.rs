@@ -55,7 +55,7 @@ fn info(path: &str) -> Result<ExitCode, CliError> {
         "source": loaded.source,
         "format": loaded.format,
         "architecture": c.architecture.model_type(),
-        "parameters": loaded.model.weights.parameter_count(),
+        "parameters": loaded.model.weights().parameter_count(),
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,

@@ -55,6 +55,7 @@ impl LoadedModel {
         let file = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&file)?;
         let weights = Weights::from_gguf(&file, &config)?;
+        let packed = crate::weights::packed_from_gguf(&file, &config);
         let tokenizer = Tokenizer::from_gguf(&file)?;
         let template_source = file.string("tokenizer.chat_template").map(str::to_owned);
         let token = |key: &str| {
@@ -71,7 +72,7 @@ impl LoadedModel {
             None => None,
         };
         Ok(Self {
-            model: Model::new(config, weights),
+            model: Model::new(config, weights).with_packed(packed),
             tokenizer,
             chat_template,
             source: path.display().to_string(),

@@ -5,15 +5,63 @@
 use rayon::prelude::*;
 
 use crate::config::ModelConfig;
-use crate::ops;
+use crate::ops::{self, PackedMatrix};
 use crate::weights::Weights;
 
 #[derive(Clone, Debug)]
 pub struct Model {
     pub config: ModelConfig,
-    pub weights: Weights,
+    pub(crate) weights: Weights,
     /// RoPE inverse frequencies: (hd/2)
     pub inv_freq: Vec<f32>,
+    /// The GGUF's own block-format copies of the linear weights, for decode steps; dropped
+    /// as soon as the weights can change.
+    packed: Option<PackedWeights>,
+}
+
+/// Block-format copies of one model's linear weights (None where the format has no
+/// packed kernel).
+#[derive(Clone, Debug, Default)]
+pub struct PackedWeights {
+    pub layers: Vec<PackedLayer>,
+    pub head: Option<PackedMatrix>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct PackedLayer {
+    pub wq: Option<PackedMatrix>,
+    pub wk: Option<PackedMatrix>,
+    pub wv: Option<PackedMatrix>,
+    pub wo: Option<PackedMatrix>,
+    pub w_gate: Option<PackedMatrix>,
+    pub w_up: Option<PackedMatrix>,
+    pub w_down: Option<PackedMatrix>,
+}
+
+/// Up to this many tokens in a forward pass, linear layers read the packed weights.
+const PACKED_MAX_TOKENS: usize = 16;
+
+/// out (N, O) = x (N, I) · Wᵀ + b, from the packed copy when there is one and N is small.
+#[allow(clippy::too_many_arguments)]
+fn linear(
+    out: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    packed: Option<&PackedMatrix>,
+    bias: Option<&[f32]>,
+    n: usize,
+    i: usize,
+    o: usize,
+) {
+    match packed {
+        Some(p) if n <= PACKED_MAX_TOKENS => {
+            p.matmul(out, x, n);
+            if let Some(b) = bias {
+                out[..n * o].chunks_mut(o).for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
+            }
+        }
+        _ => ops::matmul_forward(out, x, w, bias, n, i, o),
+    }
 }
 
 /// Keys and values of one sequence, per layer: (len, nkv, hd) each.
@@ -56,11 +104,28 @@ impl Model {
             .into_iter()
             .map(|f| f as f32)
             .collect();
-        Self {
-            config,
-            weights,
-            inv_freq,
-        }
+        Self { config, weights, inv_freq, packed: None }
+    }
+
+    /// With block-format copies of the weights for fast decoding (from the same GGUF).
+    pub fn with_packed(mut self, packed: PackedWeights) -> Self {
+        self.packed = Some(packed);
+        self
+    }
+
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    /// Mutable weights (training, loading a new version). The packed copies no longer
+    /// match, so they are dropped.
+    pub fn weights_mut(&mut self) -> &mut Weights {
+        self.packed = None;
+        &mut self.weights
+    }
+
+    pub fn has_packed_weights(&self) -> bool {
+        self.packed.is_some()
     }
 
     fn lm_head(&self) -> &[f32] {
@@ -112,35 +177,15 @@ impl Model {
         );
         let eps = cfg.rms_norm_eps as f32;
 
+        let no_packed = PackedLayer::default();
         for (l, w) in self.weights.layers.iter().enumerate() {
+            let p = self.packed.as_ref().and_then(|p| p.layers.get(l)).unwrap_or(&no_packed);
             ops::rmsnorm_forward(&mut h, &mut rstd, &x, &w.attn_norm.data, eps);
-            ops::matmul_forward(
-                &mut q,
-                &h,
-                &w.wq.data,
-                w.bq.as_ref().map(|b| &b.data[..]),
-                n,
-                c,
-                c,
-            );
-            ops::matmul_forward(
-                &mut k,
-                &h,
-                &w.wk.data,
-                w.bk.as_ref().map(|b| &b.data[..]),
-                n,
-                c,
-                kv,
-            );
-            ops::matmul_forward(
-                &mut v,
-                &h,
-                &w.wv.data,
-                w.bv.as_ref().map(|b| &b.data[..]),
-                n,
-                c,
-                kv,
-            );
+            let bias = |b: &Option<crate::tensor::Tensor>| b.as_ref().map(|b| &b.data[..]).map(<[f32]>::to_vec);
+            let (bq, bk, bv) = (bias(&w.bq), bias(&w.bk), bias(&w.bv));
+            linear(&mut q, &h, &w.wq.data, p.wq.as_ref(), bq.as_deref(), n, c, c);
+            linear(&mut k, &h, &w.wk.data, p.wk.as_ref(), bk.as_deref(), n, c, kv);
+            linear(&mut v, &h, &w.wv.data, p.wv.as_ref(), bv.as_deref(), n, c, kv);
             ops::rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
             ops::rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
 
@@ -168,14 +213,14 @@ impl Model {
                 );
                 offset += t;
             }
-            ops::matmul_forward(&mut proj, &att_out, &w.wo.data, None, n, c, c);
+            linear(&mut proj, &att_out, &w.wo.data, p.wo.as_ref(), None, n, c, c);
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
 
             ops::rmsnorm_forward(&mut h, &mut rstd, &x, &w.ffn_norm.data, eps);
-            ops::matmul_forward(&mut gate, &h, &w.w_gate.data, None, n, c, i_dim);
-            ops::matmul_forward(&mut up, &h, &w.w_up.data, None, n, c, i_dim);
+            linear(&mut gate, &h, &w.w_gate.data, p.w_gate.as_ref(), None, n, c, i_dim);
+            linear(&mut up, &h, &w.w_up.data, p.w_up.as_ref(), None, n, c, i_dim);
             ops::swiglu_forward(&mut act, &gate, &up);
-            ops::matmul_forward(&mut proj, &act, &w.w_down.data, None, n, i_dim, c);
+            linear(&mut proj, &act, &w.w_down.data, p.w_down.as_ref(), None, n, i_dim, c);
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
         }
         for seq in inputs.iter_mut() {
@@ -205,7 +250,8 @@ impl Model {
         );
         let vocab = cfg.vocab_size;
         let mut logits = vec![0f32; m * vocab];
-        ops::matmul_forward(&mut logits, &normed, self.lm_head(), None, m, c, vocab);
+        let packed_head = self.packed.as_ref().and_then(|p| p.head.as_ref());
+        linear(&mut logits, &normed, self.lm_head(), packed_head, None, m, c, vocab);
         logits.chunks(vocab).map(<[f32]>::to_vec).collect()
     }
 }
@@ -225,7 +271,7 @@ fn cached_attention(
 ) {
     let group = heads / kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
-    out.par_chunks_mut(hd).enumerate().for_each(|(row, o)| {
+    out.par_chunks_mut(hd).enumerate().with_min_len(4).for_each(|(row, o)| {
         let (i, h) = (row / heads, row % heads);
         let kvh = h / group;
         let qi = &q[row * hd..][..hd];

@@ -436,6 +436,49 @@ fn gguf_name(hf: &str) -> Option<String> {
     Some(format!("blk.{layer}.{gguf}"))
 }
 
+/// Block-format copies of a GGUF's linear weights, rows in Hugging Face order.
+pub fn packed_from_gguf(file: &GgufFile, config: &ModelConfig) -> crate::model::PackedWeights {
+    use crate::model::{PackedLayer, PackedWeights};
+    use crate::ops::PackedMatrix;
+    let pack = |name: &str, permute_heads: Option<usize>| -> Option<PackedMatrix> {
+        let info = file.tensor(name)?;
+        let (cols, rows) = (*info.dims.first()? as usize, *info.dims.get(1)? as usize);
+        let order = permute_heads.map(|heads| gguf_row_order(rows, heads));
+        PackedMatrix::from_gguf(info.kind, file.tensor_bytes(info).ok()?, rows, cols, order.as_deref())
+    };
+    let llama = config.architecture == Architecture::Llama;
+    let layers = (0..config.num_hidden_layers)
+        .map(|l| {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            PackedLayer {
+                wq: pack(&n("attn_q.weight"), llama.then_some(config.num_attention_heads)),
+                wk: pack(&n("attn_k.weight"), llama.then_some(config.num_key_value_heads)),
+                wv: pack(&n("attn_v.weight"), None),
+                wo: pack(&n("attn_output.weight"), None),
+                w_gate: pack(&n("ffn_gate.weight"), None),
+                w_up: pack(&n("ffn_up.weight"), None),
+                w_down: pack(&n("ffn_down.weight"), None),
+            }
+        })
+        .collect();
+    let head = if config.tie_word_embeddings { pack("token_embd.weight", None) } else { pack("output.weight", None) };
+    PackedWeights { layers, head }
+}
+
+/// For each Hugging Face row, the GGUF row holding it (see [`unpermute_rows`]).
+fn gguf_row_order(rows: usize, heads: usize) -> Vec<usize> {
+    let hd = rows / heads;
+    let mut order = vec![0; rows];
+    for h in 0..heads {
+        for i in 0..hd / 2 {
+            for j in 0..2 {
+                order[h * hd + j * (hd / 2) + i] = h * hd + 2 * i + j;
+            }
+        }
+    }
+    order
+}
+
 /// llama.cpp stores llama q/k rows as (head, hd/2, 2) — interleaved rope pairs; Hugging
 /// Face as (head, 2, hd/2). Row `h*hd + 2i + j` of GGUF is row `h*hd + j*hd/2 + i` here.
 fn unpermute_rows(data: &[f32], heads: usize, cols: usize) -> Vec<f32> {

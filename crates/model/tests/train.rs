@@ -66,11 +66,11 @@ fn check_gradients(architecture: Architecture) {
     let mut model = Model::new(config.clone(), Weights::random(&config, 7, 0.4));
     let (_, a, b) = loss(&model);
     let (pass, _) = model.forward_train(&SEQUENCES);
-    let mut grads = model.weights.zeros_like();
+    let mut grads = model.weights().zeros_like();
     model.backward(&pass, &a, &b, &mut grads);
 
     let names: Vec<String> = model
-        .weights
+        .weights()
         .named()
         .iter()
         .map(|(n, _)| n.clone())
@@ -79,17 +79,17 @@ fn check_gradients(architecture: Architecture) {
     let eps = 1e-2f32;
     let mut worst = 0.0f64;
     for (p, name) in names.iter().enumerate() {
-        let len = model.weights.named()[p].1.len();
+        let len = model.weights().named()[p].1.len();
         // A handful of elements per tensor, spread over it.
         for k in 0..6usize {
             let index = (k * 7919 + 13) % len;
-            let original = model.weights.named()[p].1.data[index];
+            let original = model.weights().named()[p].1.data[index];
             let mut at = |value: f32| {
-                model.weights.named_mut()[p].1.data[index] = value;
+                model.weights_mut().named_mut()[p].1.data[index] = value;
                 loss(&model).0
             };
             let numeric = (at(original + eps) - at(original - eps)) / (2.0 * f64::from(eps));
-            model.weights.named_mut()[p].1.data[index] = original;
+            model.weights_mut().named_mut()[p].1.data[index] = original;
             let exact = f64::from(analytic[p][index]);
             let error = (numeric - exact).abs() / (numeric.abs() + exact.abs()).max(1e-2);
             worst = worst.max(error);
@@ -119,7 +119,7 @@ fn gradients_match_finite_differences_qwen2() {
 fn training_overfits_a_tiny_batch() {
     let config = tiny(Architecture::Qwen2);
     let mut model = Model::new(config.clone(), Weights::random(&config, 3, 0.3));
-    let mut optimizer = AdamW::new(&model.weights, 0.0);
+    let mut optimizer = AdamW::new(model.weights(), 0.0);
     let mean_nll = |model: &Model| {
         let (_, lp) = model.forward_train(&SEQUENCES);
         -lp.iter().flatten().map(|v| f64::from(*v)).sum::<f64>()
@@ -131,12 +131,12 @@ fn training_overfits_a_tiny_batch() {
         let (pass, lp) = model.forward_train(&SEQUENCES);
         let count = lp.iter().map(Vec::len).sum::<usize>() as f32;
         let d: Vec<Vec<f32>> = lp.iter().map(|r| vec![-1.0 / count; r.len()]).collect();
-        let mut grads = model.weights.zeros_like();
+        let mut grads = model.weights().zeros_like();
         model.backward(&pass, &d, &[], &mut grads);
         assert!(grad_norm(&grads).is_finite());
         // Linear decay, so the last steps settle instead of bouncing.
         let lr = 1e-2 * (1.0 - step as f32 / steps as f32) + 1e-4;
-        optimizer.update(&mut model.weights, &grads, lr);
+        optimizer.update(model.weights_mut(), &grads, lr);
     }
     let end = mean_nll(&model);
     assert!(end < 0.05, "loss {start:.3} → {end:.4}");

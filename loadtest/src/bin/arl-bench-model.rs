@@ -142,16 +142,16 @@ fn main() -> anyhow::Result<()> {
 
     // Training: forward + backward + AdamW on 4 sequences of the prompt's length.
     let mut trainee = model.clone();
-    let mut optimizer = AdamW::new(&trainee.weights, 0.01);
+    let mut optimizer = AdamW::new(trainee.weights(), 0.01);
     let batch: Vec<&[u32]> = vec![&prompt; 4];
     let mut best_train = f64::MAX;
     for _ in 0..2 {
         let started = Instant::now();
         let (pass, logprobs) = trainee.forward_train(&batch);
         let d: Vec<Vec<f32>> = logprobs.iter().map(|r| vec![-1.0; r.len()]).collect();
-        let mut grads = trainee.weights.zeros_like();
+        let mut grads = trainee.weights().zeros_like();
         trainee.backward(&pass, &d, &[], &mut grads);
-        optimizer.update(&mut trainee.weights, &grads, 1e-6);
+        optimizer.update(trainee.weights_mut(), &grads, 1e-6);
         best_train = best_train.min(started.elapsed().as_secs_f64());
     }
     let train = (4 * n) as f64 / best_train;

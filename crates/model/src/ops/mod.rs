@@ -7,8 +7,10 @@
 //! nh heads, hd head size.
 
 mod gemm;
+mod packed;
 
 pub use gemm::{matmul_backward, matmul_forward};
+pub use packed::PackedMatrix;
 
 use rayon::prelude::*;
 
