@@ -86,9 +86,10 @@ gen:
 test: deps models lint build
 	cargo test --workspace --no-fail-fast
 
-bench: loadtest
+bench: deps models loadtest
 	cargo build --release --quiet -p arl-sandbox --bins
-	cargo build --release --quiet -p arl-loadtest --bin arl-bench-sandbox
+	cargo build --release --quiet -p arl-loadtest --bins
+	$(CARGO_TARGET_DIR)/release/arl-bench-model
 	$(CARGO_TARGET_DIR)/release/arl-bench-sandbox
 
 loadtest: deps

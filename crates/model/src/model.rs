@@ -57,7 +57,9 @@ fn linear(
         Some(p) if n <= PACKED_MAX_TOKENS => {
             p.matmul(out, x, n);
             if let Some(b) = bias {
-                out[..n * o].chunks_mut(o).for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
+                out[..n * o]
+                    .chunks_mut(o)
+                    .for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
             }
         }
         _ => ops::matmul_forward(out, x, w, bias, n, i, o),
@@ -104,7 +106,12 @@ impl Model {
             .into_iter()
             .map(|f| f as f32)
             .collect();
-        Self { config, weights, inv_freq, packed: None }
+        Self {
+            config,
+            weights,
+            inv_freq,
+            packed: None,
+        }
     }
 
     /// With block-format copies of the weights for fast decoding (from the same GGUF).
@@ -141,6 +148,15 @@ impl Model {
     /// returns the logits (V) after each sequence's last new token. Prefill (many tokens of
     /// one sequence) and batched decode (one token of many) are the same call.
     pub fn forward(&self, inputs: &mut [SeqInput<'_>]) -> Vec<Vec<f32>> {
+        // A decode step makes hundreds of small parallel calls; issued from a pool thread
+        // they are work-stolen, from outside each would be a cross-thread hand-off.
+        if rayon::current_thread_index().is_none() {
+            return rayon::join(|| self.forward_in_pool(inputs), || ()).0;
+        }
+        self.forward_in_pool(inputs)
+    }
+
+    fn forward_in_pool(&self, inputs: &mut [SeqInput<'_>]) -> Vec<Vec<f32>> {
         let cfg = &self.config;
         let (c, kv, hd, i_dim) = (
             cfg.hidden_size,
@@ -179,13 +195,46 @@ impl Model {
 
         let no_packed = PackedLayer::default();
         for (l, w) in self.weights.layers.iter().enumerate() {
-            let p = self.packed.as_ref().and_then(|p| p.layers.get(l)).unwrap_or(&no_packed);
+            let p = self
+                .packed
+                .as_ref()
+                .and_then(|p| p.layers.get(l))
+                .unwrap_or(&no_packed);
             ops::rmsnorm_forward(&mut h, &mut rstd, &x, &w.attn_norm.data, eps);
-            let bias = |b: &Option<crate::tensor::Tensor>| b.as_ref().map(|b| &b.data[..]).map(<[f32]>::to_vec);
+            let bias = |b: &Option<crate::tensor::Tensor>| {
+                b.as_ref().map(|b| &b.data[..]).map(<[f32]>::to_vec)
+            };
             let (bq, bk, bv) = (bias(&w.bq), bias(&w.bk), bias(&w.bv));
-            linear(&mut q, &h, &w.wq.data, p.wq.as_ref(), bq.as_deref(), n, c, c);
-            linear(&mut k, &h, &w.wk.data, p.wk.as_ref(), bk.as_deref(), n, c, kv);
-            linear(&mut v, &h, &w.wv.data, p.wv.as_ref(), bv.as_deref(), n, c, kv);
+            linear(
+                &mut q,
+                &h,
+                &w.wq.data,
+                p.wq.as_ref(),
+                bq.as_deref(),
+                n,
+                c,
+                c,
+            );
+            linear(
+                &mut k,
+                &h,
+                &w.wk.data,
+                p.wk.as_ref(),
+                bk.as_deref(),
+                n,
+                c,
+                kv,
+            );
+            linear(
+                &mut v,
+                &h,
+                &w.wv.data,
+                p.wv.as_ref(),
+                bv.as_deref(),
+                n,
+                c,
+                kv,
+            );
             ops::rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
             ops::rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
 
@@ -213,14 +262,50 @@ impl Model {
                 );
                 offset += t;
             }
-            linear(&mut proj, &att_out, &w.wo.data, p.wo.as_ref(), None, n, c, c);
+            linear(
+                &mut proj,
+                &att_out,
+                &w.wo.data,
+                p.wo.as_ref(),
+                None,
+                n,
+                c,
+                c,
+            );
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
 
             ops::rmsnorm_forward(&mut h, &mut rstd, &x, &w.ffn_norm.data, eps);
-            linear(&mut gate, &h, &w.w_gate.data, p.w_gate.as_ref(), None, n, c, i_dim);
-            linear(&mut up, &h, &w.w_up.data, p.w_up.as_ref(), None, n, c, i_dim);
+            linear(
+                &mut gate,
+                &h,
+                &w.w_gate.data,
+                p.w_gate.as_ref(),
+                None,
+                n,
+                c,
+                i_dim,
+            );
+            linear(
+                &mut up,
+                &h,
+                &w.w_up.data,
+                p.w_up.as_ref(),
+                None,
+                n,
+                c,
+                i_dim,
+            );
             ops::swiglu_forward(&mut act, &gate, &up);
-            linear(&mut proj, &act, &w.w_down.data, p.w_down.as_ref(), None, n, i_dim, c);
+            linear(
+                &mut proj,
+                &act,
+                &w.w_down.data,
+                p.w_down.as_ref(),
+                None,
+                n,
+                i_dim,
+                c,
+            );
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
         }
         for seq in inputs.iter_mut() {
@@ -251,7 +336,16 @@ impl Model {
         let vocab = cfg.vocab_size;
         let mut logits = vec![0f32; m * vocab];
         let packed_head = self.packed.as_ref().and_then(|p| p.head.as_ref());
-        linear(&mut logits, &normed, self.lm_head(), packed_head, None, m, c, vocab);
+        linear(
+            &mut logits,
+            &normed,
+            self.lm_head(),
+            packed_head,
+            None,
+            m,
+            c,
+            vocab,
+        );
         logits.chunks(vocab).map(<[f32]>::to_vec).collect()
     }
 }
@@ -271,22 +365,25 @@ fn cached_attention(
 ) {
     let group = heads / kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
-    out.par_chunks_mut(hd).enumerate().with_min_len(4).for_each(|(row, o)| {
-        let (i, h) = (row / heads, row % heads);
-        let kvh = h / group;
-        let qi = &q[row * hd..][..hd];
-        let visible = start + i + 1;
-        let mut scores: Vec<f32> = (0..visible)
-            .map(|j| {
-                let kj = &k[(j * kv_heads + kvh) * hd..][..hd];
-                qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale
-            })
-            .collect();
-        ops::softmax(&mut scores);
-        o.iter_mut().for_each(|o| *o = 0.0);
-        for (j, p) in scores.iter().enumerate() {
-            let vj = &v[(j * kv_heads + kvh) * hd..][..hd];
-            o.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
-        }
-    });
+    out.par_chunks_mut(hd)
+        .enumerate()
+        .with_min_len(4)
+        .for_each(|(row, o)| {
+            let (i, h) = (row / heads, row % heads);
+            let kvh = h / group;
+            let qi = &q[row * hd..][..hd];
+            let visible = start + i + 1;
+            let mut scores: Vec<f32> = (0..visible)
+                .map(|j| {
+                    let kj = &k[(j * kv_heads + kvh) * hd..][..hd];
+                    qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale
+                })
+                .collect();
+            ops::softmax(&mut scores);
+            o.iter_mut().for_each(|o| *o = 0.0);
+            for (j, p) in scores.iter().enumerate() {
+                let vj = &v[(j * kv_heads + kvh) * hd..][..hd];
+                o.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
+            }
+        });
 }

@@ -82,7 +82,7 @@ impl GgmlType {
 
     pub fn bytes_for(self, elements: usize) -> Result<usize, QuantError> {
         let (block, bytes) = self.block();
-        if elements % block != 0 {
+        if !elements.is_multiple_of(block) {
             return Err(QuantError::Ragged {
                 kind: self,
                 block,

@@ -444,15 +444,27 @@ pub fn packed_from_gguf(file: &GgufFile, config: &ModelConfig) -> crate::model::
         let info = file.tensor(name)?;
         let (cols, rows) = (*info.dims.first()? as usize, *info.dims.get(1)? as usize);
         let order = permute_heads.map(|heads| gguf_row_order(rows, heads));
-        PackedMatrix::from_gguf(info.kind, file.tensor_bytes(info).ok()?, rows, cols, order.as_deref())
+        PackedMatrix::from_gguf(
+            info.kind,
+            file.tensor_bytes(info).ok()?,
+            rows,
+            cols,
+            order.as_deref(),
+        )
     };
     let llama = config.architecture == Architecture::Llama;
     let layers = (0..config.num_hidden_layers)
         .map(|l| {
             let n = |s: &str| format!("blk.{l}.{s}");
             PackedLayer {
-                wq: pack(&n("attn_q.weight"), llama.then_some(config.num_attention_heads)),
-                wk: pack(&n("attn_k.weight"), llama.then_some(config.num_key_value_heads)),
+                wq: pack(
+                    &n("attn_q.weight"),
+                    llama.then_some(config.num_attention_heads),
+                ),
+                wk: pack(
+                    &n("attn_k.weight"),
+                    llama.then_some(config.num_key_value_heads),
+                ),
                 wv: pack(&n("attn_v.weight"), None),
                 wo: pack(&n("attn_output.weight"), None),
                 w_gate: pack(&n("ffn_gate.weight"), None),
@@ -461,7 +473,11 @@ pub fn packed_from_gguf(file: &GgufFile, config: &ModelConfig) -> crate::model::
             }
         })
         .collect();
-    let head = if config.tie_word_embeddings { pack("token_embd.weight", None) } else { pack("output.weight", None) };
+    let head = if config.tie_word_embeddings {
+        pack("token_embd.weight", None)
+    } else {
+        pack("output.weight", None)
+    };
     PackedWeights { layers, head }
 }
 

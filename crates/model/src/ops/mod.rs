@@ -129,6 +129,7 @@ pub fn swiglu_backward(dgate: &mut [f32], dup: &mut [f32], dout: &[f32], gate: &
 }
 
 /// Causal self-attention of one sequence with grouped-query heads.
+#[allow(clippy::too_many_arguments)]
 /// q: (T, nh, hd); k, v: (T, nkv, hd); out: (T, nh, hd); att: (nh, T, T) probabilities.
 pub fn attention_forward(
     out: &mut [f32],

@@ -37,13 +37,19 @@ enum PackedKind {
 impl PackedMatrix {
     /// Packs GGUF tensor bytes, reordering rows by `row_order` (HF row r = GGUF row
     /// `row_order[r]`). None for formats without a packed kernel.
-    pub fn from_gguf(kind: GgmlType, data: &[u8], rows: usize, cols: usize, row_order: Option<&[usize]>) -> Option<Self> {
+    pub fn from_gguf(
+        kind: GgmlType,
+        data: &[u8],
+        rows: usize,
+        cols: usize,
+        row_order: Option<&[usize]>,
+    ) -> Option<Self> {
         let (kind, block_bytes) = match kind {
             GgmlType::Q4_1 => (PackedKind::Q4_1, 20),
             GgmlType::Q8_0 => (PackedKind::Q8_0, 34),
             _ => return None,
         };
-        if cols % BLOCK != 0 || data.len() < rows * cols / BLOCK * block_bytes {
+        if !cols.is_multiple_of(BLOCK) || data.len() < rows * cols / BLOCK * block_bytes {
             return None;
         }
         let blocks_per_row = cols / BLOCK;
@@ -53,7 +59,8 @@ impl PackedMatrix {
         let mut quants = Vec::with_capacity(rows * blocks_per_row * quant_bytes);
         for r in 0..rows {
             let source = row_order.map_or(r, |order| order[r]);
-            let row = &data[source * blocks_per_row * block_bytes..][..blocks_per_row * block_bytes];
+            let row =
+                &data[source * blocks_per_row * block_bytes..][..blocks_per_row * block_bytes];
             for block in row.chunks_exact(block_bytes) {
                 scales.push(half::f16::from_le_bytes([block[0], block[1]]).to_f32());
                 if kind == PackedKind::Q4_1 {
@@ -64,29 +71,42 @@ impl PackedMatrix {
                 }
             }
         }
-        Some(Self { rows, cols, kind, scales, mins, quants })
+        Some(Self {
+            rows,
+            cols,
+            kind,
+            scales,
+            mins,
+            quants,
+        })
     }
 
     /// out (N, rows) = x (N, cols) · selfᵀ.
     pub fn matmul(&self, out: &mut [f32], x: &[f32], n: usize) {
         let (o, i) = (self.rows, self.cols);
         // Σ x per block and token, for Q4_1's min term.
-        let block_sums: Vec<f32> = x[..n * i].chunks_exact(BLOCK).map(|b| b.iter().sum()).collect();
+        let block_sums: Vec<f32> = x[..n * i]
+            .chunks_exact(BLOCK)
+            .map(|b| b.iter().sum())
+            .collect();
         let mut out_t = vec![0f32; o * n];
         let rows_per_task = 16;
         let avx2 = has_avx2_fma();
-        out_t.par_chunks_mut(n * rows_per_task).enumerate().for_each(|(task, out_t)| {
-            let first_row = task * rows_per_task;
-            if avx2 {
-                // SAFETY: the CPU has AVX2 and FMA (checked at run time just above).
-                #[cfg(target_arch = "x86_64")]
-                unsafe {
-                    self.rows_avx2(out_t, first_row, x, &block_sums, n);
+        out_t
+            .par_chunks_mut(n * rows_per_task)
+            .enumerate()
+            .for_each(|(task, out_t)| {
+                let first_row = task * rows_per_task;
+                if avx2 {
+                    // SAFETY: the CPU has AVX2 and FMA (checked at run time just above).
+                    #[cfg(target_arch = "x86_64")]
+                    unsafe {
+                        self.rows_avx2(out_t, first_row, x, &block_sums, n);
+                    }
+                } else {
+                    self.rows(out_t, first_row, x, &block_sums, n);
                 }
-            } else {
-                self.rows(out_t, first_row, x, &block_sums, n);
-            }
-        });
+            });
         for r in 0..o {
             for t in 0..n {
                 out[t * o + r] = out_t[r * n + t];
@@ -103,7 +123,9 @@ impl PackedMatrix {
             for (t, y) in out_row.iter_mut().enumerate() {
                 let xt = &x[t * i..][..i];
                 *y = match self.kind {
-                    PackedKind::Q4_1 => self.row_dot_q4_1(r, xt, &block_sums[t * blocks..][..blocks]),
+                    PackedKind::Q4_1 => {
+                        self.row_dot_q4_1(r, xt, &block_sums[t * blocks..][..blocks])
+                    }
                     PackedKind::Q8_0 => self.row_dot_q8_0(r, xt),
                 };
             }
@@ -112,7 +134,14 @@ impl PackedMatrix {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows_avx2(&self, out_t: &mut [f32], first_row: usize, x: &[f32], block_sums: &[f32], n: usize) {
+    unsafe fn rows_avx2(
+        &self,
+        out_t: &mut [f32],
+        first_row: usize,
+        x: &[f32],
+        block_sums: &[f32],
+        n: usize,
+    ) {
         self.rows(out_t, first_row, x, block_sums, n);
     }
 
@@ -122,10 +151,17 @@ impl PackedMatrix {
     fn row_dot_q4_1(&self, r: usize, x: &[f32], block_sums: &[f32]) -> f32 {
         let blocks = self.cols / BLOCK;
         let quants = &self.quants[r * blocks * 16..][..blocks * 16];
-        let (scales, mins) = (&self.scales[r * blocks..][..blocks], &self.mins[r * blocks..][..blocks]);
+        let (scales, mins) = (
+            &self.scales[r * blocks..][..blocks],
+            &self.mins[r * blocks..][..blocks],
+        );
         let mut acc = [0f32; 16];
         let mut min_term = 0f32;
-        for (b, (q, xb)) in quants.chunks_exact(16).zip(x.chunks_exact(BLOCK)).enumerate() {
+        for (b, (q, xb)) in quants
+            .chunks_exact(16)
+            .zip(x.chunks_exact(BLOCK))
+            .enumerate()
+        {
             let d = scales[b];
             let (lo, hi) = xb.split_at(16);
             for j in 0..16 {
@@ -143,7 +179,11 @@ impl PackedMatrix {
         let quants = &self.quants[r * blocks * 32..][..blocks * 32];
         let scales = &self.scales[r * blocks..][..blocks];
         let mut acc = [0f32; 32];
-        for (b, (q, xb)) in quants.chunks_exact(32).zip(x.chunks_exact(BLOCK)).enumerate() {
+        for (b, (q, xb)) in quants
+            .chunks_exact(32)
+            .zip(x.chunks_exact(BLOCK))
+            .enumerate()
+        {
             let d = scales[b];
             for j in 0..32 {
                 acc[j] += d * f32::from(q[j] as i8) * xb[j];
@@ -194,13 +234,20 @@ mod tests {
             let data = gguf_blocks(kind, rows, cols);
             let dense = kind.dequantize(&data, rows * cols).unwrap();
             let packed = PackedMatrix::from_gguf(kind, &data, rows, cols, None).unwrap();
-            let x: Vec<f32> = (0..n * cols).map(|j| ((j * 37 % 101) as f32 - 50.0) / 50.0).collect();
+            let x: Vec<f32> = (0..n * cols)
+                .map(|j| ((j * 37 % 101) as f32 - 50.0) / 50.0)
+                .collect();
             let mut out = vec![0f32; n * rows];
             packed.matmul(&mut out, &x, n);
             for t in 0..n {
                 for r in 0..rows {
-                    let want: f32 = (0..cols).map(|c| dense[r * cols + c] * x[t * cols + c]).sum();
-                    assert!((out[t * rows + r] - want).abs() < 1e-3 * (1.0 + want.abs()), "{kind:?} [{t},{r}]");
+                    let want: f32 = (0..cols)
+                        .map(|c| dense[r * cols + c] * x[t * cols + c])
+                        .sum();
+                    assert!(
+                        (out[t * rows + r] - want).abs() < 1e-3 * (1.0 + want.abs()),
+                        "{kind:?} [{t},{r}]"
+                    );
                 }
             }
         }
