@@ -16,6 +16,7 @@ export PIP_CACHE_DIR ?= $(ARL_CACHE)/pip
 export ARL_MODEL_DIR ?= $(ARL_CACHE)/models
 TOOLS := $(ARL_CACHE)/tools
 export ARL_NATS_SERVER := $(TOOLS)/bin/nats-server
+export ARL_TOOLS_PYTHON := $(TOOLS)/bin/python
 BIN := $(CARGO_TARGET_DIR)/debug
 
 TOOLS_HASH := $(shell sha256sum tools/requirements.txt | cut -c1-16)
