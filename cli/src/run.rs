@@ -156,7 +156,15 @@ async fn submit(
 }
 
 fn submitter() -> String {
-    let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+    let user = ["USER", "LOGNAME"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+        .or_else(|| {
+            let output = std::process::Command::new("id").arg("-un").output().ok()?;
+            Some(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+                .filter(|u| !u.is_empty())
+        })
+        .unwrap_or_else(|| "unknown".into());
     let host = std::fs::read_to_string("/etc/hostname")
         .map(|h| h.trim().to_owned())
         .unwrap_or_else(|_| "localhost".into());
