@@ -5,3 +5,4 @@
 //! built on it next.
 
 pub mod objective;
+pub mod step;
