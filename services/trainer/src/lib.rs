@@ -5,4 +5,5 @@
 //! built on it next.
 
 pub mod objective;
+pub mod schedule;
 pub mod step;
