@@ -62,6 +62,16 @@ pub async fn serve(
     shutdown: &Shutdown,
 ) -> std::io::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
+    serve_listener(listener, router, shutdown)
+}
+
+/// Serves `router` on an already bound listener until shutdown (for services that must
+/// know their address before they start serving).
+pub fn serve_listener(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: &Shutdown,
+) -> std::io::Result<SocketAddr> {
     let bound = listener.local_addr()?;
     let token = shutdown.token();
     shutdown.spawn(async move {
@@ -72,6 +82,6 @@ pub async fn serve(
             tracing::error!(%err, "HTTP server stopped");
         }
     });
-    tracing::info!(%bound, "serving /health and /metrics");
+    tracing::info!(%bound, "serving HTTP");
     Ok(bound)
 }

@@ -171,6 +171,32 @@ fn file_error(output: &ExecOutput, what: &str) -> ApiError {
     }
 }
 
+/// Runs a file operation `command` in the lease's sandbox with `$ARL_PATH` set to the
+/// work-tree path `relative` resolves to: authorization, path checks and limits in one place.
+async fn file_op<B: Backend>(
+    service: &SandboxService<B>,
+    lease_id: &str,
+    headers: &HeaderMap,
+    relative: &str,
+    command: &str,
+    stdin: Option<Vec<u8>>,
+    output_limit: usize,
+) -> Result<ExecOutput, ApiError> {
+    let lease = authorize(service, lease_id, headers)?;
+    let path = sandbox_path(&lease, relative)?;
+    let env = BTreeMap::from([("ARL_PATH".to_owned(), path)]);
+    run_in(
+        service,
+        &lease,
+        command,
+        env,
+        stdin,
+        FILE_OP_TIMEOUT,
+        output_limit,
+    )
+    .await
+}
+
 async fn exec<B: Backend>(
     State(service): State<SandboxService<B>>,
     Path(lease_id): Path<String>,
@@ -214,25 +240,19 @@ async fn exec<B: Backend>(
     }))
 }
 
-fn path_env(path: String) -> BTreeMap<String, String> {
-    BTreeMap::from([("ARL_PATH".to_owned(), path)])
-}
-
 async fn read_file<B: Backend>(
     State(service): State<SandboxService<B>>,
     Path(lease_id): Path<String>,
     Query(query): Query<PathQuery>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    let lease = authorize(&service, &lease_id, &headers)?;
-    let path = sandbox_path(&lease, &query.path)?;
-    let output = run_in(
+    let output = file_op(
         &service,
-        &lease,
+        &lease_id,
+        &headers,
+        &query.path,
         "cat -- \"$ARL_PATH\"",
-        path_env(path),
         None,
-        FILE_OP_TIMEOUT,
         MAX_DOWNLOAD,
     )
     .await?;
@@ -253,16 +273,14 @@ async fn write_file<B: Backend>(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
-    let lease = authorize(&service, &lease_id, &headers)?;
-    let path = sandbox_path(&lease, &query.path)?;
     let command = "mkdir -p -- \"$(dirname -- \"$ARL_PATH\")\" && cat > \"$ARL_PATH\"";
-    let output = run_in(
+    let output = file_op(
         &service,
-        &lease,
+        &lease_id,
+        &headers,
+        &query.path,
         command,
-        path_env(path),
         Some(body.to_vec()),
-        FILE_OP_TIMEOUT,
         64 << 10,
     )
     .await?;
@@ -278,16 +296,14 @@ async fn list<B: Backend>(
     Query(query): Query<PathQuery>,
     headers: HeaderMap,
 ) -> Result<axum::Json<Vec<FileEntry>>, ApiError> {
-    let lease = authorize(&service, &lease_id, &headers)?;
-    let path = sandbox_path(&lease, &query.path)?;
     let command = "find \"$ARL_PATH\" -mindepth 1 -maxdepth 1 -printf '%y\\t%s\\t%f\\n'";
-    let output = run_in(
+    let output = file_op(
         &service,
-        &lease,
+        &lease_id,
+        &headers,
+        &query.path,
         command,
-        path_env(path),
         None,
-        FILE_OP_TIMEOUT,
         16 << 20,
     )
     .await?;
@@ -323,15 +339,13 @@ async fn download_tar<B: Backend>(
     Query(query): Query<PathQuery>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    let lease = authorize(&service, &lease_id, &headers)?;
-    let path = sandbox_path(&lease, &query.path)?;
-    let output = run_in(
+    let output = file_op(
         &service,
-        &lease,
+        &lease_id,
+        &headers,
+        &query.path,
         "tar -C \"$ARL_PATH\" -cf - .",
-        path_env(path),
         None,
-        FILE_OP_TIMEOUT,
         MAX_DOWNLOAD,
     )
     .await?;
@@ -355,16 +369,14 @@ async fn upload_tar<B: Backend>(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
-    let lease = authorize(&service, &lease_id, &headers)?;
-    let path = sandbox_path(&lease, &query.path)?;
     let command = "mkdir -p -- \"$ARL_PATH\" && tar -C \"$ARL_PATH\" -xf - --no-same-owner";
-    let output = run_in(
+    let output = file_op(
         &service,
-        &lease,
+        &lease_id,
+        &headers,
+        &query.path,
         command,
-        path_env(path),
         Some(body.to_vec()),
-        FILE_OP_TIMEOUT,
         64 << 10,
     )
     .await?;

@@ -100,7 +100,7 @@ impl SandboxService<Bubblewrap> {
         })?;
         config.public_url = format!("http://{bound}");
         let service = Self::assemble(bus, config, backend, shutdown);
-        service.start(listener).await?;
+        service.start(listener, bound).await?;
         Ok(service)
     }
 }
@@ -152,7 +152,11 @@ impl<B: Backend> SandboxService<B> {
         Ok(())
     }
 
-    async fn start(&self, listener: tokio::net::TcpListener) -> Result<(), StartError> {
+    async fn start(
+        &self,
+        listener: tokio::net::TcpListener,
+        addr: SocketAddr,
+    ) -> Result<(), StartError> {
         self.reap_leftovers().await;
         let shutdown = self.inner.shutdown.clone();
 
@@ -161,15 +165,8 @@ impl<B: Backend> SandboxService<B> {
             self.inner.bus.clone(),
             self.inner.bus.metrics().clone(),
         ));
-        let token = shutdown.token();
-        shutdown.spawn(async move {
-            let served = axum::serve(listener, router)
-                .with_graceful_shutdown(async move { token.cancelled().await })
-                .await;
-            if let Err(err) = served {
-                tracing::error!(%err, "sandbox HTTP API stopped");
-            }
-        });
+        arl_runtime::http::serve_listener(listener, router, &shutdown)
+            .map_err(|source| StartError::Http { addr, source })?;
 
         let ns = self.inner.bus.namespace().clone();
         let instance = self.inner.config.instance.clone();
