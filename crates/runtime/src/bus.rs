@@ -39,6 +39,8 @@ pub enum BusError {
     },
     #[error("publish to {subject} refused: {reason}")]
     PublishRefused { subject: String, reason: String },
+    #[error("reading back {filter}: {reason}")]
+    Replay { filter: String, reason: String },
     #[error("key-value {bucket}: {reason}")]
     KeyValue { bucket: String, reason: String },
 }
@@ -238,8 +240,8 @@ impl Bus {
     ) -> Result<Vec<E>, BusError> {
         use async_nats::jetstream::consumer::{self, pull};
         use futures::StreamExt;
-        let fail = |reason: String| BusError::Provision {
-            what: format!("replay of {filter}"),
+        let fail = |reason: String| BusError::Replay {
+            filter: filter.clone(),
             reason,
         };
         let config = pull::Config {
