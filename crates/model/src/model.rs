@@ -2,8 +2,6 @@
 //! attention with RoPE → residual, RMSNorm → SwiGLU MLP → residual), final RMSNorm, head.
 //! This file holds inference with a KV cache; `train.rs` the training forward/backward.
 
-use rayon::prelude::*;
-
 use crate::config::ModelConfig;
 use crate::ops::{self, PackedMatrix};
 use crate::weights::Weights;
@@ -174,13 +172,12 @@ impl Model {
             .flat_map(|s| (0..s.tokens.len()).map(move |i| s.cache.len + i))
             .collect();
 
+        let tokens: Vec<u32> = inputs
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
         let mut x = vec![0f32; n * c]; // (N, C)
-        for (row, &token) in x
-            .chunks_mut(c)
-            .zip(inputs.iter().flat_map(|s| s.tokens.iter()))
-        {
-            row.copy_from_slice(&self.weights.embed.data[token as usize * c..][..c]);
-        }
+        ops::embedding_forward(&mut x, &self.weights.embed.data, &tokens);
         let mut h = vec![0f32; n * c];
         let mut rstd = vec![0f32; n];
         let (mut q, mut k, mut v) = (vec![0f32; n * c], vec![0f32; n * kv], vec![0f32; n * kv]);
@@ -201,40 +198,10 @@ impl Model {
                 .and_then(|p| p.layers.get(l))
                 .unwrap_or(&no_packed);
             ops::rmsnorm_forward(&mut h, &mut rstd, &x, &w.attn_norm.data, eps);
-            let bias = |b: &Option<crate::tensor::Tensor>| {
-                b.as_ref().map(|b| &b.data[..]).map(<[f32]>::to_vec)
-            };
             let (bq, bk, bv) = (bias(&w.bq), bias(&w.bk), bias(&w.bv));
-            linear(
-                &mut q,
-                &h,
-                &w.wq.data,
-                p.wq.as_ref(),
-                bq.as_deref(),
-                n,
-                c,
-                c,
-            );
-            linear(
-                &mut k,
-                &h,
-                &w.wk.data,
-                p.wk.as_ref(),
-                bk.as_deref(),
-                n,
-                c,
-                kv,
-            );
-            linear(
-                &mut v,
-                &h,
-                &w.wv.data,
-                p.wv.as_ref(),
-                bv.as_deref(),
-                n,
-                c,
-                kv,
-            );
+            linear(&mut q, &h, &w.wq.data, p.wq.as_ref(), bq, n, c, c);
+            linear(&mut k, &h, &w.wk.data, p.wk.as_ref(), bk, n, c, kv);
+            linear(&mut v, &h, &w.wv.data, p.wv.as_ref(), bv, n, c, kv);
             ops::rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
             ops::rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
 
@@ -250,7 +217,7 @@ impl Model {
             for seq in inputs.iter() {
                 let t = seq.tokens.len();
                 let start = seq.cache.len;
-                cached_attention(
+                ops::attention_cached(
                     &mut att_out[offset * c..(offset + t) * c],
                     &q[offset * c..(offset + t) * c],
                     &seq.cache.k[l],
@@ -350,40 +317,6 @@ impl Model {
     }
 }
 
-/// Attention of `t` new query rows at positions start.. over a cache of start + t keys.
-/// q, out: (t, nh, hd); k, v: (start + t, nkv, hd)
-#[allow(clippy::too_many_arguments)]
-fn cached_attention(
-    out: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    start: usize,
-    heads: usize,
-    kv_heads: usize,
-    hd: usize,
-) {
-    let group = heads / kv_heads;
-    let scale = 1.0 / (hd as f32).sqrt();
-    out.par_chunks_mut(hd)
-        .enumerate()
-        .with_min_len(4)
-        .for_each(|(row, o)| {
-            let (i, h) = (row / heads, row % heads);
-            let kvh = h / group;
-            let qi = &q[row * hd..][..hd];
-            let visible = start + i + 1;
-            let mut scores: Vec<f32> = (0..visible)
-                .map(|j| {
-                    let kj = &k[(j * kv_heads + kvh) * hd..][..hd];
-                    qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale
-                })
-                .collect();
-            ops::softmax(&mut scores);
-            o.iter_mut().for_each(|o| *o = 0.0);
-            for (j, p) in scores.iter().enumerate() {
-                let vj = &v[(j * kv_heads + kvh) * hd..][..hd];
-                o.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
-            }
-        });
+fn bias(b: &Option<crate::tensor::Tensor>) -> Option<&[f32]> {
+    b.as_ref().map(|b| &b.data[..])
 }

@@ -91,9 +91,7 @@ impl Model {
         }
         let n = tokens.len();
         let mut x = vec![0f32; n * c];
-        for (row, &t) in x.chunks_mut(c).zip(&tokens) {
-            row.copy_from_slice(&self.weights.embed.data[t as usize * c..][..c]);
-        }
+        ops::embedding_forward(&mut x, &self.weights.embed.data, &tokens);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for w in &self.weights.layers {
             let x_in = x.clone();
@@ -460,10 +458,7 @@ impl Model {
                 &acts.rstd1,
             );
         }
-        // Embedding: scatter-add rows.
-        for (row, &t) in dx.chunks(c).zip(&pass.tokens) {
-            add(&mut grads.embed.data[t as usize * c..][..c], row);
-        }
+        ops::embedding_backward(&mut grads.embed.data, &dx, &pass.tokens);
     }
 }
 

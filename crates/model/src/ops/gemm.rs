@@ -98,11 +98,7 @@ fn thin_forward(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: us
                 }
             }
         });
-    for r in 0..o {
-        for t in 0..n {
-            out[t * o + r] = out_t[r * n + t];
-        }
-    }
+    super::transpose_into(out, &out_t, o, n);
 }
 
 /// A dot product with independent accumulators, so the compiler vectorizes it.

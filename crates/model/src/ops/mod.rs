@@ -186,6 +186,44 @@ pub fn attention_forward(
     }
 }
 
+/// Attention of `t` new query rows at positions start.. over a cache of start + t keys.
+/// q, out: (t, nh, hd); k, v: (start + t, nkv, hd)
+#[allow(clippy::too_many_arguments)]
+pub fn attention_cached(
+    out: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    start: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+) {
+    let group = heads / kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    out.par_chunks_mut(hd)
+        .enumerate()
+        .with_min_len(4)
+        .for_each(|(row, o)| {
+            let (i, h) = (row / heads, row % heads);
+            let kvh = h / group;
+            let qi = &q[row * hd..][..hd];
+            let visible = start + i + 1;
+            let mut scores: Vec<f32> = (0..visible)
+                .map(|j| {
+                    let kj = &k[(j * kv_heads + kvh) * hd..][..hd];
+                    qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale
+                })
+                .collect();
+            softmax(&mut scores);
+            o.iter_mut().for_each(|o| *o = 0.0);
+            for (j, p) in scores.iter().enumerate() {
+                let vj = &v[(j * kv_heads + kvh) * hd..][..hd];
+                o.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
+            }
+        });
+}
+
 /// Backward of [`attention_forward`]: dq, dk, dv += from dout.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
@@ -260,6 +298,34 @@ pub fn attention_backward(
                 .zip(&dv_h[i * hd..][..hd])
                 .for_each(|(a, b)| *a += b);
         }
+    }
+}
+
+/// out (N, O) = transpose of out_t (O, N): the thin matmul kernels work per weight row.
+fn transpose_into(out: &mut [f32], out_t: &[f32], o: usize, n: usize) {
+    for r in 0..o {
+        for t in 0..n {
+            out[t * o + r] = out_t[r * n + t];
+        }
+    }
+}
+
+/// Embedding lookup: out row t = table row tokens[t]. table: (V, C); out: (N, C)
+pub fn embedding_forward(out: &mut [f32], table: &[f32], tokens: &[u32]) {
+    let c = out.len() / tokens.len().max(1);
+    for (row, &t) in out.chunks_mut(c).zip(tokens) {
+        row.copy_from_slice(&table[t as usize * c..][..c]);
+    }
+}
+
+/// dtable row tokens[t] += dout row t.
+pub fn embedding_backward(dtable: &mut [f32], dout: &[f32], tokens: &[u32]) {
+    let c = dout.len() / tokens.len().max(1);
+    for (row, &t) in dout.chunks(c).zip(tokens) {
+        dtable[t as usize * c..][..c]
+            .iter_mut()
+            .zip(row)
+            .for_each(|(d, g)| *d += g);
     }
 }
 

@@ -107,11 +107,7 @@ impl PackedMatrix {
                     self.rows(out_t, first_row, x, &block_sums, n);
                 }
             });
-        for r in 0..o {
-            for t in 0..n {
-                out[t * o + r] = out_t[r * n + t];
-            }
-        }
+        super::transpose_into(out, &out_t, o, n);
     }
 
     /// out_t (rows of this task, N) for rows first_row...
