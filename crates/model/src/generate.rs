@@ -1,5 +1,6 @@
 //! Token generation on top of [`Model::forward`]: greedy or sampled, with log-probabilities.
 
+use crate::backend::Backend;
 use crate::model::{KvCache, Model, SeqInput};
 use crate::ops;
 
@@ -94,14 +95,14 @@ pub fn sample(logits: &[f32], sampling: &Sampling, rng: &mut Rng) -> (u32, f32) 
 
 /// Generates up to `max_tokens` after `prompt`, stopping at any of `stop_ids`.
 /// Returns the new tokens and their log-probabilities.
-pub fn generate(
-    model: &Model,
+pub fn generate<B: Backend>(
+    model: &Model<B>,
     prompt: &[u32],
     max_tokens: usize,
     stop_ids: &[u32],
     sampling: &Sampling,
 ) -> (Vec<u32>, Vec<f32>) {
-    let mut cache = KvCache::new(&model.config);
+    let mut cache = KvCache::new(model);
     let mut rng = Rng::new(sampling.seed);
     let mut logits = model
         .forward(&mut [SeqInput {

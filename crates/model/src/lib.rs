@@ -1,7 +1,9 @@
-//! The model core under every model-facing service: Qwen2 and Llama-family models on CPU.
+//! The model core under every model-facing service: Qwen2 and Llama-family models on CPU,
+//! behind a compute boundary ([`backend::Backend`]) that other devices implement.
 //!
 //! - [`gguf`], [`quant`]: llama.cpp's GGUF files and their tensor types.
 //! - [`config`]: the architecture, from Hugging Face `config.json` or GGUF metadata.
+pub mod backend;
 pub mod chat;
 pub mod config;
 pub mod generate;

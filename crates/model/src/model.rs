@@ -2,112 +2,127 @@
 //! attention with RoPE → residual, RMSNorm → SwiGLU MLP → residual), final RMSNorm, head.
 //! This file holds inference with a KV cache; `train.rs` the training forward/backward.
 
+use crate::backend::Backend;
 use crate::config::ModelConfig;
-use crate::ops::{self, PackedMatrix};
+use crate::ops::{Cpu, PackedMatrix};
+use crate::tensor::Tensor;
 use crate::weights::Weights;
 
+/// A model on backend `B` (the CPU by default): its parameters live in `B`'s buffers.
 #[derive(Clone, Debug)]
-pub struct Model {
+pub struct Model<B: Backend = Cpu> {
     pub config: ModelConfig,
-    pub(crate) weights: Weights,
+    pub backend: B,
+    pub(crate) weights: Weights<B::Buf>,
     /// RoPE inverse frequencies: (hd/2)
     pub inv_freq: Vec<f32>,
     /// The GGUF's own block-format copies of the linear weights, for decode steps; dropped
     /// as soon as the weights can change.
-    packed: Option<PackedWeights>,
+    packed: Option<PackedWeights<B::Packed>>,
 }
 
 /// Block-format copies of one model's linear weights (None where the format has no
-/// packed kernel).
-#[derive(Clone, Debug, Default)]
-pub struct PackedWeights {
-    pub layers: Vec<PackedLayer>,
-    pub head: Option<PackedMatrix>,
+/// packed kernel). `P` is the host [`PackedMatrix`] or a backend's form of it.
+#[derive(Clone, Debug)]
+pub struct PackedWeights<P = PackedMatrix> {
+    pub layers: Vec<PackedLayer<P>>,
+    pub head: Option<P>,
 }
 
-#[derive(Clone, Debug, Default)]
-pub struct PackedLayer {
-    pub wq: Option<PackedMatrix>,
-    pub wk: Option<PackedMatrix>,
-    pub wv: Option<PackedMatrix>,
-    pub wo: Option<PackedMatrix>,
-    pub w_gate: Option<PackedMatrix>,
-    pub w_up: Option<PackedMatrix>,
-    pub w_down: Option<PackedMatrix>,
+#[derive(Clone, Debug)]
+pub struct PackedLayer<P = PackedMatrix> {
+    pub wq: Option<P>,
+    pub wk: Option<P>,
+    pub wv: Option<P>,
+    pub wo: Option<P>,
+    pub w_gate: Option<P>,
+    pub w_up: Option<P>,
+    pub w_down: Option<P>,
+}
+
+impl<P> Default for PackedLayer<P> {
+    fn default() -> Self {
+        Self {
+            wq: None,
+            wk: None,
+            wv: None,
+            wo: None,
+            w_gate: None,
+            w_up: None,
+            w_down: None,
+        }
+    }
+}
+
+impl PackedWeights {
+    /// This backend's form of every block-format matrix it has a kernel for.
+    fn to_backend<B: Backend>(&self, backend: &B) -> PackedWeights<B::Packed> {
+        let p = |m: &Option<PackedMatrix>| m.as_ref().and_then(|m| backend.pack(m));
+        PackedWeights {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| PackedLayer {
+                    wq: p(&l.wq),
+                    wk: p(&l.wk),
+                    wv: p(&l.wv),
+                    wo: p(&l.wo),
+                    w_gate: p(&l.w_gate),
+                    w_up: p(&l.w_up),
+                    w_down: p(&l.w_down),
+                })
+                .collect(),
+            head: p(&self.head),
+        }
+    }
 }
 
 /// Up to this many tokens in a forward pass, linear layers read the packed weights.
 const PACKED_MAX_TOKENS: usize = 16;
 
-/// out (N, O) = x (N, I) · Wᵀ + b, from the packed copy when there is one and N is small.
-#[allow(clippy::too_many_arguments)]
-fn linear(
-    out: &mut [f32],
-    x: &[f32],
-    w: &[f32],
-    packed: Option<&PackedMatrix>,
-    bias: Option<&[f32]>,
-    n: usize,
-    i: usize,
-    o: usize,
-) {
-    match packed {
-        Some(p) if n <= PACKED_MAX_TOKENS => {
-            p.matmul(out, x, n);
-            if let Some(b) = bias {
-                out[..n * o]
-                    .chunks_mut(o)
-                    .for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
-            }
-        }
-        _ => ops::matmul_forward(out, x, w, bias, n, i, o),
-    }
-}
-
 /// Keys and values of one sequence, per layer: (len, nkv, hd) each.
 #[derive(Clone, Debug)]
-pub struct KvCache {
-    pub k: Vec<Vec<f32>>,
-    pub v: Vec<Vec<f32>>,
+pub struct KvCache<B: Backend = Cpu> {
+    pub k: Vec<B::Buf>,
+    pub v: Vec<B::Buf>,
     pub len: usize,
 }
 
-impl KvCache {
-    pub fn new(config: &ModelConfig) -> Self {
+impl<B: Backend> KvCache<B> {
+    pub fn new(model: &Model<B>) -> Self {
+        let layers = model.config.num_hidden_layers;
         Self {
-            k: vec![Vec::new(); config.num_hidden_layers],
-            v: vec![Vec::new(); config.num_hidden_layers],
+            k: (0..layers).map(|_| model.backend.zeros(0)).collect(),
+            v: (0..layers).map(|_| model.backend.zeros(0)).collect(),
             len: 0,
         }
     }
 
     /// Forgets everything after the first `len` positions (for prefix reuse).
-    pub fn truncate(&mut self, len: usize, kv_dim: usize) {
+    pub fn truncate(&mut self, model: &Model<B>, len: usize) {
         self.len = self.len.min(len);
+        let keep = self.len * model.config.kv_dim();
         for (k, v) in self.k.iter_mut().zip(&mut self.v) {
-            k.truncate(self.len * kv_dim);
-            v.truncate(self.len * kv_dim);
+            model.backend.truncate(k, keep);
+            model.backend.truncate(v, keep);
         }
     }
 }
 
 /// New tokens of one sequence for one forward pass.
-pub struct SeqInput<'a> {
+pub struct SeqInput<'a, B: Backend = Cpu> {
     pub tokens: &'a [u32],
-    pub cache: &'a mut KvCache,
+    pub cache: &'a mut KvCache<B>,
 }
 
 impl Model {
+    /// A CPU model from host weights.
     pub fn new(config: ModelConfig, weights: Weights) -> Self {
-        let inv_freq = config
-            .rope_inv_freq()
-            .into_iter()
-            .map(|f| f as f32)
-            .collect();
         Self {
+            inv_freq: inv_freq(&config),
             config,
+            backend: Cpu,
             weights,
-            inv_freq,
             packed: None,
         }
     }
@@ -118,44 +133,81 @@ impl Model {
         self
     }
 
-    pub fn weights(&self) -> &Weights {
+    /// The same model on another backend: weights uploaded, block-format copies converted
+    /// where the backend has kernels for them.
+    pub fn to_backend<B: Backend>(&self, backend: B) -> Model<B> {
+        Model {
+            config: self.config.clone(),
+            weights: self.weights.map(|t| backend.upload(&t.data)),
+            inv_freq: self.inv_freq.clone(),
+            packed: self.packed.as_ref().map(|p| p.to_backend(&backend)),
+            backend,
+        }
+    }
+}
+
+fn inv_freq(config: &ModelConfig) -> Vec<f32> {
+    config
+        .rope_inv_freq()
+        .into_iter()
+        .map(|f| f as f32)
+        .collect()
+}
+
+impl<B: Backend> Model<B> {
+    pub fn weights(&self) -> &Weights<B::Buf> {
         &self.weights
     }
 
     /// Mutable weights (training, loading a new version). The packed copies no longer
     /// match, so they are dropped.
-    pub fn weights_mut(&mut self) -> &mut Weights {
+    pub fn weights_mut(&mut self) -> &mut Weights<B::Buf> {
         self.packed = None;
         &mut self.weights
+    }
+
+    /// The weights in host memory (checkpoints).
+    pub fn host_weights(&self) -> Weights {
+        self.weights.map(|t| self.backend.download(&t.data))
+    }
+
+    /// Zero-filled buffers shaped like the weights (gradients, optimizer moments).
+    pub fn zeros_like_weights(&self) -> Weights<B::Buf> {
+        self.weights.map(|t| self.backend.zeros(t.numel()))
     }
 
     pub fn has_packed_weights(&self) -> bool {
         self.packed.is_some()
     }
 
-    fn lm_head(&self) -> &[f32] {
-        &self
-            .weights
-            .lm_head
-            .as_ref()
-            .unwrap_or(&self.weights.embed)
-            .data
+    /// out (N, O) = x (N, I) · Wᵀ + b, from the packed copy when there is one and N is small.
+    #[allow(clippy::too_many_arguments)]
+    fn linear(
+        &self,
+        out: &mut B::Buf,
+        x: &B::Buf,
+        w: &Tensor<B::Buf>,
+        packed: Option<&B::Packed>,
+        bias: Option<&Tensor<B::Buf>>,
+        n: usize,
+    ) {
+        let (o, i) = (w.shape[0], w.shape[1]);
+        let bias = bias.map(|b| &b.data);
+        match packed {
+            Some(p) if n <= PACKED_MAX_TOKENS => self.backend.matmul_packed(out, x, p, bias, n),
+            _ => self.backend.matmul_forward(out, x, &w.data, bias, n, i, o),
+        }
     }
 
     /// Runs the new tokens of every sequence through the model, extending their caches;
     /// returns the logits (V) after each sequence's last new token. Prefill (many tokens of
     /// one sequence) and batched decode (one token of many) are the same call.
-    pub fn forward(&self, inputs: &mut [SeqInput<'_>]) -> Vec<Vec<f32>> {
-        // A decode step makes hundreds of small parallel calls; issued from a pool thread
-        // they are work-stolen, from outside each would be a cross-thread hand-off.
-        if rayon::current_thread_index().is_none() {
-            return rayon::join(|| self.forward_in_pool(inputs), || ()).0;
-        }
-        self.forward_in_pool(inputs)
+    pub fn forward(&self, inputs: &mut [SeqInput<'_, B>]) -> Vec<Vec<f32>> {
+        self.backend.scope(|| self.forward_in_scope(inputs))
     }
 
-    fn forward_in_pool(&self, inputs: &mut [SeqInput<'_>]) -> Vec<Vec<f32>> {
-        let cfg = &self.config;
+    fn forward_in_scope(&self, inputs: &mut [SeqInput<'_, B>]) -> Vec<Vec<f32>> {
+        let (cfg, be) = (&self.config, &self.backend);
         let (c, kv, hd, i_dim) = (
             cfg.hidden_size,
             cfg.kv_dim(),
@@ -171,22 +223,20 @@ impl Model {
             .iter()
             .flat_map(|s| (0..s.tokens.len()).map(move |i| s.cache.len + i))
             .collect();
-
         let tokens: Vec<u32> = inputs
             .iter()
             .flat_map(|s| s.tokens.iter().copied())
             .collect();
-        let mut x = vec![0f32; n * c]; // (N, C)
-        ops::embedding_forward(&mut x, &self.weights.embed.data, &tokens);
-        let mut h = vec![0f32; n * c];
-        let mut rstd = vec![0f32; n];
-        let (mut q, mut k, mut v) = (vec![0f32; n * c], vec![0f32; n * kv], vec![0f32; n * kv]);
-        let mut att_out = vec![0f32; n * c];
-        let mut proj = vec![0f32; n * c];
+
+        let mut x = be.zeros(n * c); // (N, C)
+        be.embedding_forward(&mut x, &self.weights.embed.data, &tokens);
+        let (mut h, mut rstd) = (be.zeros(n * c), be.zeros(n));
+        let (mut q, mut k, mut v) = (be.zeros(n * c), be.zeros(n * kv), be.zeros(n * kv));
+        let (mut att_out, mut proj) = (be.zeros(n * c), be.zeros(n * c));
         let (mut gate, mut up, mut act) = (
-            vec![0f32; n * i_dim],
-            vec![0f32; n * i_dim],
-            vec![0f32; n * i_dim],
+            be.zeros(n * i_dim),
+            be.zeros(n * i_dim),
+            be.zeros(n * i_dim),
         );
         let eps = cfg.rms_norm_eps as f32;
 
@@ -197,103 +247,64 @@ impl Model {
                 .as_ref()
                 .and_then(|p| p.layers.get(l))
                 .unwrap_or(&no_packed);
-            ops::rmsnorm_forward(&mut h, &mut rstd, &x, &w.attn_norm.data, eps);
-            let (bq, bk, bv) = (bias(&w.bq), bias(&w.bk), bias(&w.bv));
-            linear(&mut q, &h, &w.wq.data, p.wq.as_ref(), bq, n, c, c);
-            linear(&mut k, &h, &w.wk.data, p.wk.as_ref(), bk, n, c, kv);
-            linear(&mut v, &h, &w.wv.data, p.wv.as_ref(), bv, n, c, kv);
-            ops::rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
-            ops::rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
+            be.rmsnorm_forward(&mut h, &mut rstd, &x, &w.attn_norm.data, eps);
+            self.linear(&mut q, &h, &w.wq, p.wq.as_ref(), w.bq.as_ref(), n);
+            self.linear(&mut k, &h, &w.wk, p.wk.as_ref(), w.bk.as_ref(), n);
+            self.linear(&mut v, &h, &w.wv, p.wv.as_ref(), w.bv.as_ref(), n);
+            be.rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
+            be.rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
 
             // Append to each sequence's cache, then attend over it.
             let mut offset = 0;
             for seq in inputs.iter_mut() {
-                let t = seq.tokens.len();
-                seq.cache.k[l].extend_from_slice(&k[offset * kv..(offset + t) * kv]);
-                seq.cache.v[l].extend_from_slice(&v[offset * kv..(offset + t) * kv]);
-                offset += t;
+                let rows = offset * kv..(offset + seq.tokens.len()) * kv;
+                be.append(&mut seq.cache.k[l], &k, rows.clone());
+                be.append(&mut seq.cache.v[l], &v, rows);
+                offset += seq.tokens.len();
             }
             let mut offset = 0;
             for seq in inputs.iter() {
                 let t = seq.tokens.len();
-                let start = seq.cache.len;
-                ops::attention_cached(
-                    &mut att_out[offset * c..(offset + t) * c],
-                    &q[offset * c..(offset + t) * c],
+                be.attention_cached(
+                    &mut att_out,
+                    &q,
+                    offset..offset + t,
                     &seq.cache.k[l],
                     &seq.cache.v[l],
-                    start,
+                    seq.cache.len,
                     heads,
                     kv_heads,
                     hd,
                 );
                 offset += t;
             }
-            linear(
-                &mut proj,
-                &att_out,
-                &w.wo.data,
-                p.wo.as_ref(),
-                None,
-                n,
-                c,
-                c,
-            );
-            x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
+            self.linear(&mut proj, &att_out, &w.wo, p.wo.as_ref(), None, n);
+            be.add_assign(&mut x, &proj);
 
-            ops::rmsnorm_forward(&mut h, &mut rstd, &x, &w.ffn_norm.data, eps);
-            linear(
-                &mut gate,
-                &h,
-                &w.w_gate.data,
-                p.w_gate.as_ref(),
-                None,
-                n,
-                c,
-                i_dim,
-            );
-            linear(
-                &mut up,
-                &h,
-                &w.w_up.data,
-                p.w_up.as_ref(),
-                None,
-                n,
-                c,
-                i_dim,
-            );
-            ops::swiglu_forward(&mut act, &gate, &up);
-            linear(
-                &mut proj,
-                &act,
-                &w.w_down.data,
-                p.w_down.as_ref(),
-                None,
-                n,
-                i_dim,
-                c,
-            );
-            x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
+            be.rmsnorm_forward(&mut h, &mut rstd, &x, &w.ffn_norm.data, eps);
+            self.linear(&mut gate, &h, &w.w_gate, p.w_gate.as_ref(), None, n);
+            self.linear(&mut up, &h, &w.w_up, p.w_up.as_ref(), None, n);
+            be.swiglu_forward(&mut act, &gate, &up);
+            self.linear(&mut proj, &act, &w.w_down, p.w_down.as_ref(), None, n);
+            be.add_assign(&mut x, &proj);
         }
         for seq in inputs.iter_mut() {
             seq.cache.len += seq.tokens.len();
         }
 
         // Logits only at each sequence's last token.
-        let mut last_rows = Vec::with_capacity(inputs.len());
-        let mut end = 0;
-        for seq in inputs.iter() {
-            end += seq.tokens.len();
-            last_rows.push(end - 1);
-        }
+        let last_rows: Vec<usize> = inputs
+            .iter()
+            .scan(0, |end, seq| {
+                *end += seq.tokens.len();
+                Some(*end - 1)
+            })
+            .collect();
         let m = last_rows.len();
-        let mut last = vec![0f32; m * c];
-        for (dst, &row) in last.chunks_mut(c).zip(&last_rows) {
-            dst.copy_from_slice(&x[row * c..][..c]);
-        }
-        let mut normed = vec![0f32; m * c];
-        let mut r = vec![0f32; m];
-        ops::rmsnorm_forward(
+        let mut last = be.zeros(m * c);
+        be.gather_rows(&mut last, &x, &last_rows, c);
+        let (mut normed, mut r) = (be.zeros(m * c), be.zeros(m));
+        be.rmsnorm_forward(
             &mut normed,
             &mut r,
             &last,
@@ -301,22 +312,19 @@ impl Model {
             eps,
         );
         let vocab = cfg.vocab_size;
-        let mut logits = vec![0f32; m * vocab];
+        let mut logits = be.zeros(m * vocab);
         let packed_head = self.packed.as_ref().and_then(|p| p.head.as_ref());
-        linear(
+        self.linear(
             &mut logits,
             &normed,
-            self.lm_head(),
+            self.weights.head(),
             packed_head,
             None,
             m,
-            c,
-            vocab,
         );
-        logits.chunks(vocab).map(<[f32]>::to_vec).collect()
+        be.download(&logits)
+            .chunks(vocab)
+            .map(<[f32]>::to_vec)
+            .collect()
     }
-}
-
-fn bias(b: &Option<crate::tensor::Tensor>) -> Option<&[f32]> {
-    b.as_ref().map(|b| &b.data[..])
 }

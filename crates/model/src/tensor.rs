@@ -1,9 +1,10 @@
-//! A plain f32 tensor: row-major data and its shape.
+//! A tensor: row-major data and its shape. The data is host memory (`Vec<f32>`) by
+//! default, or a backend's device buffer (`Tensor<B::Buf>`).
 
 #[derive(Clone, Debug, PartialEq)]
-pub struct Tensor {
+pub struct Tensor<S = Vec<f32>> {
     pub shape: Vec<usize>,
-    pub data: Vec<f32>,
+    pub data: S,
 }
 
 impl Tensor {
@@ -25,5 +26,20 @@ impl Tensor {
 
     pub fn is_empty(&self) -> bool {
         self.data.is_empty()
+    }
+}
+
+impl<S> Tensor<S> {
+    /// Elements, from the shape (works for any storage).
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The same shape with the data converted (upload, download, zero-fill).
+    pub fn map<T>(&self, f: &mut impl FnMut(&Self) -> T) -> Tensor<T> {
+        Tensor {
+            shape: self.shape.clone(),
+            data: f(self),
+        }
     }
 }

@@ -3,64 +3,61 @@
 //! pass that turns their gradients into parameter gradients.
 //!
 //! Sequence `s` of length T yields T-1 predictions: `logprobs[s][t] = log p(tokens[t+1] |
-//! tokens[..=t])`. The vocabulary projection runs over row chunks, so all (N, V) logits
-//! never exist at once.
+//! tokens[..=t])`. The vocabulary projection is the backend's fused head
+//! ([`Backend::head_forward`]), so all (N, V) logits never exist at once.
 
-use rayon::prelude::*;
-
+use crate::backend::{AdamStep, Backend, Span};
 use crate::model::Model;
-use crate::ops;
+use crate::ops::Cpu;
 use crate::weights::Weights;
 
-/// Rows of the (rows, V) logits block the head works on at once.
-const HEAD_CHUNK: usize = 32;
-
-struct LayerActs {
-    x_in: Vec<f32>,     // (N, C) residual stream entering the layer
-    rstd1: Vec<f32>,    // (N)
-    h1: Vec<f32>,       // (N, C)
-    q: Vec<f32>,        // (N, C) after RoPE
-    k: Vec<f32>,        // (N, KV) after RoPE
-    v: Vec<f32>,        // (N, KV)
-    att: Vec<Vec<f32>>, // per sequence (nh, T, T)
-    att_out: Vec<f32>,  // (N, C)
-    x_mid: Vec<f32>,    // (N, C)
-    rstd2: Vec<f32>,    // (N)
-    h2: Vec<f32>,       // (N, C)
-    gate: Vec<f32>,     // (N, I)
-    up: Vec<f32>,       // (N, I)
-    act: Vec<f32>,      // (N, I)
+struct LayerActs<B: Backend> {
+    x_in: B::Buf,    // (N, C) residual stream entering the layer
+    rstd1: B::Buf,   // (N)
+    h1: B::Buf,      // (N, C)
+    q: B::Buf,       // (N, C) after RoPE
+    k: B::Buf,       // (N, KV) after RoPE
+    v: B::Buf,       // (N, KV)
+    att: B::Buf,     // Σ_spans (nh, T, T)
+    att_out: B::Buf, // (N, C)
+    x_mid: B::Buf,   // (N, C)
+    rstd2: B::Buf,   // (N)
+    h2: B::Buf,      // (N, C)
+    gate: B::Buf,    // (N, I)
+    up: B::Buf,      // (N, I)
+    act: B::Buf,     // (N, I)
 }
 
 /// Everything the backward pass needs from a forward pass.
-pub struct TrainPass {
+pub struct TrainPass<B: Backend = Cpu> {
     tokens: Vec<u32>,
     /// Start of each sequence in the concatenated token rows, and its length.
-    spans: Vec<(usize, usize)>,
+    spans: Vec<Span>,
     positions: Vec<usize>,
-    layers: Vec<LayerActs>,
-    x_final: Vec<f32>, // (N, C)
-    rstd_final: Vec<f32>,
-    h_final: Vec<f32>, // (N, C)
+    /// The token each row predicts (None on a sequence's last row).
+    targets: Vec<Option<u32>>,
+    layers: Vec<LayerActs<B>>,
+    x_final: B::Buf, // (N, C)
+    rstd_final: B::Buf,
+    h_final: B::Buf, // (N, C)
     /// Per row: log Σ exp(logits), to rebuild probabilities in the backward pass.
-    lse: Vec<f32>,
-    entropy: Vec<f32>,
+    lse: B::Buf,
+    entropy: B::Buf,
+    /// The entropy rows in host memory.
+    entropy_rows: Vec<f32>,
 }
 
-impl TrainPass {
-    /// `logprobs[s][t]` for every sequence.
-    pub fn logprobs(&self, logprob_rows: &[f32]) -> Vec<Vec<f32>> {
+impl<B: Backend> TrainPass<B> {
+    /// Per sequence, the rows that predict a next token.
+    fn per_sequence(&self, rows: &[f32]) -> Vec<Vec<f32>> {
         self.spans
             .iter()
-            .map(|&(start, len)| logprob_rows[start..start + len - 1].to_vec())
+            .map(|&(start, len)| rows[start..start + len - 1].to_vec())
             .collect()
     }
 
     pub fn entropies(&self) -> Vec<Vec<f32>> {
-        self.spans
-            .iter()
-            .map(|&(start, len)| self.entropy[start..start + len - 1].to_vec())
-            .collect()
+        self.per_sequence(&self.entropy_rows)
     }
 
     pub fn tokens(&self) -> usize {
@@ -68,11 +65,16 @@ impl TrainPass {
     }
 }
 
-impl Model {
+impl<B: Backend> Model<B> {
     /// Forward over whole sequences (each at least 2 tokens), keeping activations.
     /// Returns the pass and, per sequence, the log-probabilities of its next tokens.
-    pub fn forward_train(&self, sequences: &[&[u32]]) -> (TrainPass, Vec<Vec<f32>>) {
-        let cfg = &self.config;
+    pub fn forward_train(&self, sequences: &[&[u32]]) -> (TrainPass<B>, Vec<Vec<f32>>) {
+        self.backend
+            .scope(|| self.forward_train_in_scope(sequences))
+    }
+
+    fn forward_train_in_scope(&self, sequences: &[&[u32]]) -> (TrainPass<B>, Vec<Vec<f32>>) {
+        let (cfg, be) = (&self.config, &self.backend);
         let (c, kv, hd, i_dim) = (
             cfg.hidden_size,
             cfg.kv_dim(),
@@ -90,75 +92,72 @@ impl Model {
             positions.extend(0..seq.len());
         }
         let n = tokens.len();
-        let mut x = vec![0f32; n * c];
-        ops::embedding_forward(&mut x, &self.weights.embed.data, &tokens);
+        let att_len: usize = spans.iter().map(|&(_, t)| heads * t * t).sum();
+        let mut x = be.zeros(n * c);
+        be.embedding_forward(&mut x, &self.weights.embed.data, &tokens);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for w in &self.weights.layers {
-            let x_in = x.clone();
-            let (mut h1, mut rstd1) = (vec![0f32; n * c], vec![0f32; n]);
-            ops::rmsnorm_forward(&mut h1, &mut rstd1, &x_in, &w.attn_norm.data, eps);
-            let (mut q, mut k, mut v) = (vec![0f32; n * c], vec![0f32; n * kv], vec![0f32; n * kv]);
-            ops::matmul_forward(
+            let x_in = x;
+            let (mut h1, mut rstd1) = (be.zeros(n * c), be.zeros(n));
+            be.rmsnorm_forward(&mut h1, &mut rstd1, &x_in, &w.attn_norm.data, eps);
+            let (mut q, mut k, mut v) = (be.zeros(n * c), be.zeros(n * kv), be.zeros(n * kv));
+            be.matmul_forward(
                 &mut q,
                 &h1,
                 &w.wq.data,
-                w.bq.as_ref().map(|b| &b.data[..]),
+                w.bq.as_ref().map(|b| &b.data),
                 n,
                 c,
                 c,
             );
-            ops::matmul_forward(
+            be.matmul_forward(
                 &mut k,
                 &h1,
                 &w.wk.data,
-                w.bk.as_ref().map(|b| &b.data[..]),
+                w.bk.as_ref().map(|b| &b.data),
                 n,
                 c,
                 kv,
             );
-            ops::matmul_forward(
+            be.matmul_forward(
                 &mut v,
                 &h1,
                 &w.wv.data,
-                w.bv.as_ref().map(|b| &b.data[..]),
+                w.bv.as_ref().map(|b| &b.data),
                 n,
                 c,
                 kv,
             );
-            ops::rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
-            ops::rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
-            let mut att_out = vec![0f32; n * c];
-            let mut att = Vec::with_capacity(spans.len());
-            for &(start, t) in &spans {
-                let mut probs = vec![0f32; heads * t * t];
-                ops::attention_forward(
-                    &mut att_out[start * c..(start + t) * c],
-                    &mut probs,
-                    &q[start * c..(start + t) * c],
-                    &k[start * kv..(start + t) * kv],
-                    &v[start * kv..(start + t) * kv],
-                    t,
-                    heads,
-                    kv_heads,
-                    hd,
-                );
-                att.push(probs);
-            }
-            let mut proj = vec![0f32; n * c];
-            ops::matmul_forward(&mut proj, &att_out, &w.wo.data, None, n, c, c);
-            let x_mid: Vec<f32> = x_in.iter().zip(&proj).map(|(a, b)| a + b).collect();
-            let (mut h2, mut rstd2) = (vec![0f32; n * c], vec![0f32; n]);
-            ops::rmsnorm_forward(&mut h2, &mut rstd2, &x_mid, &w.ffn_norm.data, eps);
-            let (mut gate, mut up, mut act) = (
-                vec![0f32; n * i_dim],
-                vec![0f32; n * i_dim],
-                vec![0f32; n * i_dim],
+            be.rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
+            be.rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
+            let (mut att_out, mut att) = (be.zeros(n * c), be.zeros(att_len));
+            be.attention_forward(
+                &mut att_out,
+                &mut att,
+                &q,
+                &k,
+                &v,
+                &spans,
+                heads,
+                kv_heads,
+                hd,
             );
-            ops::matmul_forward(&mut gate, &h2, &w.w_gate.data, None, n, c, i_dim);
-            ops::matmul_forward(&mut up, &h2, &w.w_up.data, None, n, c, i_dim);
-            ops::swiglu_forward(&mut act, &gate, &up);
-            ops::matmul_forward(&mut proj, &act, &w.w_down.data, None, n, i_dim, c);
-            x = x_mid.iter().zip(&proj).map(|(a, b)| a + b).collect();
+            let mut x_mid = be.zeros(n * c);
+            be.matmul_forward(&mut x_mid, &att_out, &w.wo.data, None, n, c, c);
+            be.add_assign(&mut x_mid, &x_in);
+            let (mut h2, mut rstd2) = (be.zeros(n * c), be.zeros(n));
+            be.rmsnorm_forward(&mut h2, &mut rstd2, &x_mid, &w.ffn_norm.data, eps);
+            let (mut gate, mut up, mut act) = (
+                be.zeros(n * i_dim),
+                be.zeros(n * i_dim),
+                be.zeros(n * i_dim),
+            );
+            be.matmul_forward(&mut gate, &h2, &w.w_gate.data, None, n, c, i_dim);
+            be.matmul_forward(&mut up, &h2, &w.w_up.data, None, n, c, i_dim);
+            be.swiglu_forward(&mut act, &gate, &up);
+            x = be.zeros(n * c);
+            be.matmul_forward(&mut x, &act, &w.w_down.data, None, n, i_dim, c);
+            be.add_assign(&mut x, &x_mid);
             layers.push(LayerActs {
                 x_in,
                 rstd1,
@@ -176,8 +175,8 @@ impl Model {
                 act,
             });
         }
-        let (mut h_final, mut rstd_final) = (vec![0f32; n * c], vec![0f32; n]);
-        ops::rmsnorm_forward(
+        let (mut h_final, mut rstd_final) = (be.zeros(n * c), be.zeros(n));
+        be.rmsnorm_forward(
             &mut h_final,
             &mut rstd_final,
             &x,
@@ -185,143 +184,87 @@ impl Model {
             eps,
         );
 
-        // Head, chunk by chunk: log-probability of the next token and entropy per row.
-        let head = self.head();
-        let vocab = cfg.vocab_size;
         let targets = next_tokens(&tokens, &spans);
-        let stats: Vec<(f32, f32, f32)> = h_final
-            .par_chunks(HEAD_CHUNK * c)
-            .zip(targets.par_chunks(HEAD_CHUNK))
-            .flat_map_iter(|(h, targets)| {
-                let rows = h.len() / c;
-                let mut logits = vec![0f32; rows * vocab];
-                ops::matmul_forward(&mut logits, h, head, None, rows, c, vocab);
-                logits
-                    .chunks(vocab)
-                    .zip(targets)
-                    .map(|(z, target)| {
-                        let (lse, entropy) = ops::logsumexp_entropy(z);
-                        let logprob = target.map_or(0.0, |t| z[t as usize] - lse);
-                        (lse, entropy, logprob)
-                    })
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        let lse = stats.iter().map(|s| s.0).collect();
-        let entropy = stats.iter().map(|s| s.1).collect();
-        let logprob_rows: Vec<f32> = stats.iter().map(|s| s.2).collect();
+        let (mut lse, mut entropy, mut logprob) = (be.zeros(n), be.zeros(n), be.zeros(n));
+        be.head_forward(
+            &mut lse,
+            &mut entropy,
+            &mut logprob,
+            &h_final,
+            &self.weights.head().data,
+            &targets,
+            c,
+            cfg.vocab_size,
+        );
         let pass = TrainPass {
             tokens,
             spans,
             positions,
+            targets,
             layers,
             x_final: x,
             rstd_final,
             h_final,
             lse,
+            entropy_rows: be.download(&entropy),
             entropy,
         };
-        let logprobs = pass.logprobs(&logprob_rows);
+        let logprobs = pass.per_sequence(&be.download(&logprob));
         (pass, logprobs)
-    }
-
-    fn head(&self) -> &[f32] {
-        &self
-            .weights
-            .lm_head
-            .as_ref()
-            .unwrap_or(&self.weights.embed)
-            .data
     }
 
     /// Adds to `grads` the gradient of L, given ∂L/∂logprob and ∂L/∂entropy for every
     /// prediction (same shapes as `forward_train`'s output; entropy may be empty).
     pub fn backward(
         &self,
-        pass: &TrainPass,
+        pass: &TrainPass<B>,
         d_logprob: &[Vec<f32>],
         d_entropy: &[Vec<f32>],
-        grads: &mut Weights,
+        grads: &mut Weights<B::Buf>,
     ) {
-        let cfg = &self.config;
+        self.backend
+            .scope(|| self.backward_in_scope(pass, d_logprob, d_entropy, grads));
+    }
+
+    fn backward_in_scope(
+        &self,
+        pass: &TrainPass<B>,
+        d_logprob: &[Vec<f32>],
+        d_entropy: &[Vec<f32>],
+        grads: &mut Weights<B::Buf>,
+    ) {
+        let (cfg, be) = (&self.config, &self.backend);
         let (c, kv, hd, i_dim) = (
             cfg.hidden_size,
             cfg.kv_dim(),
             cfg.head_dim(),
             cfg.intermediate_size,
         );
-        let (heads, kv_heads, vocab) = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.vocab_size,
-        );
+        let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let n = pass.tokens.len();
 
         // Per-row upstream gradients (0 on each sequence's last row: it predicts nothing).
-        let mut d_lp = vec![0f32; n];
-        let mut d_h = vec![0f32; n];
-        for (s, &(start, len)) in pass.spans.iter().enumerate() {
-            for t in 0..len - 1 {
-                d_lp[start + t] = d_logprob
-                    .get(s)
-                    .and_then(|d| d.get(t))
-                    .copied()
-                    .unwrap_or(0.0);
-                d_h[start + t] = d_entropy
-                    .get(s)
-                    .and_then(|d| d.get(t))
-                    .copied()
-                    .unwrap_or(0.0);
-            }
-        }
-        let targets = next_tokens(&pass.tokens, &pass.spans);
-        let head = self.head();
-        let mut dh_final = vec![0f32; n * c];
-        let mut d_head = vec![0f32; vocab * c];
-        for chunk in 0..n.div_ceil(HEAD_CHUNK) {
-            let (r0, r1) = (chunk * HEAD_CHUNK, ((chunk + 1) * HEAD_CHUNK).min(n));
-            let rows = r1 - r0;
-            if (r0..r1).all(|r| d_lp[r] == 0.0 && d_h[r] == 0.0) {
-                continue;
-            }
-            let h = &pass.h_final[r0 * c..r1 * c];
-            let mut dlogits = vec![0f32; rows * vocab];
-            ops::matmul_forward(&mut dlogits, h, head, None, rows, c, vocab);
-            dlogits
-                .par_chunks_mut(vocab)
-                .enumerate()
-                .for_each(|(i, z)| {
-                    let r = r0 + i;
-                    let (lse, entropy) = (pass.lse[r], pass.entropy[r]);
-                    for zj in z.iter_mut() {
-                        let logp = *zj - lse;
-                        let p = logp.exp();
-                        // ∂logp_t/∂z_j = δ_tj - p_j ; ∂H/∂z_j = -p_j (log p_j + H)
-                        *zj = -d_lp[r] * p - d_h[r] * p * (logp + entropy);
-                    }
-                    if let Some(t) = targets[r] {
-                        z[t as usize] += d_lp[r];
-                    }
-                });
-            ops::matmul_backward(
-                &mut dh_final[r0 * c..r1 * c],
-                &mut d_head,
-                None,
-                &dlogits,
-                h,
-                head,
-                rows,
-                c,
-                vocab,
-            );
-        }
-        match grads.lm_head.as_mut() {
-            Some(g) => add(&mut g.data, &d_head),
-            None => add(&mut grads.embed.data, &d_head),
-        }
+        let (d_lp, d_h) = (
+            rows_from(d_logprob, &pass.spans, n),
+            rows_from(d_entropy, &pass.spans, n),
+        );
+        let mut dh_final = be.zeros(n * c);
+        be.head_backward(
+            &mut dh_final,
+            &mut grads.head_mut().data,
+            &pass.h_final,
+            &self.weights.head().data,
+            &pass.lse,
+            &pass.entropy,
+            &pass.targets,
+            &d_lp,
+            &d_h,
+            c,
+            cfg.vocab_size,
+        );
 
-        let mut dx = vec![0f32; n * c];
-        ops::rmsnorm_backward(
+        let mut dx = be.zeros(n * c);
+        be.rmsnorm_backward(
             &mut dx,
             &mut grads.final_norm.data,
             &dh_final,
@@ -334,8 +277,8 @@ impl Model {
             let w = &self.weights.layers[l];
             let g = &mut grads.layers[l];
             // MLP: x_out = x_mid + down(swiglu(gate(h2), up(h2)))
-            let mut d_act = vec![0f32; n * i_dim];
-            ops::matmul_backward(
+            let mut d_act = be.zeros(n * i_dim);
+            be.matmul_backward(
                 &mut d_act,
                 &mut g.w_down.data,
                 None,
@@ -346,10 +289,10 @@ impl Model {
                 i_dim,
                 c,
             );
-            let (mut d_gate, mut d_up) = (vec![0f32; n * i_dim], vec![0f32; n * i_dim]);
-            ops::swiglu_backward(&mut d_gate, &mut d_up, &d_act, &acts.gate, &acts.up);
-            let mut d_h2 = vec![0f32; n * c];
-            ops::matmul_backward(
+            let (mut d_gate, mut d_up) = (be.zeros(n * i_dim), be.zeros(n * i_dim));
+            be.swiglu_backward(&mut d_gate, &mut d_up, &d_act, &acts.gate, &acts.up);
+            let mut d_h2 = be.zeros(n * c);
+            be.matmul_backward(
                 &mut d_h2,
                 &mut g.w_gate.data,
                 None,
@@ -360,7 +303,7 @@ impl Model {
                 c,
                 i_dim,
             );
-            ops::matmul_backward(
+            be.matmul_backward(
                 &mut d_h2,
                 &mut g.w_up.data,
                 None,
@@ -372,7 +315,7 @@ impl Model {
                 i_dim,
             );
             // dx now means ∂L/∂x_mid: the residual path plus the norm's path.
-            ops::rmsnorm_backward(
+            be.rmsnorm_backward(
                 &mut dx,
                 &mut g.ffn_norm.data,
                 &d_h2,
@@ -382,8 +325,8 @@ impl Model {
             );
 
             // Attention: x_mid = x_in + o(attn(rope(q(h1)), rope(k(h1)), v(h1)))
-            let mut d_att_out = vec![0f32; n * c];
-            ops::matmul_backward(
+            let mut d_att_out = be.zeros(n * c);
+            be.matmul_backward(
                 &mut d_att_out,
                 &mut g.wo.data,
                 None,
@@ -394,62 +337,34 @@ impl Model {
                 c,
                 c,
             );
-            let (mut dq, mut dk, mut dv) =
-                (vec![0f32; n * c], vec![0f32; n * kv], vec![0f32; n * kv]);
-            for (s, &(start, t)) in pass.spans.iter().enumerate() {
-                ops::attention_backward(
-                    &mut dq[start * c..(start + t) * c],
-                    &mut dk[start * kv..(start + t) * kv],
-                    &mut dv[start * kv..(start + t) * kv],
-                    &d_att_out[start * c..(start + t) * c],
-                    &acts.att[s],
-                    &acts.q[start * c..(start + t) * c],
-                    &acts.k[start * kv..(start + t) * kv],
-                    &acts.v[start * kv..(start + t) * kv],
-                    t,
-                    heads,
-                    kv_heads,
-                    hd,
-                );
-            }
+            let (mut dq, mut dk, mut dv) = (be.zeros(n * c), be.zeros(n * kv), be.zeros(n * kv));
+            be.attention_backward(
+                &mut dq,
+                &mut dk,
+                &mut dv,
+                &d_att_out,
+                &acts.att,
+                &acts.q,
+                &acts.k,
+                &acts.v,
+                &pass.spans,
+                heads,
+                kv_heads,
+                hd,
+            );
             // RoPE is a rotation: its transpose rotates back.
-            ops::rope_apply(&mut dq, heads, &pass.positions, &self.inv_freq, -1.0);
-            ops::rope_apply(&mut dk, kv_heads, &pass.positions, &self.inv_freq, -1.0);
-            let mut d_h1 = vec![0f32; n * c];
-            ops::matmul_backward(
-                &mut d_h1,
-                &mut g.wq.data,
-                g.bq.as_mut().map(|b| &mut b.data[..]),
-                &dq,
-                &acts.h1,
-                &w.wq.data,
-                n,
-                c,
-                c,
-            );
-            ops::matmul_backward(
-                &mut d_h1,
-                &mut g.wk.data,
-                g.bk.as_mut().map(|b| &mut b.data[..]),
-                &dk,
-                &acts.h1,
-                &w.wk.data,
-                n,
-                c,
-                kv,
-            );
-            ops::matmul_backward(
-                &mut d_h1,
-                &mut g.wv.data,
-                g.bv.as_mut().map(|b| &mut b.data[..]),
-                &dv,
-                &acts.h1,
-                &w.wv.data,
-                n,
-                c,
-                kv,
-            );
-            ops::rmsnorm_backward(
+            be.rope_apply(&mut dq, heads, &pass.positions, &self.inv_freq, -1.0);
+            be.rope_apply(&mut dk, kv_heads, &pass.positions, &self.inv_freq, -1.0);
+            let mut d_h1 = be.zeros(n * c);
+            for (d_out, dw, db, wt, o) in [
+                (&dq, &mut g.wq.data, g.bq.as_mut(), &w.wq.data, c),
+                (&dk, &mut g.wk.data, g.bk.as_mut(), &w.wk.data, kv),
+                (&dv, &mut g.wv.data, g.bv.as_mut(), &w.wv.data, kv),
+            ] {
+                let db = db.map(|b| &mut b.data);
+                be.matmul_backward(&mut d_h1, dw, db, d_out, &acts.h1, wt, n, c, o);
+            }
+            be.rmsnorm_backward(
                 &mut dx,
                 &mut g.attn_norm.data,
                 &d_h1,
@@ -458,16 +373,44 @@ impl Model {
                 &acts.rstd1,
             );
         }
-        ops::embedding_backward(&mut grads.embed.data, &dx, &pass.tokens);
+        be.embedding_backward(&mut grads.embed.data, &dx, &pass.tokens);
+    }
+
+    /// The global L2 norm of all gradients.
+    pub fn grad_norm(&self, grads: &Weights<B::Buf>) -> f32 {
+        grads
+            .named()
+            .iter()
+            .map(|(_, t)| self.backend.sum_squares(&t.data))
+            .sum::<f64>()
+            .sqrt() as f32
+    }
+
+    /// Multiplies every gradient by `factor` (for clipping).
+    pub fn scale_grads(&self, grads: &mut Weights<B::Buf>, factor: f32) {
+        for (_, t) in grads.named_mut() {
+            self.backend.scale(&mut t.data, factor);
+        }
     }
 }
 
-fn add(into: &mut [f32], from: &[f32]) {
-    into.iter_mut().zip(from).for_each(|(a, b)| *a += b);
+/// Per-sequence values laid out as one value per row (0 on rows without a value).
+fn rows_from(per_sequence: &[Vec<f32>], spans: &[Span], n: usize) -> Vec<f32> {
+    let mut rows = vec![0f32; n];
+    for (s, &(start, len)) in spans.iter().enumerate() {
+        for t in 0..len - 1 {
+            rows[start + t] = per_sequence
+                .get(s)
+                .and_then(|d| d.get(t))
+                .copied()
+                .unwrap_or(0.0);
+        }
+    }
+    rows
 }
 
 /// The token each row predicts (None on a sequence's last row).
-fn next_tokens(tokens: &[u32], spans: &[(usize, usize)]) -> Vec<Option<u32>> {
+fn next_tokens(tokens: &[u32], spans: &[Span]) -> Vec<Option<u32>> {
     let mut targets = vec![None; tokens.len()];
     for &(start, len) in spans {
         for t in 0..len.saturating_sub(1) {
@@ -477,76 +420,61 @@ fn next_tokens(tokens: &[u32], spans: &[(usize, usize)]) -> Vec<Option<u32>> {
     targets
 }
 
-/// AdamW with decoupled weight decay (not applied to norms and biases).
+/// AdamW with decoupled weight decay (not applied to norms and biases). The moments live
+/// in the model's backend.
 #[derive(Clone, Debug)]
-pub struct AdamW {
+pub struct AdamW<B: Backend = Cpu> {
     pub beta1: f32,
     pub beta2: f32,
     pub eps: f32,
     pub weight_decay: f32,
     pub step: u64,
-    pub m: Weights,
-    pub v: Weights,
+    pub m: Weights<B::Buf>,
+    pub v: Weights<B::Buf>,
 }
 
-impl AdamW {
-    pub fn new(params: &Weights, weight_decay: f32) -> Self {
+impl<B: Backend> AdamW<B> {
+    pub fn new(model: &Model<B>, weight_decay: f32) -> Self {
         Self {
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
             weight_decay,
             step: 0,
-            m: params.zeros_like(),
-            v: params.zeros_like(),
+            m: model.zeros_like_weights(),
+            v: model.zeros_like_weights(),
         }
     }
 
-    pub fn update(&mut self, params: &mut Weights, grads: &Weights, lr: f32) {
+    /// One update of the model's weights from `grads`.
+    pub fn update(&mut self, model: &mut Model<B>, grads: &Weights<B::Buf>, lr: f32) {
         self.step += 1;
-        let (b1, b2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
-        let c1 = 1.0 - b1.powi(self.step as i32);
-        let c2 = 1.0 - b2.powi(self.step as i32);
-        let grads = grads.named();
-        let m = self.m.named_mut();
-        let v = self.v.named_mut();
-        for ((((_, p), (_, g)), (_, m)), (_, v)) in
-            params.named_mut().into_iter().zip(grads).zip(m).zip(v)
-        {
-            let decay = if p.shape.len() >= 2 { wd } else { 0.0 };
-            p.data
-                .par_iter_mut()
-                .zip(g.data.par_iter())
-                .zip(m.data.par_iter_mut())
-                .zip(v.data.par_iter_mut())
-                .for_each(|(((p, g), m), v)| {
-                    *m = b1 * *m + (1.0 - b1) * g;
-                    *v = b2 * *v + (1.0 - b2) * g * g;
-                    let update = (*m / c1) / ((*v / c2).sqrt() + eps);
-                    *p -= lr * (update + decay * *p);
-                });
-        }
-    }
-}
-
-/// The global L2 norm of all gradients.
-pub fn grad_norm(grads: &Weights) -> f32 {
-    grads
-        .named()
-        .iter()
-        .map(|(_, t)| {
-            t.data
-                .iter()
-                .map(|g| f64::from(*g) * f64::from(*g))
-                .sum::<f64>()
-        })
-        .sum::<f64>()
-        .sqrt() as f32
-}
-
-/// Multiplies every gradient by `factor` (for clipping).
-pub fn scale_grads(grads: &mut Weights, factor: f32) {
-    for (_, t) in grads.named_mut() {
-        t.data.iter_mut().for_each(|g| *g *= factor);
+        let step = AdamStep {
+            lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: 0.0,
+            correction1: 1.0 - self.beta1.powi(self.step as i32),
+            correction2: 1.0 - self.beta2.powi(self.step as i32),
+        };
+        let backend = model.backend.clone();
+        let params = model.weights_mut().named_mut();
+        let (grads, m, v) = (grads.named(), self.m.named_mut(), self.v.named_mut());
+        backend.scope(|| {
+            for ((((_, p), (_, g)), (_, m)), (_, v)) in params.into_iter().zip(grads).zip(m).zip(v)
+            {
+                let weight_decay = if p.shape.len() >= 2 {
+                    self.weight_decay
+                } else {
+                    0.0
+                };
+                let step = AdamStep {
+                    weight_decay,
+                    ..step
+                };
+                backend.adamw(&mut p.data, &g.data, &mut m.data, &mut v.data, step);
+            }
+        });
     }
 }

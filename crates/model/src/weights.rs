@@ -26,34 +26,36 @@ pub enum WeightsError {
     Write { path: String, reason: String },
 }
 
+/// One transformer block's parameters; `S` is the storage (host `Vec<f32>` by default,
+/// or a backend's buffer).
 #[derive(Clone, Debug)]
-pub struct LayerWeights {
-    pub attn_norm: Tensor,  // (C)
-    pub wq: Tensor,         // (C, C)
-    pub bq: Option<Tensor>, // (C)
-    pub wk: Tensor,         // (KV, C)
-    pub bk: Option<Tensor>, // (KV)
-    pub wv: Tensor,         // (KV, C)
-    pub bv: Option<Tensor>, // (KV)
-    pub wo: Tensor,         // (C, C)
-    pub ffn_norm: Tensor,   // (C)
-    pub w_gate: Tensor,     // (I, C)
-    pub w_up: Tensor,       // (I, C)
-    pub w_down: Tensor,     // (C, I)
+pub struct LayerWeights<S = Vec<f32>> {
+    pub attn_norm: Tensor<S>,  // (C)
+    pub wq: Tensor<S>,         // (C, C)
+    pub bq: Option<Tensor<S>>, // (C)
+    pub wk: Tensor<S>,         // (KV, C)
+    pub bk: Option<Tensor<S>>, // (KV)
+    pub wv: Tensor<S>,         // (KV, C)
+    pub bv: Option<Tensor<S>>, // (KV)
+    pub wo: Tensor<S>,         // (C, C)
+    pub ffn_norm: Tensor<S>,   // (C)
+    pub w_gate: Tensor<S>,     // (I, C)
+    pub w_up: Tensor<S>,       // (I, C)
+    pub w_down: Tensor<S>,     // (C, I)
 }
 
 #[derive(Clone, Debug)]
-pub struct Weights {
-    pub embed: Tensor, // (V, C)
-    pub layers: Vec<LayerWeights>,
-    pub final_norm: Tensor, // (C)
+pub struct Weights<S = Vec<f32>> {
+    pub embed: Tensor<S>, // (V, C)
+    pub layers: Vec<LayerWeights<S>>,
+    pub final_norm: Tensor<S>, // (C)
     /// Absent when tied to `embed`.
-    pub lm_head: Option<Tensor>, // (V, C)
+    pub lm_head: Option<Tensor<S>>, // (V, C)
 }
 
-impl LayerWeights {
+impl<S> LayerWeights<S> {
     /// (Hugging Face name suffix, tensor) of every parameter of the layer.
-    pub fn named(&self) -> Vec<(&'static str, &Tensor)> {
+    pub fn named(&self) -> Vec<(&'static str, &Tensor<S>)> {
         let mut v = vec![
             ("input_layernorm.weight", &self.attn_norm),
             ("self_attn.q_proj.weight", &self.wq),
@@ -73,8 +75,8 @@ impl LayerWeights {
         v
     }
 
-    pub fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor)> {
-        let mut v: Vec<(&'static str, &mut Tensor)> = vec![
+    pub fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor<S>)> {
+        let mut v: Vec<(&'static str, &mut Tensor<S>)> = vec![
             ("input_layernorm.weight", &mut self.attn_norm),
             ("self_attn.q_proj.weight", &mut self.wq),
         ];
@@ -94,9 +96,9 @@ impl LayerWeights {
     }
 }
 
-impl Weights {
+impl<S> Weights<S> {
     /// Every parameter with its Hugging Face name, in a fixed order.
-    pub fn named(&self) -> Vec<(String, &Tensor)> {
+    pub fn named(&self) -> Vec<(String, &Tensor<S>)> {
         let mut v = vec![("model.embed_tokens.weight".to_owned(), &self.embed)];
         for (i, layer) in self.layers.iter().enumerate() {
             v.extend(
@@ -115,7 +117,7 @@ impl Weights {
         v
     }
 
-    pub fn named_mut(&mut self) -> Vec<(String, &mut Tensor)> {
+    pub fn named_mut(&mut self) -> Vec<(String, &mut Tensor<S>)> {
         let mut v = vec![("model.embed_tokens.weight".to_owned(), &mut self.embed)];
         for (i, layer) in self.layers.iter_mut().enumerate() {
             v.extend(
@@ -135,35 +137,52 @@ impl Weights {
     }
 
     pub fn parameter_count(&self) -> usize {
-        self.named().iter().map(|(_, t)| t.len()).sum()
+        self.named().iter().map(|(_, t)| t.numel()).sum()
     }
 
-    /// Zero-filled weights of the same shapes (for gradients and optimizer moments).
-    pub fn zeros_like(&self) -> Self {
-        let z = |t: &Tensor| Tensor::zeros(&t.shape);
-        Self {
-            embed: z(&self.embed),
+    /// The same parameters with every tensor's data converted by `f` (upload to a
+    /// backend, download, zero-fill).
+    pub fn map<T>(&self, mut f: impl FnMut(&Tensor<S>) -> T) -> Weights<T> {
+        let mut t = |x: &Tensor<S>| x.map(&mut f);
+        Weights {
+            embed: t(&self.embed),
             layers: self
                 .layers
                 .iter()
                 .map(|l| LayerWeights {
-                    attn_norm: z(&l.attn_norm),
-                    wq: z(&l.wq),
-                    bq: l.bq.as_ref().map(z),
-                    wk: z(&l.wk),
-                    bk: l.bk.as_ref().map(z),
-                    wv: z(&l.wv),
-                    bv: l.bv.as_ref().map(z),
-                    wo: z(&l.wo),
-                    ffn_norm: z(&l.ffn_norm),
-                    w_gate: z(&l.w_gate),
-                    w_up: z(&l.w_up),
-                    w_down: z(&l.w_down),
+                    attn_norm: t(&l.attn_norm),
+                    wq: t(&l.wq),
+                    bq: l.bq.as_ref().map(&mut t),
+                    wk: t(&l.wk),
+                    bk: l.bk.as_ref().map(&mut t),
+                    wv: t(&l.wv),
+                    bv: l.bv.as_ref().map(&mut t),
+                    wo: t(&l.wo),
+                    ffn_norm: t(&l.ffn_norm),
+                    w_gate: t(&l.w_gate),
+                    w_up: t(&l.w_up),
+                    w_down: t(&l.w_down),
                 })
                 .collect(),
-            final_norm: z(&self.final_norm),
-            lm_head: self.lm_head.as_ref().map(z),
+            final_norm: t(&self.final_norm),
+            lm_head: self.lm_head.as_ref().map(&mut t),
         }
+    }
+
+    /// The output projection: `lm_head`, or the embedding when they are tied.
+    pub fn head(&self) -> &Tensor<S> {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    pub fn head_mut(&mut self) -> &mut Tensor<S> {
+        self.lm_head.as_mut().unwrap_or(&mut self.embed)
+    }
+}
+
+impl Weights {
+    /// Zero-filled weights of the same shapes (for gradients and optimizer moments).
+    pub fn zeros_like(&self) -> Self {
+        self.map(|t| vec![0.0; t.len()])
     }
 
     /// Random weights (norms at 1, the rest uniform in ±scale): tiny test models.

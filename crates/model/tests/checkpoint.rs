@@ -9,7 +9,7 @@ use arl_model::model::{KvCache, SeqInput};
 use arl_model::ops;
 
 fn cached_logprobs(model: &arl_model::model::Model, tokens: &[u32]) -> Vec<f32> {
-    let mut cache = KvCache::new(&model.config);
+    let mut cache = KvCache::new(model);
     let mut logits = model
         .forward(&mut [SeqInput {
             tokens: &tokens[..1],

@@ -41,7 +41,7 @@ fn prompts(model: &LoadedModel, questions: &[&str]) -> Vec<Vec<u32>> {
 
 /// Our log-probability of each of `continuation` after `prompt` (teacher forcing).
 fn our_logprobs(model: &LoadedModel, prompt: &[u32], continuation: &[u32]) -> Vec<f32> {
-    let mut cache = KvCache::new(&model.model.config);
+    let mut cache = KvCache::new(&model.model);
     let mut logits = model
         .model
         .forward(&mut [SeqInput {

@@ -79,7 +79,7 @@ fn main() -> anyhow::Result<()> {
     // Prefill: best of 3.
     let mut prefill = f64::MAX;
     for _ in 0..3 {
-        let mut cache = KvCache::new(&model.config);
+        let mut cache = KvCache::new(model);
         let started = Instant::now();
         model.forward(&mut [SeqInput {
             tokens: &prompt,
@@ -89,7 +89,7 @@ fn main() -> anyhow::Result<()> {
     }
 
     // Decode, batch 1: greedy steps after the prompt.
-    let mut cache = KvCache::new(&model.config);
+    let mut cache = KvCache::new(model);
     let mut logits = model
         .forward(&mut [SeqInput {
             tokens: &prompt,
@@ -109,7 +109,7 @@ fn main() -> anyhow::Result<()> {
     let decode1 = DECODE_STEPS as f64 / started.elapsed().as_secs_f64();
 
     // Decode, batch 8: eight sequences advance together, one forward per step.
-    let mut caches: Vec<KvCache> = (0..8).map(|_| KvCache::new(&model.config)).collect();
+    let mut caches: Vec<KvCache> = (0..8).map(|_| KvCache::new(model)).collect();
     let mut next: Vec<u32> = caches
         .iter_mut()
         .map(|cache| {
@@ -142,7 +142,7 @@ fn main() -> anyhow::Result<()> {
 
     // Training: forward + backward + AdamW on 4 sequences of the prompt's length.
     let mut trainee = model.clone();
-    let mut optimizer = AdamW::new(trainee.weights(), 0.01);
+    let mut optimizer = AdamW::new(&trainee, 0.01);
     let batch: Vec<&[u32]> = vec![&prompt; 4];
     let mut best_train = f64::MAX;
     for _ in 0..2 {
@@ -151,7 +151,7 @@ fn main() -> anyhow::Result<()> {
         let d: Vec<Vec<f32>> = logprobs.iter().map(|r| vec![-1.0; r.len()]).collect();
         let mut grads = trainee.weights().zeros_like();
         trainee.backward(&pass, &d, &[], &mut grads);
-        optimizer.update(trainee.weights_mut(), &grads, 1e-6);
+        optimizer.update(&mut trainee, &grads, 1e-6);
         best_train = best_train.min(started.elapsed().as_secs_f64());
     }
     let train = (4 * n) as f64 / best_train;

@@ -8,8 +8,9 @@
 
 use std::collections::BTreeMap;
 
+use arl_model::backend::Backend;
 use arl_model::model::Model;
-use arl_model::train::{AdamW, grad_norm, scale_grads};
+use arl_model::train::AdamW;
 use arl_schemas::spec::AdvEstimator;
 
 use crate::objective::{self, Clip, KlEstimator, LossAggregation};
@@ -95,10 +96,10 @@ pub struct StepMetrics {
 }
 
 /// Runs one step; returns its metrics. `reference` enables the KL term.
-pub fn train_step(
-    model: &mut Model,
-    reference: Option<&Model>,
-    optimizer: &mut AdamW,
+pub fn train_step<B: Backend>(
+    model: &mut Model<B>,
+    reference: Option<&Model<B>>,
+    optimizer: &mut AdamW<B>,
     samples: &[Sample],
     config: &StepConfig,
     lr: f32,
@@ -168,7 +169,7 @@ pub fn train_step(
                 })
                 .collect();
             let weights = objective::token_weights(config.aggregation, &lengths);
-            let mut grads = model.weights().zeros_like();
+            let mut grads = model.zeros_like_weights();
             for micro in micro_batches(
                 &batch,
                 |k| samples[kept[k]].tokens.len(),
@@ -228,13 +229,13 @@ pub fn train_step(
                 }
                 model.backward(&pass, &d_lp, &d_h, &mut grads);
             }
-            let norm = f64::from(grad_norm(&grads));
+            let norm = f64::from(model.grad_norm(&grads));
             if norm.is_finite() && norm > config.grad_clip {
-                scale_grads(&mut grads, (config.grad_clip / norm) as f32);
+                model.scale_grads(&mut grads, (config.grad_clip / norm) as f32);
             }
             metrics.grad_norm = norm;
             optimizer.weight_decay = config.weight_decay;
-            optimizer.update(model.weights_mut(), &grads, lr);
+            optimizer.update(model, &grads, lr);
             metrics.updates += 1;
         }
     }
@@ -252,7 +253,12 @@ pub fn train_step(
 }
 
 /// Log-probabilities (index t scores token t+1) of the kept samples, without gradients.
-fn logprobs_of(model: &Model, samples: &[Sample], kept: &[usize], budget: usize) -> Vec<Vec<f32>> {
+fn logprobs_of<B: Backend>(
+    model: &Model<B>,
+    samples: &[Sample],
+    kept: &[usize],
+    budget: usize,
+) -> Vec<Vec<f32>> {
     let positions: Vec<usize> = (0..kept.len()).collect();
     let mut out = vec![Vec::new(); kept.len()];
     for micro in micro_batches(&positions, |k| samples[kept[k]].tokens.len(), budget) {

@@ -84,7 +84,7 @@ fn rollouts(model: &Model, step: u64) -> Vec<Sample> {
 #[test]
 fn a_rewarded_behaviour_becomes_more_likely() {
     let mut model = tiny();
-    let mut optimizer = AdamW::new(model.weights(), 0.0);
+    let mut optimizer = AdamW::new(&model, 0.0);
     let config = StepConfig {
         mini_batches: 2,
         epochs: 2,
@@ -121,7 +121,7 @@ fn a_rewarded_behaviour_becomes_more_likely() {
 fn equal_rewards_give_no_gradient_and_dynamic_sampling_drops_them() {
     let mut model = tiny();
     let before = model.weights().clone();
-    let mut optimizer = AdamW::new(model.weights(), 0.0);
+    let mut optimizer = AdamW::new(&model, 0.0);
     let mut samples = rollouts(&model, 99);
     samples.iter_mut().for_each(|s| s.reward = 1.0);
     let metrics = train_step(

@@ -74,7 +74,7 @@ fn one_step_on_real_smollm2_trajectories() {
         });
     }
     let before = loaded.model.forward_train(&[&samples[0].tokens]).1;
-    let mut optimizer = AdamW::new(loaded.model.weights(), 0.01);
+    let mut optimizer = AdamW::new(&loaded.model, 0.01);
     let metrics = train_step(
         &mut loaded.model,
         None,

@@ -1,14 +1,16 @@
-//! The compute boundary: every numerical kernel the model uses, as forward/backward pairs
-//! on row-major f32 slices, with shapes in comments (llm.c style). The model code calls
-//! only these functions; this CPU module is the reference a CUDA backend (cudarc) must
-//! agree with.
+//! The CPU kernels: every numerical kernel the model uses, as forward/backward pairs on
+//! row-major f32 slices, with shapes in comments (llm.c style). [`Cpu`] exposes them
+//! through the [`Backend`](crate::backend::Backend) boundary; they are the reference a
+//! CUDA backend (cudarc) must agree with.
 //!
 //! Notation: N tokens, C channels (hidden size), O outputs, I inputs, V vocabulary,
 //! nh heads, hd head size.
 
+mod cpu;
 mod gemm;
 mod packed;
 
+pub use cpu::Cpu;
 pub use gemm::{matmul_backward, matmul_forward};
 pub use packed::PackedMatrix;
 

@@ -1,0 +1,244 @@
+//! The compute boundary. `Model<B>` (inference, `model.rs`) and its training passes
+//! (`train.rs`) hold every parameter, activation and cache in `B::Buf` and touch them only
+//! through this trait: they never index a buffer, never spawn threads, never read
+//! device memory except the results they return (logits, log-probabilities).
+//!
+//! [`Cpu`](crate::ops::Cpu) (host `Vec<f32>`, rayon, matrixmultiply, AVX2 block kernels)
+//! is the implementation and the reference. A CUDA backend (cudarc) implements this trait
+//! with `Buf = CudaSlice<f32>`; `Model::<Cpu>::to_backend` moves a loaded model onto it.
+//!
+//! Conventions: row-major f32; N tokens, C hidden, KV = nkv·hd, I intermediate,
+//! V vocabulary, O/I outputs/inputs of a linear layer (W stored (O, I) as in PyTorch).
+//! "Overwrites" kernels replace `out`; "accumulates" kernels add into gradients, so
+//! gradients of parameters used twice (tied head) sum without extra code.
+
+use std::fmt::Debug;
+use std::ops::Range;
+
+use crate::ops::PackedMatrix;
+
+/// One sequence's rows in a batch of concatenated sequences: (first row, length).
+pub type Span = (usize, usize);
+
+/// One AdamW update's constants.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamStep {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// Bias corrections 1 − β₁ᵗ and 1 − β₂ᵗ.
+    pub correction1: f32,
+    pub correction2: f32,
+}
+
+pub trait Backend: Clone + Debug + Send + Sync + 'static {
+    /// An f32 buffer in the backend's memory.
+    type Buf: Clone + Debug + Send + Sync;
+    /// A linear layer's weights in a block format (quantized) for small-batch products.
+    type Packed: Clone + Debug + Send + Sync;
+
+    fn name(&self) -> &'static str;
+
+    // ---- memory ----
+    fn zeros(&self, len: usize) -> Self::Buf;
+    fn upload(&self, host: &[f32]) -> Self::Buf;
+    fn download(&self, buf: &Self::Buf) -> Vec<f32>;
+    fn len(&self, buf: &Self::Buf) -> usize;
+    /// A host block-format matrix in this backend's form; None when it has no kernel for it.
+    fn pack(&self, host: &PackedMatrix) -> Option<Self::Packed>;
+    /// dst grows by src[range] (KV caches).
+    fn append(&self, dst: &mut Self::Buf, src: &Self::Buf, range: Range<usize>);
+    fn truncate(&self, buf: &mut Self::Buf, len: usize);
+    /// out row r = x row rows[r]; rows of c elements. Overwrites.
+    fn gather_rows(&self, out: &mut Self::Buf, x: &Self::Buf, rows: &[usize], c: usize);
+    /// x += y
+    fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf);
+    /// x *= factor
+    fn scale(&self, x: &mut Self::Buf, factor: f32);
+    /// Σ x², accumulated in f64.
+    fn sum_squares(&self, x: &Self::Buf) -> f64;
+
+    /// Runs `f` where this backend's kernels are cheapest to issue (the CPU backend's
+    /// thread pool); identity elsewhere.
+    fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
+
+    // ---- kernels ----
+    /// out (N, C) = table rows of tokens. table: (V, C). Overwrites.
+    fn embedding_forward(&self, out: &mut Self::Buf, table: &Self::Buf, tokens: &[u32]);
+    /// dtable rows of tokens += dout rows. Accumulates.
+    fn embedding_backward(&self, dtable: &mut Self::Buf, dout: &Self::Buf, tokens: &[u32]);
+
+    /// out = x · rstd · w per row; rstd (N) keeps 1/rms. x, out: (N, C); w: (C). Overwrites.
+    fn rmsnorm_forward(
+        &self,
+        out: &mut Self::Buf,
+        rstd: &mut Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        eps: f32,
+    );
+    /// dx, dw += from dout. Accumulates.
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut Self::Buf,
+        dw: &mut Self::Buf,
+        dout: &Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        rstd: &Self::Buf,
+    );
+
+    /// out (N, O) = x (N, I) · Wᵀ + b. Overwrites.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_forward(
+        &self,
+        out: &mut Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        bias: Option<&Self::Buf>,
+        n: usize,
+        i: usize,
+        o: usize,
+    );
+    /// The same product from block-format weights (O, I). Overwrites.
+    fn matmul_packed(
+        &self,
+        out: &mut Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Packed,
+        bias: Option<&Self::Buf>,
+        n: usize,
+    );
+    /// dx += dout · W; dw += doutᵀ · x; db += Σ_rows dout. Accumulates.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward(
+        &self,
+        dx: &mut Self::Buf,
+        dw: &mut Self::Buf,
+        db: Option<&mut Self::Buf>,
+        dout: &Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        n: usize,
+        i: usize,
+        o: usize,
+    );
+
+    /// Rotary embedding in place (`rotate_half` layout). x: (N, heads, hd); positions (N);
+    /// inv_freq (hd/2). sign −1 applies the inverse rotation (the backward pass).
+    fn rope_apply(
+        &self,
+        x: &mut Self::Buf,
+        heads: usize,
+        positions: &[usize],
+        inv_freq: &[f32],
+        sign: f32,
+    );
+
+    /// out = silu(gate) · up, all (N, I). Overwrites.
+    fn swiglu_forward(&self, out: &mut Self::Buf, gate: &Self::Buf, up: &Self::Buf);
+    /// dgate, dup += from dout. Accumulates.
+    fn swiglu_backward(
+        &self,
+        dgate: &mut Self::Buf,
+        dup: &mut Self::Buf,
+        dout: &Self::Buf,
+        gate: &Self::Buf,
+        up: &Self::Buf,
+    );
+
+    /// Causal grouped-query attention of each span on its own. q, out: (N, nh, hd);
+    /// k, v: (N, nkv, hd); att: Σ_spans nh·T² probabilities, span after span. Overwrites.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_forward(
+        &self,
+        out: &mut Self::Buf,
+        att: &mut Self::Buf,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        spans: &[Span],
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    );
+    /// dq, dk, dv += from dout. Accumulates.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        dq: &mut Self::Buf,
+        dk: &mut Self::Buf,
+        dv: &mut Self::Buf,
+        dout: &Self::Buf,
+        att: &Self::Buf,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        spans: &[Span],
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    );
+    /// Rows `rows` of q (new tokens at positions start..) attend over a cache of
+    /// start + rows.len() keys; writes the same rows of out. k, v: (len, nkv, hd).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_cached(
+        &self,
+        out: &mut Self::Buf,
+        q: &Self::Buf,
+        rows: Range<usize>,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        start: usize,
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    );
+
+    /// The head without materializing (N, V) logits: per row of h (N, C), with logits
+    /// z = h · Wᵀ (W: (V, C)), writes lse = log Σ exp z, the entropy of softmax z, and
+    /// z[target] − lse (0 where there is no target).
+    #[allow(clippy::too_many_arguments)]
+    fn head_forward(
+        &self,
+        lse: &mut Self::Buf,
+        entropy: &mut Self::Buf,
+        logprob: &mut Self::Buf,
+        h: &Self::Buf,
+        w: &Self::Buf,
+        targets: &[Option<u32>],
+        c: usize,
+        vocab: usize,
+    );
+    /// dh, dw += the gradient of Σ d_logprob·logprob + d_entropy·entropy (per row,
+    /// host slices of N) through the head. Accumulates.
+    #[allow(clippy::too_many_arguments)]
+    fn head_backward(
+        &self,
+        dh: &mut Self::Buf,
+        dw: &mut Self::Buf,
+        h: &Self::Buf,
+        w: &Self::Buf,
+        lse: &Self::Buf,
+        entropy: &Self::Buf,
+        targets: &[Option<u32>],
+        d_logprob: &[f32],
+        d_entropy: &[f32],
+        c: usize,
+        vocab: usize,
+    );
+
+    /// One AdamW step on one tensor; weight decay as given (0 for norms and biases).
+    fn adamw(
+        &self,
+        param: &mut Self::Buf,
+        grad: &Self::Buf,
+        m: &mut Self::Buf,
+        v: &mut Self::Buf,
+        step: AdamStep,
+    );
+}

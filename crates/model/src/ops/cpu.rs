@@ -1,0 +1,379 @@
+//! The CPU backend: host `Vec<f32>` buffers, the kernels of this module's siblings, and
+//! rayon's pool for parallelism.
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use super::{PackedMatrix, gemm};
+use crate::backend::{AdamStep, Backend, Span};
+
+/// Rows of the (rows, V) logits block the head works on at once: bounds the memory of the
+/// vocabulary projection to HEAD_CHUNK·V floats per thread.
+const HEAD_CHUNK: usize = 32;
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cpu;
+
+type Buf = Vec<f32>;
+
+impl Backend for Cpu {
+    type Buf = Vec<f32>;
+    type Packed = PackedMatrix;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn zeros(&self, len: usize) -> Buf {
+        vec![0.0; len]
+    }
+
+    fn upload(&self, host: &[f32]) -> Buf {
+        host.to_vec()
+    }
+
+    fn download(&self, buf: &Buf) -> Vec<f32> {
+        buf.clone()
+    }
+
+    fn len(&self, buf: &Buf) -> usize {
+        buf.len()
+    }
+
+    fn pack(&self, host: &PackedMatrix) -> Option<PackedMatrix> {
+        Some(host.clone())
+    }
+
+    fn append(&self, dst: &mut Buf, src: &Buf, range: Range<usize>) {
+        dst.extend_from_slice(&src[range]);
+    }
+
+    fn truncate(&self, buf: &mut Buf, len: usize) {
+        buf.truncate(len);
+    }
+
+    fn gather_rows(&self, out: &mut Buf, x: &Buf, rows: &[usize], c: usize) {
+        for (dst, &row) in out.chunks_mut(c).zip(rows) {
+            dst.copy_from_slice(&x[row * c..][..c]);
+        }
+    }
+
+    fn add_assign(&self, x: &mut Buf, y: &Buf) {
+        x.par_iter_mut()
+            .with_min_len(4096)
+            .zip(y.par_iter())
+            .for_each(|(x, y)| *x += y);
+    }
+
+    fn scale(&self, x: &mut Buf, factor: f32) {
+        x.par_iter_mut()
+            .with_min_len(4096)
+            .for_each(|x| *x *= factor);
+    }
+
+    fn sum_squares(&self, x: &Buf) -> f64 {
+        x.par_iter()
+            .with_min_len(4096)
+            .map(|g| f64::from(*g) * f64::from(*g))
+            .sum()
+    }
+
+    /// A decode step makes hundreds of small parallel calls; issued from a pool thread
+    /// they are work-stolen, from outside each would be a cross-thread hand-off.
+    fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        if rayon::current_thread_index().is_some() {
+            return f();
+        }
+        rayon::join(f, || ()).0
+    }
+
+    fn embedding_forward(&self, out: &mut Buf, table: &Buf, tokens: &[u32]) {
+        super::embedding_forward(out, table, tokens);
+    }
+
+    fn embedding_backward(&self, dtable: &mut Buf, dout: &Buf, tokens: &[u32]) {
+        super::embedding_backward(dtable, dout, tokens);
+    }
+
+    fn rmsnorm_forward(&self, out: &mut Buf, rstd: &mut Buf, x: &Buf, w: &Buf, eps: f32) {
+        super::rmsnorm_forward(out, rstd, x, w, eps);
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut Buf,
+        dw: &mut Buf,
+        dout: &Buf,
+        x: &Buf,
+        w: &Buf,
+        rstd: &Buf,
+    ) {
+        super::rmsnorm_backward(dx, dw, dout, x, w, rstd);
+    }
+
+    fn matmul_forward(
+        &self,
+        out: &mut Buf,
+        x: &Buf,
+        w: &Buf,
+        bias: Option<&Buf>,
+        n: usize,
+        i: usize,
+        o: usize,
+    ) {
+        gemm::matmul_forward(out, x, w, bias.map(|b| &b[..]), n, i, o);
+    }
+
+    fn matmul_packed(
+        &self,
+        out: &mut Buf,
+        x: &Buf,
+        w: &PackedMatrix,
+        bias: Option<&Buf>,
+        n: usize,
+    ) {
+        w.matmul(out, x, n);
+        if let Some(b) = bias {
+            out[..n * w.rows]
+                .chunks_mut(w.rows)
+                .for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
+        }
+    }
+
+    fn matmul_backward(
+        &self,
+        dx: &mut Buf,
+        dw: &mut Buf,
+        db: Option<&mut Buf>,
+        dout: &Buf,
+        x: &Buf,
+        w: &Buf,
+        n: usize,
+        i: usize,
+        o: usize,
+    ) {
+        gemm::matmul_backward(dx, dw, db.map(|b| &mut b[..]), dout, x, w, n, i, o);
+    }
+
+    fn rope_apply(
+        &self,
+        x: &mut Buf,
+        heads: usize,
+        positions: &[usize],
+        inv_freq: &[f32],
+        sign: f32,
+    ) {
+        super::rope_apply(x, heads, positions, inv_freq, sign);
+    }
+
+    fn swiglu_forward(&self, out: &mut Buf, gate: &Buf, up: &Buf) {
+        super::swiglu_forward(out, gate, up);
+    }
+
+    fn swiglu_backward(&self, dgate: &mut Buf, dup: &mut Buf, dout: &Buf, gate: &Buf, up: &Buf) {
+        super::swiglu_backward(dgate, dup, dout, gate, up);
+    }
+
+    fn attention_forward(
+        &self,
+        out: &mut Buf,
+        att: &mut Buf,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        spans: &[Span],
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    ) {
+        let (c, kv) = (heads * hd, kv_heads * hd);
+        let mut att_offset = 0;
+        for &(start, t) in spans {
+            let rows = start..start + t;
+            super::attention_forward(
+                &mut out[rows_of(&rows, c)],
+                &mut att[att_offset..att_offset + heads * t * t],
+                &q[rows_of(&rows, c)],
+                &k[rows_of(&rows, kv)],
+                &v[rows_of(&rows, kv)],
+                t,
+                heads,
+                kv_heads,
+                hd,
+            );
+            att_offset += heads * t * t;
+        }
+    }
+
+    fn attention_backward(
+        &self,
+        dq: &mut Buf,
+        dk: &mut Buf,
+        dv: &mut Buf,
+        dout: &Buf,
+        att: &Buf,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        spans: &[Span],
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    ) {
+        let (c, kv) = (heads * hd, kv_heads * hd);
+        let mut att_offset = 0;
+        for &(start, t) in spans {
+            let rows = start..start + t;
+            super::attention_backward(
+                &mut dq[rows_of(&rows, c)],
+                &mut dk[rows_of(&rows, kv)],
+                &mut dv[rows_of(&rows, kv)],
+                &dout[rows_of(&rows, c)],
+                &att[att_offset..att_offset + heads * t * t],
+                &q[rows_of(&rows, c)],
+                &k[rows_of(&rows, kv)],
+                &v[rows_of(&rows, kv)],
+                t,
+                heads,
+                kv_heads,
+                hd,
+            );
+            att_offset += heads * t * t;
+        }
+    }
+
+    fn attention_cached(
+        &self,
+        out: &mut Buf,
+        q: &Buf,
+        rows: Range<usize>,
+        k: &Buf,
+        v: &Buf,
+        start: usize,
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    ) {
+        let c = heads * hd;
+        super::attention_cached(
+            &mut out[rows_of(&rows, c)],
+            &q[rows_of(&rows, c)],
+            k,
+            v,
+            start,
+            heads,
+            kv_heads,
+            hd,
+        );
+    }
+
+    fn head_forward(
+        &self,
+        lse: &mut Buf,
+        entropy: &mut Buf,
+        logprob: &mut Buf,
+        h: &Buf,
+        w: &Buf,
+        targets: &[Option<u32>],
+        c: usize,
+        vocab: usize,
+    ) {
+        let stats: Vec<(f32, f32, f32)> = h
+            .par_chunks(HEAD_CHUNK * c)
+            .zip(targets.par_chunks(HEAD_CHUNK))
+            .flat_map_iter(|(h, targets)| {
+                let rows = h.len() / c;
+                let mut logits = vec![0f32; rows * vocab];
+                gemm::matmul_forward(&mut logits, h, w, None, rows, c, vocab);
+                logits
+                    .chunks(vocab)
+                    .zip(targets)
+                    .map(|(z, target)| {
+                        let (lse, entropy) = super::logsumexp_entropy(z);
+                        let logprob = target.map_or(0.0, |t| z[t as usize] - lse);
+                        (lse, entropy, logprob)
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        for (r, (l, e, p)) in stats.into_iter().enumerate() {
+            (lse[r], entropy[r], logprob[r]) = (l, e, p);
+        }
+    }
+
+    fn head_backward(
+        &self,
+        dh: &mut Buf,
+        dw: &mut Buf,
+        h: &Buf,
+        w: &Buf,
+        lse: &Buf,
+        entropy: &Buf,
+        targets: &[Option<u32>],
+        d_logprob: &[f32],
+        d_entropy: &[f32],
+        c: usize,
+        vocab: usize,
+    ) {
+        let n = targets.len();
+        for chunk in 0..n.div_ceil(HEAD_CHUNK) {
+            let (r0, r1) = (chunk * HEAD_CHUNK, ((chunk + 1) * HEAD_CHUNK).min(n));
+            let rows = r1 - r0;
+            if (r0..r1).all(|r| d_logprob[r] == 0.0 && d_entropy[r] == 0.0) {
+                continue;
+            }
+            let h = &h[r0 * c..r1 * c];
+            let mut dlogits = vec![0f32; rows * vocab];
+            gemm::matmul_forward(&mut dlogits, h, w, None, rows, c, vocab);
+            dlogits
+                .par_chunks_mut(vocab)
+                .enumerate()
+                .for_each(|(i, z)| {
+                    let r = r0 + i;
+                    let (lse, entropy) = (lse[r], entropy[r]);
+                    let (d_lp, d_h) = (d_logprob[r], d_entropy[r]);
+                    for zj in z.iter_mut() {
+                        let logp = *zj - lse;
+                        let p = logp.exp();
+                        // ∂logp_t/∂z_j = δ_tj - p_j ; ∂H/∂z_j = -p_j (log p_j + H)
+                        *zj = -d_lp * p - d_h * p * (logp + entropy);
+                    }
+                    if let Some(t) = targets[r] {
+                        z[t as usize] += d_lp;
+                    }
+                });
+            gemm::matmul_backward(
+                &mut dh[r0 * c..r1 * c],
+                dw,
+                None,
+                &dlogits,
+                h,
+                w,
+                rows,
+                c,
+                vocab,
+            );
+        }
+    }
+
+    fn adamw(&self, param: &mut Buf, grad: &Buf, m: &mut Buf, v: &mut Buf, s: AdamStep) {
+        param
+            .par_iter_mut()
+            .with_min_len(1024)
+            .zip(grad.par_iter())
+            .zip(m.par_iter_mut())
+            .zip(v.par_iter_mut())
+            .for_each(|(((p, g), m), v)| {
+                *m = s.beta1 * *m + (1.0 - s.beta1) * g;
+                *v = s.beta2 * *v + (1.0 - s.beta2) * g * g;
+                let update = (*m / s.correction1) / ((*v / s.correction2).sqrt() + s.eps);
+                *p -= s.lr * (update + s.weight_decay * *p);
+            });
+    }
+}
+
+/// Element range of `rows` rows of width `width`.
+fn rows_of(rows: &Range<usize>, width: usize) -> Range<usize> {
+    rows.start * width..rows.end * width
+}
