@@ -167,6 +167,20 @@ pub struct AlgorithmSpec {
     pub kl_coef: f64,
     /// How many policy versions a sample may lag behind the trainer. 0 = on-policy.
     pub max_staleness: u32,
+    /// The KL estimator when `kl_coef` > 0 (VeRL `kl_loss_type`).
+    pub kl_loss_type: KlLossType,
+    /// Dual-clip constant c (> 1): for negative advantages the loss is capped at −A·c;
+    /// 0 turns dual clip off (VeRL `clip_ratio_c`).
+    pub clip_ratio_c: f64,
+    /// Weight of the entropy bonus (VeRL `entropy_coeff`).
+    pub entropy_coeff: f64,
+    pub loss_agg_mode: LossAggMode,
+    /// Where the old log-probabilities of the PPO ratio come from.
+    pub old_logprobs: OldLogprobSource,
+    /// Truncated importance sampling cap on π_old/π_rollout; 0 turns it off.
+    pub tis_cap: f64,
+    /// Dynamic sampling (DAPO): drop groups whose rewards are all equal.
+    pub filter_groups: bool,
 }
 
 impl Default for AlgorithmSpec {
@@ -177,8 +191,40 @@ impl Default for AlgorithmSpec {
             clip_ratio_high: 0.2,
             kl_coef: 0.0,
             max_staleness: 0,
+            kl_loss_type: KlLossType::LowVarKl,
+            clip_ratio_c: 3.0,
+            entropy_coeff: 0.0,
+            loss_agg_mode: LossAggMode::TokenMean,
+            old_logprobs: OldLogprobSource::Recompute,
+            tis_cap: 2.0,
+            filter_groups: false,
         }
     }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum KlLossType {
+    LowVarKl,
+    K1,
+    K2,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum LossAggMode {
+    TokenMean,
+    SeqMeanTokenSum,
+    SeqMeanTokenMean,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OldLogprobSource {
+    /// Recomputed by the trainer with the weights before the step.
+    Recompute,
+    /// The engine's, as recorded by the proxy.
+    Rollout,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -197,6 +243,11 @@ pub struct OptimSpec {
     pub weight_decay: f64,
     /// Gradient-norm clip (VeRL `actor.grad_clip`).
     pub grad_clip: f64,
+    /// Steps of linear warm-up from 0 to `lr`.
+    pub lr_warmup_steps: u32,
+    pub lr_scheduler: LrScheduler,
+    /// Cosine decays to `min_lr_ratio` × `lr` at the last step.
+    pub min_lr_ratio: f64,
 }
 
 impl Default for OptimSpec {
@@ -205,8 +256,18 @@ impl Default for OptimSpec {
             lr: 1e-6,
             weight_decay: 0.01,
             grad_clip: 1.0,
+            lr_warmup_steps: 0,
+            lr_scheduler: LrScheduler::Constant,
+            min_lr_ratio: 0.0,
         }
     }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum LrScheduler {
+    Constant,
+    Cosine,
 }
 
 /// The training loop (VeRL `trainer.*`).
@@ -221,6 +282,13 @@ pub struct TrainerSpec {
     /// Save a checkpoint every this many steps, and at the end (VeRL `save_freq`).
     pub save_every: u32,
     pub device: Device,
+    /// Passes over each batch (VeRL `ppo_epochs`).
+    pub ppo_epochs: u32,
+    /// Optimizer updates per pass: the batch is split into this many mini-batches.
+    pub ppo_mini_batches: u32,
+    /// Tokens per micro-batch; gradients of micro-batches add up (VeRL
+    /// `ppo_max_token_len_per_gpu`).
+    pub micro_batch_tokens: u32,
 }
 
 impl Default for TrainerSpec {
@@ -230,6 +298,9 @@ impl Default for TrainerSpec {
             eval_every: 0,
             save_every: 1,
             device: Device::Cpu,
+            ppo_epochs: 1,
+            ppo_mini_batches: 1,
+            micro_batch_tokens: 4096,
         }
     }
 }
@@ -353,10 +424,25 @@ impl RunSpec {
                 fail(path, format!("must be in (0, 1), got {value}"));
             }
         }
-        if !a.kl_coef.is_finite() || a.kl_coef < 0.0 {
+        for (path, value) in [
+            ("algorithm.kl_coef", a.kl_coef),
+            ("algorithm.entropy_coeff", a.entropy_coeff),
+            ("algorithm.tis_cap", a.tis_cap),
+        ] {
+            if !value.is_finite() || value < 0.0 {
+                fail(path, format!("must be a finite number >= 0, got {value}"));
+            }
+        }
+        if !(a.clip_ratio_c == 0.0 || (a.clip_ratio_c.is_finite() && a.clip_ratio_c > 1.0)) {
             fail(
-                "algorithm.kl_coef",
-                format!("must be a finite number >= 0, got {}", a.kl_coef),
+                "algorithm.clip_ratio_c",
+                format!("must be > 1 (or 0 for no dual clip), got {}", a.clip_ratio_c),
+            );
+        }
+        if a.tis_cap > 0.0 && a.tis_cap < 1.0 {
+            fail(
+                "algorithm.tis_cap",
+                format!("must be >= 1 (or 0 for off), got {}", a.tis_cap),
             );
         }
 
@@ -377,7 +463,23 @@ impl RunSpec {
             );
         }
 
+        if !(0.0..=1.0).contains(&o.min_lr_ratio) {
+            fail(
+                "optim.min_lr_ratio",
+                format!("must be in [0, 1], got {}", o.min_lr_ratio),
+            );
+        }
+
         let t = &self.trainer;
+        for (path, value) in [
+            ("trainer.ppo_epochs", t.ppo_epochs),
+            ("trainer.ppo_mini_batches", t.ppo_mini_batches),
+            ("trainer.micro_batch_tokens", t.micro_batch_tokens),
+        ] {
+            if value == 0 {
+                fail(path, "must be at least 1, got 0".into());
+            }
+        }
         if t.total_steps == 0 {
             fail("trainer.total_steps", "must be at least 1, got 0".into());
         }

@@ -44,6 +44,10 @@ pub struct ConsumerSpec {
     /// Set to 1 for strictly ordered delivery: the server hands out the next message only
     /// after the current one is acked (a nak'd message comes back before later ones).
     pub max_ack_pending: Option<i64>,
+    /// While a handler runs, tell the server every `ack_wait / 3` that it is still in
+    /// progress, so a message held for a long time (until a training step that uses it
+    /// commits) is not redelivered. A crashed process stops the signal: then it is.
+    pub keep_alive: bool,
 }
 
 impl ConsumerSpec {
@@ -61,7 +65,17 @@ impl ConsumerSpec {
             ],
             concurrency: 16,
             max_ack_pending: None,
+            keep_alive: false,
         }
+    }
+
+    /// Up to `capacity` messages held at once, each kept alive until its handler returns —
+    /// for handlers that wait for a batch to be committed.
+    pub fn held(mut self, capacity: usize) -> Self {
+        self.concurrency = capacity;
+        self.max_ack_pending = i64::try_from(capacity).ok();
+        self.keep_alive = true;
+        self
     }
 
     /// One message at a time, in stream order — for handlers that fold events into state.
@@ -229,6 +243,27 @@ async fn subscribe(
         .await?)
 }
 
+/// Runs `work`, sending in-progress acks for `message` until it finishes.
+async fn keep_alive<T>(
+    message: &jetstream::Message,
+    ack_wait: Duration,
+    work: impl Future<Output = T>,
+) -> T {
+    tokio::pin!(work);
+    let period = (ack_wait / 3).max(Duration::from_millis(100));
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    loop {
+        tokio::select! {
+            result = &mut work => return result,
+            _ = ticks.tick() => {
+                if let Err(err) = message.ack_with(AckKind::Progress).await {
+                    tracing::warn!(error = %err, "cannot extend a held message's ack deadline");
+                }
+            }
+        }
+    }
+}
+
 async fn handle_message<H, Fut>(
     bus: &Bus,
     spec: &ConsumerSpec,
@@ -263,7 +298,12 @@ async fn handle_message<H, Fut>(
         crate::telemetry::set_parent_from_headers(&span, headers);
     }
     let started = Instant::now();
-    let result = handler(delivery.clone()).instrument(span.clone()).await;
+    let work = handler(delivery.clone()).instrument(span.clone());
+    let result = if spec.keep_alive {
+        keep_alive(&message, spec.ack_wait, work).await
+    } else {
+        work.await
+    };
     bus.metrics()
         .handler_seconds
         .get_or_create(&ConsumerLabel {

@@ -385,3 +385,45 @@ async fn a_consumer_does_not_exceed_its_concurrency() {
     shutdown.trigger();
     shutdown.wait().await;
 }
+
+/// A held message (its handler waits for a later commit) is not redelivered while its
+/// handler runs far past `ack_wait`, and is acked once the handler returns; without
+/// keep-alive the same wait causes a redelivery.
+#[tokio::test]
+async fn held_messages_are_kept_alive_until_their_handler_returns() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let shutdown = Shutdown::new();
+    for (durable, held, expected) in [("held", true, 1), ("not-held", false, 2)] {
+        let mut spec = fast_spec(&ns, durable);
+        spec.ack_wait = Duration::from_millis(600);
+        if held {
+            spec = spec.held(8);
+        }
+        let deliveries = Arc::new(AtomicU32::new(0));
+        let seen = deliveries.clone();
+        shutdown.spawn(run_consumer(
+            bus.clone(),
+            spec,
+            move |_delivery: Delivery| {
+                let seen = seen.clone();
+                async move {
+                    // The first delivery waits ~3 ack_waits, like a batch awaiting its step.
+                    if seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                        tokio::time::sleep(Duration::from_millis(2000)).await;
+                    }
+                    Ok(())
+                }
+            },
+            shutdown.clone(),
+        ));
+        if durable == "held" {
+            bus.publish(&progress("run-h", 1)).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(3500)).await;
+        assert_eq!(deliveries.load(Ordering::SeqCst), expected, "{durable}");
+    }
+    shutdown.trigger();
+    shutdown.wait().await;
+}
