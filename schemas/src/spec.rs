@@ -436,7 +436,10 @@ impl RunSpec {
         if !(a.clip_ratio_c == 0.0 || (a.clip_ratio_c.is_finite() && a.clip_ratio_c > 1.0)) {
             fail(
                 "algorithm.clip_ratio_c",
-                format!("must be > 1 (or 0 for no dual clip), got {}", a.clip_ratio_c),
+                format!(
+                    "must be > 1 (or 0 for no dual clip), got {}",
+                    a.clip_ratio_c
+                ),
             );
         }
         if a.tis_cap > 0.0 && a.tis_cap < 1.0 {
@@ -677,6 +680,34 @@ mod tests {
         spec.optim.lr = 0.0;
         let paths: Vec<_> = spec.check().into_iter().map(|e| e.path).collect();
         assert_eq!(paths, ["rollout.n", "rollout.top_p", "optim.lr"]);
+    }
+
+    #[test]
+    fn trainer_knobs_are_checked_and_read_from_toml() {
+        let spec = RunSpec::from_toml(
+            "[algorithm]\nkl_loss_type = \"k2\"\nloss_agg_mode = \"seq-mean-token-sum\"\n\
+             old_logprobs = \"rollout\"\n[optim]\nlr_scheduler = \"cosine\"\n",
+        )
+        .unwrap();
+        assert_eq!(spec.algorithm.kl_loss_type, KlLossType::K2);
+        assert_eq!(spec.algorithm.loss_agg_mode, LossAggMode::SeqMeanTokenSum);
+        assert_eq!(spec.algorithm.old_logprobs, OldLogprobSource::Rollout);
+        assert_eq!(spec.optim.lr_scheduler, LrScheduler::Cosine);
+        let mut spec = RunSpec::default();
+        spec.algorithm.clip_ratio_c = 0.5;
+        spec.algorithm.tis_cap = 0.5;
+        spec.optim.min_lr_ratio = 2.0;
+        spec.trainer.ppo_epochs = 0;
+        let paths: Vec<_> = spec.check().into_iter().map(|e| e.path).collect();
+        assert_eq!(
+            paths,
+            [
+                "algorithm.clip_ratio_c",
+                "algorithm.tis_cap",
+                "optim.min_lr_ratio",
+                "trainer.ppo_epochs"
+            ]
+        );
     }
 
     #[test]

@@ -1,9 +1,16 @@
-//! The GRPO trainer. So far: [`objective`], the math of one update — group advantages,
-//! the PPO-clipped token loss with its gradient, KL to a reference, entropy bonus,
-//! truncated importance sampling and loss aggregation — each against hand-computed values.
-//! The service (consuming trajectories, stepping the model core, publishing weights) is
-//! built on it next.
+//! The GRPO trainer.
+//!
+//! - [`objective`]: the math of one update — group advantages, the PPO-clipped token loss
+//!   with its gradient, KL to a reference, entropy bonus, truncated importance sampling and
+//!   loss aggregation — each against hand-computed values.
+//! - [`step`]: one step on the model core (old/reference log-probs, epochs, mini- and
+//!   micro-batches, gradient clipping, AdamW); [`schedule`]: the learning rate.
+//! - [`batch`]: a step's batch assembled from trajectories; [`checkpoint`]: policy versions
+//!   and resumable checkpoints on disk; [`service`]: the NATS service around them.
 
+pub mod batch;
+pub mod checkpoint;
 pub mod objective;
 pub mod schedule;
+pub mod service;
 pub mod step;

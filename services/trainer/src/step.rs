@@ -93,6 +93,8 @@ pub struct StepMetrics {
     pub trained_tokens: usize,
     pub groups_dropped: usize,
     pub updates: usize,
+    /// Time spent on old and reference log-probabilities (the rest is the update).
+    pub old_logprob_seconds: f64,
 }
 
 /// Runs one step; returns its metrics. `reference` enables the KL term.
@@ -141,6 +143,7 @@ pub fn train_step<B: Backend>(
         return metrics;
     }
 
+    let started = std::time::Instant::now();
     let old: Vec<Vec<f32>> = match config.old_logprobs {
         OldLogprobs::Recompute => logprobs_of(model, samples, &kept, config.micro_batch_tokens),
         OldLogprobs::Rollout => kept
@@ -151,6 +154,7 @@ pub fn train_step<B: Backend>(
     let reference_lp = reference
         .filter(|_| config.kl.is_some())
         .map(|r| logprobs_of(r, samples, &kept, config.micro_batch_tokens));
+    metrics.old_logprob_seconds = started.elapsed().as_secs_f64();
 
     let (mut loss_sum, mut kl_sum, mut entropy_sum, mut clipped, mut counted) =
         (0.0, 0.0, 0.0, 0usize, 0usize);

@@ -1,0 +1,190 @@
+//! Policy versions on disk. Every step writes `<run_dir>/step-<N>/` in Hugging Face layout
+//! (config.json, model.safetensors, tokenizer files), which any engine can load; every
+//! `save_every` steps and at the end it also holds the optimizer state, which makes it a
+//! checkpoint a restarted trainer resumes from. A folder is written under a temporary name
+//! and renamed into place, so a folder that exists is complete.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use arl_model::load::LoadedModel;
+use arl_model::train::AdamW;
+use arl_model::weights::Weights;
+use serde::{Deserialize, Serialize};
+
+const STATE_FILE: &str = "trainer_state.json";
+const WEIGHTS_FILE: &str = "model.safetensors";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("{path}: {reason}")]
+    Io { path: String, reason: String },
+    #[error("{path}: {reason}")]
+    Load { path: String, reason: String },
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> CheckpointError + '_ {
+    move |e| CheckpointError::Io {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    }
+}
+
+/// What a version folder says about itself.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub step: u32,
+    pub policy_version: u64,
+    /// AdamW's step count; present when the folder holds the optimizer state.
+    pub optimizer_step: Option<u64>,
+}
+
+/// A written version: where, and the checksum engines verify.
+#[derive(Clone, Debug)]
+pub struct Saved {
+    pub dir: PathBuf,
+    pub sha256: String,
+    pub size_bytes: u64,
+}
+
+pub fn version_dir(run_dir: &Path, step: u32) -> PathBuf {
+    run_dir.join(format!("step-{step:06}"))
+}
+
+/// Writes step `state.step`'s weights (and, when `optimizer` is given, its state).
+pub fn save(
+    run_dir: &Path,
+    model: &LoadedModel,
+    optimizer: Option<&AdamW>,
+    state: &TrainerState,
+) -> Result<Saved, CheckpointError> {
+    let dir = version_dir(run_dir, state.step);
+    let tmp = run_dir.join(format!(".step-{:06}.tmp", state.step));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    }
+    model.save_hf(&tmp).map_err(|e| CheckpointError::Io {
+        path: tmp.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let mut state = state.clone();
+    state.optimizer_step = None;
+    if let Some(optimizer) = optimizer {
+        for (name, moments) in [("m", &optimizer.m), ("v", &optimizer.v)] {
+            let path = tmp.join("optimizer").join(name);
+            std::fs::create_dir_all(&path).map_err(io(&path))?;
+            moments
+                .save_safetensors(&path.join(WEIGHTS_FILE))
+                .map_err(|e| CheckpointError::Io {
+                    path: path.display().to_string(),
+                    reason: e.to_string(),
+                })?;
+        }
+        state.optimizer_step = Some(optimizer.step);
+    }
+    let state_path = tmp.join(STATE_FILE);
+    let json = serde_json::to_vec_pretty(&state).unwrap_or_default();
+    std::fs::write(&state_path, json).map_err(io(&state_path))?;
+    let (sha256, size_bytes) = sha256_file(&tmp.join(WEIGHTS_FILE))?;
+    if dir.exists() {
+        // A step re-trained after a restart replaces what the crashed run left.
+        std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
+    }
+    std::fs::rename(&tmp, &dir).map_err(io(&dir))?;
+    Ok(Saved {
+        dir,
+        sha256,
+        size_bytes,
+    })
+}
+
+/// The newest folder that holds optimizer state, with its state.
+pub fn latest_checkpoint(run_dir: &Path) -> Option<(PathBuf, TrainerState)> {
+    versions(run_dir)
+        .into_iter()
+        .rev()
+        .find(|(_, state)| state.optimizer_step.is_some())
+}
+
+/// Every complete version folder, oldest first.
+fn versions(run_dir: &Path) -> Vec<(PathBuf, TrainerState)> {
+    let Ok(entries) = std::fs::read_dir(run_dir) else {
+        return Vec::new();
+    };
+    let mut found: Vec<(PathBuf, TrainerState)> = entries
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("step-"))
+        })
+        .filter_map(|dir| {
+            let text = std::fs::read(dir.join(STATE_FILE)).ok()?;
+            let state: TrainerState = serde_json::from_slice(&text).ok()?;
+            Some((dir, state))
+        })
+        .collect();
+    found.sort_by_key(|(_, s)| s.step);
+    found
+}
+
+/// Loads the optimizer moments saved in `dir`.
+pub fn load_optimizer(
+    dir: &Path,
+    loaded: &LoadedModel,
+    state: &TrainerState,
+    weight_decay: f32,
+) -> Result<AdamW, CheckpointError> {
+    let mut optimizer = AdamW::new(&loaded.model, weight_decay);
+    let load = |name: &str| -> Result<Weights, CheckpointError> {
+        let path = dir.join("optimizer").join(name);
+        Weights::from_safetensors_dir(&path, &loaded.model.config).map_err(|e| {
+            CheckpointError::Load {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            }
+        })
+    };
+    optimizer.m = load("m")?;
+    optimizer.v = load("v")?;
+    optimizer.step = state.optimizer_step.unwrap_or(0);
+    Ok(optimizer)
+}
+
+/// Deletes all but the newest `keep` versions and the newest checkpoint (engines may still
+/// be loading the recent ones; resume needs the checkpoint).
+pub fn prune(run_dir: &Path, keep: usize) -> Result<(), CheckpointError> {
+    let all = versions(run_dir);
+    let checkpoint = latest_checkpoint(run_dir).map(|(dir, _)| dir);
+    let cutoff = all.len().saturating_sub(keep);
+    for (dir, _) in &all[..cutoff] {
+        if Some(dir) != checkpoint.as_ref() {
+            std::fs::remove_dir_all(dir).map_err(io(dir))?;
+        }
+    }
+    Ok(())
+}
+
+/// Hex SHA-256 and size of a file.
+pub fn sha256_file(path: &Path) -> Result<(String, u64), CheckpointError> {
+    let mut file = std::fs::File::open(path).map_err(io(path))?;
+    let mut context = ring::digest::Context::new(&ring::digest::SHA256);
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let read = file.read(&mut buffer).map_err(io(path))?;
+        if read == 0 {
+            break;
+        }
+        context.update(&buffer[..read]);
+        size += read as u64;
+    }
+    let hex = context
+        .finish()
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    Ok((hex, size))
+}

@@ -1,0 +1,70 @@
+//! `arl-trainer`: trains each run's policy on its trajectories and publishes new weights.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
+use arl_trainer::service::{Trainer, TrainerConfig};
+use clap::Parser;
+
+#[derive(Debug, Parser)]
+#[command(name = "arl-trainer", version, about = "ARL trainer: GRPO on CPU")]
+struct Args {
+    #[command(flatten)]
+    common: CommonArgs,
+
+    /// Where policy versions and checkpoints are written (`<dir>/<run_id>/step-<N>/`).
+    #[arg(long, env = "ARL_RUNS_DIR")]
+    runs_dir: Option<PathBuf>,
+
+    /// Policy versions kept on disk besides the newest checkpoint.
+    #[arg(long, default_value_t = 2)]
+    keep_versions: usize,
+
+    /// Trajectories held at once while their steps are trained (all runs).
+    #[arg(long, default_value_t = 4096)]
+    capacity: usize,
+
+    /// Seconds between the trainer's keep-alive signals for held trajectories, × 3.
+    #[arg(long, default_value_t = 30)]
+    ack_wait_s: u64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let telemetry = telemetry::init("arl-trainer", telemetry::otlp_endpoint_from_env())?;
+    let namespace = args.common.namespace()?;
+    let metrics = Metrics::new();
+    let bus = Bus::connect(
+        BusConfig::new(&args.common.nats_url, namespace, "arl-trainer"),
+        metrics.clone(),
+    )
+    .await?;
+    bus.provision().await.context("provisioning streams")?;
+
+    let shutdown = Shutdown::new();
+    shutdown.trigger_on_signals();
+    let router = arl_runtime::http::ops_router("trainer", bus.clone(), metrics);
+    arl_runtime::http::serve(args.common.http_addr, router, &shutdown).await?;
+
+    let mut config = TrainerConfig {
+        keep_versions: args.keep_versions,
+        capacity: args.capacity,
+        ack_wait: Duration::from_secs(args.ack_wait_s.max(1)),
+        ..TrainerConfig::default()
+    };
+    if let Some(dir) = args.runs_dir {
+        config.runs_dir = dir;
+    }
+    std::fs::create_dir_all(&config.runs_dir)
+        .with_context(|| format!("creating {}", config.runs_dir.display()))?;
+    Trainer::new(bus, config).start(&shutdown);
+    tracing::info!("trainer running");
+    shutdown.triggered().await;
+    shutdown.wait().await;
+    telemetry.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,625 @@
+//! The trainer service: takes trajectories from JetStream, assembles each step's batch
+//! (`train_batch_size` tasks × `n` trials), trains, writes the new policy version, and
+//! publishes `weights.published` and `train.step`.
+//!
+//! Delivery contract: a trajectory's message is held (kept alive, not acked) until the
+//! step that used it is committed — written as a checkpoint with optimizer state. A crash
+//! before that makes JetStream redeliver it, and the restarted trainer resumes from its
+//! last checkpoint and trains the step again. Trajectories of steps already committed are
+//! acked at once (duplicates, or redeliveries after a crash past the commit).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arl_model::load::LoadedModel;
+use arl_model::model::Model;
+use arl_model::train::AdamW;
+use arl_runtime::consumer::run_consumer;
+use arl_runtime::{Bus, BusError, ConsumerSpec, Delivery, HandlerError, Shutdown};
+use arl_schemas::events::{
+    RunFailedV1, Split, StepTiming, TrainMetrics, TrainStepV1, TrajectoryV1, WeightsFormat,
+    WeightsPublishedV1,
+};
+use arl_schemas::spec::{Device, KlLossType, LossAggMode, LrScheduler, OldLogprobSource, RunSpec};
+use arl_schemas::state::RunStateV1;
+use arl_schemas::{Bucket, Domain, RunId};
+use tokio::sync::{Mutex, oneshot};
+
+use crate::batch::{self, Admission, StepBatch};
+use crate::checkpoint::{self, TrainerState};
+use crate::objective::{Clip, KlEstimator, LossAggregation};
+use crate::schedule::{Decay, LrSchedule};
+use crate::step::{OldLogprobs, StepConfig, train_step};
+
+#[derive(Clone, Debug)]
+pub struct TrainerConfig {
+    /// Policy versions and checkpoints go to `<runs_dir>/<run_id>/step-<N>/`.
+    pub runs_dir: PathBuf,
+    /// Versions kept on disk besides the newest checkpoint.
+    pub keep_versions: usize,
+    /// Trajectories held at once (all runs): at least `save_every` × batch × n.
+    pub capacity: usize,
+    pub ack_wait: Duration,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            runs_dir: default_runs_dir(),
+            keep_versions: 2,
+            capacity: 4096,
+            ack_wait: Duration::from_secs(30),
+        }
+    }
+}
+
+/// `$ARL_RUNS_DIR`, else `~/.cache/arl/runs`.
+pub fn default_runs_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("ARL_RUNS_DIR") {
+        return PathBuf::from(dir);
+    }
+    std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join(".cache/arl/runs")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerError {
+    #[error(transparent)]
+    Bus(#[from] BusError),
+}
+
+type Waiter = oneshot::Sender<Result<(), String>>;
+
+/// One step's trajectories and the handlers waiting for it to commit.
+struct PendingStep {
+    batch: StepBatch,
+    waiters: Vec<Waiter>,
+    first_at: Instant,
+}
+
+/// A run's training state. `model` is None once the run's last step is committed.
+struct RunTrainer {
+    run_id: RunId,
+    spec: RunSpec,
+    dir: PathBuf,
+    model: Option<LoadedModel>,
+    reference: Option<Model>,
+    optimizer: Option<AdamW>,
+    /// The last committed step (0 = none); the policy version equals it.
+    step: u32,
+    /// The last trained step (ahead of `step` between checkpoints).
+    trained: u32,
+    pending: BTreeMap<u32, PendingStep>,
+    /// Waiters of trained steps not yet in a checkpoint.
+    uncommitted: Vec<Waiter>,
+    failed: Option<String>,
+    /// A step failed part-way (the in-memory model may be ahead of the disk): the run is
+    /// reopened from its last checkpoint on the next trajectory.
+    broken: bool,
+}
+
+impl RunTrainer {
+    fn expected(&self) -> usize {
+        (self.spec.data.train_batch_size * self.spec.rollout.n) as usize
+    }
+}
+
+#[derive(Clone)]
+pub struct Trainer {
+    bus: Bus,
+    config: TrainerConfig,
+    runs: Arc<Mutex<HashMap<RunId, Arc<Mutex<RunTrainer>>>>>,
+}
+
+impl Trainer {
+    pub fn new(bus: Bus, config: TrainerConfig) -> Self {
+        Self {
+            bus,
+            config,
+            runs: Arc::default(),
+        }
+    }
+
+    /// Starts the trajectory consumer.
+    pub fn start(self, shutdown: &Shutdown) {
+        let ns = self.bus.namespace();
+        let mut spec = ConsumerSpec::new(
+            Domain::Trajectory,
+            "trainer",
+            vec![ns.event_filter(Domain::Trajectory, "ready")],
+        )
+        .held(self.config.capacity);
+        spec.ack_wait = self.config.ack_wait;
+        spec.max_deliver = 20;
+        let bus = self.bus.clone();
+        let trainer = Arc::new(self);
+        let stopping = shutdown.clone();
+        shutdown.spawn(run_consumer(
+            bus,
+            spec,
+            move |delivery: Delivery| {
+                let (trainer, stopping) = (trainer.clone(), stopping.clone());
+                async move { trainer.on_trajectory(delivery, &stopping).await }
+            },
+            shutdown.clone(),
+        ));
+    }
+
+    async fn on_trajectory(
+        &self,
+        delivery: Delivery,
+        shutdown: &Shutdown,
+    ) -> Result<(), HandlerError> {
+        let trajectory: TrajectoryV1 = delivery
+            .decode()
+            .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+        batch::validate(&trajectory).map_err(HandlerError::DeadLetter)?;
+        if trajectory.slot.split != Split::Train {
+            // Validation trials are graded by the evaluator, never trained on.
+            return Ok(());
+        }
+        // The run's Arc is released before waiting, so a reopened run's old state (and the
+        // waiters in it) can be dropped.
+        let waiter = {
+            let Some(run) = self.run(&trajectory.run_id).await? else {
+                tracing::info!(run = %trajectory.run_id, "trajectory of a finished run; acked");
+                return Ok(());
+            };
+            let mut run = run.lock().await;
+            match self.admit(&mut run, trajectory)? {
+                None => return Ok(()),
+                Some(waiter) => {
+                    self.train_ready_steps(&mut run).await;
+                    waiter
+                }
+            }
+        };
+        let committed = tokio::select! {
+            committed = waiter => committed,
+            // Not acked: the next trainer gets it back.
+            () = shutdown.triggered() => return Err(HandlerError::Retry("trainer stopping".into())),
+        };
+        match committed {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(reason)) => Err(HandlerError::Retry(reason)),
+            Err(_) => Err(HandlerError::Retry(
+                "the trainer dropped the step before committing it".into(),
+            )),
+        }
+    }
+
+    /// Places a trajectory in its step's batch; None when there is nothing to wait for.
+    fn admit(
+        &self,
+        run: &mut RunTrainer,
+        trajectory: TrajectoryV1,
+    ) -> Result<Option<oneshot::Receiver<Result<(), String>>>, HandlerError> {
+        let step = trajectory.slot.step;
+        if run.failed.is_some() || step <= run.step {
+            return Ok(None);
+        }
+        if step > run.spec.trainer.total_steps {
+            return Err(HandlerError::DeadLetter(format!(
+                "trajectory for step {step}, but run {} has only {} steps",
+                run.run_id, run.spec.trainer.total_steps
+            )));
+        }
+        if step <= run.trained {
+            // Trained, not yet checkpointed: this is a redelivery; hold it with the others.
+            let (tx, rx) = oneshot::channel();
+            run.uncommitted.push(tx);
+            return Ok(Some(rx));
+        }
+        let pending = run.pending.entry(step).or_insert_with(|| PendingStep {
+            batch: StepBatch::new(step),
+            waiters: Vec::new(),
+            first_at: Instant::now(),
+        });
+        if pending.batch.offer(trajectory) == Admission::Duplicate {
+            tracing::debug!(step, "duplicate trajectory");
+        }
+        let (tx, rx) = oneshot::channel();
+        pending.waiters.push(tx);
+        Ok(Some(rx))
+    }
+
+    /// Trains every consecutive step whose batch is whole.
+    async fn train_ready_steps(&self, run: &mut RunTrainer) {
+        loop {
+            let next = run.trained + 1;
+            let expected = run.expected();
+            let ready = run
+                .pending
+                .get(&next)
+                .is_some_and(|p| p.batch.len() >= expected);
+            if !ready || run.failed.is_some() {
+                return;
+            }
+            let Some(pending) = run.pending.remove(&next) else {
+                return;
+            };
+            if let Err(reason) = self.train(run, pending).await {
+                tracing::error!(run = %run.run_id, step = next, %reason, "step failed; the run reopens from its last checkpoint");
+                run.broken = true;
+                let waiters = run.uncommitted.drain(..).chain(
+                    std::mem::take(&mut run.pending)
+                        .into_values()
+                        .flat_map(|p| p.waiters),
+                );
+                for waiter in waiters.collect::<Vec<_>>() {
+                    let _ = waiter.send(Err(reason.clone()));
+                }
+                return;
+            }
+        }
+    }
+
+    async fn train(&self, run: &mut RunTrainer, pending: PendingStep) -> Result<(), String> {
+        let step = pending.batch.step;
+        let waited = pending.first_at.elapsed().as_secs_f64();
+        let started = Instant::now();
+        let result = self.train_and_save(run, &pending.batch).await;
+        let (saved, step_metrics, assembled, save_seconds, is_checkpoint) = match result {
+            Ok(done) => done,
+            Err(reason) => {
+                for waiter in pending.waiters {
+                    let _ = waiter.send(Err(reason.clone()));
+                }
+                return Err(reason);
+            }
+        };
+        run.trained = step;
+        run.uncommitted.extend(pending.waiters);
+        let at = chrono::Utc::now();
+        let weights = WeightsPublishedV1 {
+            run_id: run.run_id.clone(),
+            policy_version: u64::from(step),
+            step,
+            uri: format!("file://{}", saved.dir.display()),
+            sha256: saved.sha256.clone(),
+            format: WeightsFormat::HfSafetensors,
+            size_bytes: saved.size_bytes,
+            at,
+        };
+        let total = started.elapsed().as_secs_f64();
+        let update = (total - save_seconds - step_metrics.old_logprob_seconds).max(0.0);
+        let train_step_event = TrainStepV1 {
+            run_id: run.run_id.clone(),
+            step,
+            policy_version: u64::from(step),
+            metrics: TrainMetrics {
+                pg_loss: step_metrics.pg_loss,
+                kl: step_metrics.kl,
+                entropy: step_metrics.entropy,
+                clip_fraction: step_metrics.clip_fraction,
+                grad_norm: step_metrics.grad_norm,
+                lr: step_metrics.lr,
+                reward_mean: step_metrics.reward_mean,
+                reward_max: step_metrics.reward_max,
+                response_length_mean: step_metrics.response_length_mean,
+                num_turns_mean: assembled.num_turns_mean,
+                tokens_per_second: step_metrics.tokens_per_second,
+                trajectories: assembled.trajectories as u32,
+                groups_dropped: step_metrics.groups_dropped as u32,
+            },
+            timing: StepTiming {
+                wait_for_trajectories: waited,
+                old_logprobs: step_metrics.old_logprob_seconds,
+                update,
+                save: save_seconds,
+                total: total + waited,
+            },
+            at,
+        };
+        for published in [
+            self.bus.publish(&weights).await.map(|_| ()),
+            self.bus.publish(&train_step_event).await.map(|_| ()),
+        ] {
+            if let Err(err) = published {
+                // The version is on disk; the events are published again when the step's
+                // trajectories come back after the retry.
+                return Err(format!("cannot publish step {step}: {err}"));
+            }
+        }
+        tracing::info!(
+            run = %run.run_id, step, pg_loss = step_metrics.pg_loss, grad_norm = step_metrics.grad_norm,
+            reward_mean = step_metrics.reward_mean, samples = assembled.samples.len(), "step trained"
+        );
+        if is_checkpoint {
+            run.step = step;
+            for waiter in run.uncommitted.drain(..) {
+                let _ = waiter.send(Ok(()));
+            }
+        }
+        if step >= run.spec.trainer.total_steps {
+            // The run's training is over: free the model.
+            run.model = None;
+            run.reference = None;
+            run.optimizer = None;
+        }
+        Ok(())
+    }
+
+    /// Runs the step on a blocking thread and writes the version.
+    async fn train_and_save(
+        &self,
+        run: &mut RunTrainer,
+        batch: &StepBatch,
+    ) -> Result<(checkpoint::Saved, StepOutcome, batch::Assembled, f64, bool), String> {
+        let step = batch.step;
+        let spec = run.spec.clone();
+        let assembled = batch.assemble(u64::from(run.trained), spec.algorithm.max_staleness);
+        let (Some(mut model), Some(mut optimizer)) = (run.model.take(), run.optimizer.take())
+        else {
+            return Err(format!("run {} has no model loaded", run.run_id));
+        };
+        let reference = run.reference.take();
+        let is_checkpoint =
+            step.is_multiple_of(spec.trainer.save_every) || step >= spec.trainer.total_steps;
+        let dir = run.dir.clone();
+        let keep = self.config.keep_versions;
+        let samples = assembled.samples.clone();
+        let joined = tokio::task::spawn_blocking(move || {
+            let config = step_config(&spec);
+            let lr = lr_schedule(&spec).at(step);
+            let started = Instant::now();
+            let metrics = train_step(
+                &mut model.model,
+                reference.as_ref(),
+                &mut optimizer,
+                &samples,
+                &config,
+                lr as f32,
+            );
+            let seconds = started.elapsed().as_secs_f64();
+            let tokens: usize = samples.iter().map(|s| s.tokens.len()).sum();
+            let outcome = StepOutcome {
+                pg_loss: metrics.pg_loss,
+                kl: metrics.kl,
+                entropy: metrics.entropy,
+                clip_fraction: metrics.clip_fraction,
+                grad_norm: metrics.grad_norm,
+                lr,
+                reward_mean: metrics.reward_mean,
+                reward_max: metrics.reward_max,
+                response_length_mean: metrics.response_length_mean,
+                tokens_per_second: (tokens * config.epochs.max(1)) as f64 / seconds.max(1e-9),
+                groups_dropped: metrics.groups_dropped,
+                old_logprob_seconds: metrics.old_logprob_seconds,
+            };
+            let save_started = Instant::now();
+            let state = TrainerState {
+                step,
+                policy_version: u64::from(step),
+                optimizer_step: None,
+            };
+            let saved = checkpoint::save(&dir, &model, is_checkpoint.then_some(&optimizer), &state)
+                .and_then(|saved| checkpoint::prune(&dir, keep).map(|()| saved));
+            let save_seconds = save_started.elapsed().as_secs_f64();
+            (model, optimizer, reference, saved, outcome, save_seconds)
+        })
+        .await;
+        let (model, optimizer, reference, saved, outcome, save_seconds) =
+            joined.map_err(|e| format!("training step {step} panicked: {e}"))?;
+        run.model = Some(model);
+        run.optimizer = Some(optimizer);
+        run.reference = reference;
+        let saved = saved.map_err(|e| format!("cannot save step {step}: {e}"))?;
+        Ok((saved, outcome, assembled, save_seconds, is_checkpoint))
+    }
+
+    /// The run's trainer, opened on first use (resuming from its last checkpoint); None
+    /// for a run that is over or unknown.
+    async fn run(&self, run_id: &RunId) -> Result<Option<Arc<Mutex<RunTrainer>>>, HandlerError> {
+        let mut runs = self.runs.lock().await;
+        if let Some(run) = runs.get(run_id) {
+            // A run busy training is not broken (it is marked so only under its lock).
+            let broken = run.try_lock().is_ok_and(|r| r.broken);
+            if !broken {
+                return Ok(Some(run.clone()));
+            }
+            runs.remove(run_id);
+        }
+        let Some(state) = self.run_state(run_id).await? else {
+            return Err(HandlerError::Retry(format!(
+                "run {run_id} has no state yet (the controller has not admitted it)"
+            )));
+        };
+        if state.status.is_terminal() {
+            return Ok(None);
+        }
+        let opened = self.open(run_id, state).await;
+        let run = Arc::new(Mutex::new(opened));
+        runs.insert(run_id.clone(), run.clone());
+        Ok(Some(run))
+    }
+
+    async fn run_state(&self, run_id: &RunId) -> Result<Option<RunStateV1>, HandlerError> {
+        let kv = self.bus.bucket(Bucket::RunState).await?;
+        let entry = kv
+            .entry(run_id.as_str())
+            .await
+            .map_err(|e| HandlerError::Retry(format!("cannot read run state: {e}")))?;
+        match entry {
+            Some(entry) if entry.operation == async_nats::jetstream::kv::Operation::Put => {
+                RunStateV1::decode(&entry.value)
+                    .map(Some)
+                    .map_err(|e| HandlerError::Retry(format!("run state of {run_id}: {e}")))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Loads the model (from the last checkpoint, or the run's base model); a run that
+    /// cannot be trained is failed with the reason.
+    async fn open(&self, run_id: &RunId, state: RunStateV1) -> RunTrainer {
+        let dir = self.config.runs_dir.join(run_id.as_str());
+        let mut run = RunTrainer {
+            run_id: run_id.clone(),
+            spec: state.spec.clone().unwrap_or_default(),
+            dir: dir.clone(),
+            model: None,
+            reference: None,
+            optimizer: None,
+            step: 0,
+            trained: 0,
+            pending: BTreeMap::new(),
+            uncommitted: Vec::new(),
+            failed: None,
+            broken: false,
+        };
+        let (Some(spec), Some(model_path)) = (state.spec, state.model_path) else {
+            return self
+                .fail(run, "the run state has no spec or model path")
+                .await;
+        };
+        if spec.trainer.device == Device::Cuda {
+            return self
+                .fail(
+                    run,
+                    "trainer.device = \"cuda\", but this trainer has only the CPU backend; use \"cpu\"",
+                )
+                .await;
+        }
+        let weight_decay = spec.optim.weight_decay as f32;
+        let need_reference = spec.algorithm.kl_coef > 0.0;
+        let total = spec.trainer.total_steps;
+        let loaded = tokio::task::spawn_blocking(move || -> Result<_, String> {
+            let resume = checkpoint::latest_checkpoint(&dir);
+            if let Some((_, state)) = &resume
+                && state.step >= total
+            {
+                return Ok((None, None, None, state.step));
+            }
+            let base = PathBuf::from(&model_path);
+            let (model, optimizer, step) = match resume {
+                Some((path, state)) => {
+                    let model = LoadedModel::open(&path).map_err(|e| e.to_string())?;
+                    let optimizer = checkpoint::load_optimizer(&path, &model, &state, weight_decay)
+                        .map_err(|e| e.to_string())?;
+                    (model, optimizer, state.step)
+                }
+                None => {
+                    let model = LoadedModel::open(&base).map_err(|e| e.to_string())?;
+                    let optimizer = AdamW::new(&model.model, weight_decay);
+                    (model, optimizer, 0)
+                }
+            };
+            let reference = if need_reference {
+                Some(LoadedModel::open(&base).map_err(|e| e.to_string())?.model)
+            } else {
+                None
+            };
+            Ok((Some(model), Some(optimizer), reference, step))
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r);
+        run.spec = spec;
+        match loaded {
+            Ok((model, optimizer, reference, step)) => {
+                tracing::info!(run = %run_id, resumed_at = step, "run opened");
+                run.model = model;
+                run.optimizer = optimizer;
+                run.reference = reference;
+                run.step = step;
+                run.trained = step;
+                run
+            }
+            Err(reason) => {
+                let reason = format!("cannot load the model: {reason}");
+                self.fail(run, &reason).await
+            }
+        }
+    }
+
+    async fn fail(&self, mut run: RunTrainer, reason: &str) -> RunTrainer {
+        tracing::error!(run = %run.run_id, %reason, "run cannot be trained");
+        let event = RunFailedV1 {
+            run_id: run.run_id.clone(),
+            failed_at: chrono::Utc::now(),
+            service: "trainer".into(),
+            reason: reason.to_owned(),
+        };
+        if let Err(err) = self.bus.publish(&event).await {
+            tracing::error!(error = %err, "cannot publish run.failed");
+        }
+        run.failed = Some(reason.to_owned());
+        run
+    }
+}
+
+/// What a step reports, computed on the blocking thread.
+struct StepOutcome {
+    pg_loss: f64,
+    kl: f64,
+    entropy: f64,
+    clip_fraction: f64,
+    grad_norm: f64,
+    lr: f64,
+    reward_mean: f64,
+    reward_max: f64,
+    response_length_mean: f64,
+    tokens_per_second: f64,
+    groups_dropped: usize,
+    old_logprob_seconds: f64,
+}
+
+/// The step's settings from the run spec.
+pub fn step_config(spec: &RunSpec) -> StepConfig {
+    let a = &spec.algorithm;
+    StepConfig {
+        estimator: a.adv_estimator,
+        clip: Clip {
+            low: a.clip_ratio_low,
+            high: a.clip_ratio_high,
+            dual: (a.clip_ratio_c > 1.0).then_some(a.clip_ratio_c),
+        },
+        kl: (a.kl_coef > 0.0).then_some((
+            match a.kl_loss_type {
+                KlLossType::LowVarKl => KlEstimator::LowVarKl,
+                KlLossType::K1 => KlEstimator::K1,
+                KlLossType::K2 => KlEstimator::K2,
+            },
+            a.kl_coef,
+        )),
+        entropy_coef: a.entropy_coeff,
+        aggregation: match a.loss_agg_mode {
+            LossAggMode::TokenMean => LossAggregation::TokenMean,
+            LossAggMode::SeqMeanTokenSum => LossAggregation::SeqMeanTokenSum,
+            LossAggMode::SeqMeanTokenMean => LossAggregation::SeqMeanTokenMean,
+        },
+        weight_decay: spec.optim.weight_decay as f32,
+        grad_clip: spec.optim.grad_clip,
+        micro_batch_tokens: spec.trainer.micro_batch_tokens as usize,
+        mini_batches: spec.trainer.ppo_mini_batches as usize,
+        epochs: spec.trainer.ppo_epochs as usize,
+        old_logprobs: match a.old_logprobs {
+            OldLogprobSource::Recompute => OldLogprobs::Recompute,
+            OldLogprobSource::Rollout => OldLogprobs::Rollout,
+        },
+        // On-policy samples need no correction; stale ones are reweighted (TIS).
+        // Corrects both staleness and the engine/trainer numerical mismatch.
+        tis_cap: (a.tis_cap >= 1.0).then_some(a.tis_cap),
+        dynamic_sampling: a.filter_groups,
+    }
+}
+
+pub fn lr_schedule(spec: &RunSpec) -> LrSchedule {
+    let o = &spec.optim;
+    LrSchedule {
+        peak: o.lr,
+        warmup_steps: o.lr_warmup_steps,
+        total_steps: spec.trainer.total_steps,
+        decay: match o.lr_scheduler {
+            LrScheduler::Constant => Decay::Constant,
+            LrScheduler::Cosine => Decay::Cosine {
+                min_ratio: o.min_lr_ratio,
+            },
+        },
+    }
+}

@@ -1,0 +1,356 @@
+//! The trainer service against a real nats-server: trajectories in, steps trained,
+//! versions written and published; messages held until their step commits; a restarted
+//! trainer resumes from its checkpoint and loses nothing.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use arl_model::config::ModelConfig;
+use arl_model::load::LoadedModel;
+use arl_model::model::Model;
+use arl_model::weights::Weights;
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, Metrics, Shutdown};
+use arl_schemas::events::{
+    CallSpan, Example, SampleStatus, Split, TrainStepV1, TrajectoryBranch, TrajectoryV1,
+    WeightsPublishedV1,
+};
+use arl_schemas::spec::RunSpec;
+use arl_schemas::state::{RunStateV1, RunStatus};
+use arl_schemas::{Bucket, Domain, Event, Namespace, RunId, TaskId, TrialId};
+use arl_testkit::{NatsServer, test_namespace, wait_for};
+
+/// Waits until `condition` holds.
+async fn until<F, Fut>(what: &str, seconds: u64, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    wait_for(what, Duration::from_secs(seconds), || {
+        let check = condition();
+        async move { check.await.then_some(()) }
+    })
+    .await;
+}
+use arl_trainer::checkpoint;
+use arl_trainer::service::{Trainer, TrainerConfig};
+
+fn smollm2() -> PathBuf {
+    let dir = std::env::var_os("ARL_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/arl/models")
+        });
+    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run `make models`",
+        path.display()
+    );
+    path
+}
+
+/// A tiny llama with SmolLM2's real tokenizer, saved in Hugging Face layout.
+fn tiny_model(dir: &Path) -> PathBuf {
+    let mut loaded = LoadedModel::open(&smollm2()).unwrap();
+    let config = ModelConfig {
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        ..loaded.model.config.clone()
+    };
+    loaded.model = Model::new(config.clone(), Weights::random(&config, 5, 0.05));
+    let path = dir.join("base");
+    loaded.save_hf(&path).unwrap();
+    path
+}
+
+fn spec() -> RunSpec {
+    let mut spec = RunSpec::default();
+    spec.data.train_batch_size = 2;
+    spec.rollout.n = 2;
+    spec.trainer.total_steps = 3;
+    spec.trainer.save_every = 1;
+    spec.optim.lr = 1e-3;
+    spec.optim.weight_decay = 0.0;
+    spec
+}
+
+async fn put_run_state(bus: &Bus, run: &RunId, spec: RunSpec, model: &Path) {
+    let state = serde_json::json!({
+        "run_id": run, "name": "trainer-test", "status": "running", "phase": "training",
+        "submitted_by": "test", "submitted_at": "2026-11-30T00:00:00Z",
+        "updated_at": "2026-11-30T00:00:00Z", "spec": spec,
+        "model_path": model.display().to_string(), "total_steps": spec.trainer.total_steps,
+        "step": 0, "policy_version": 0, "trials_finished": 0,
+        "failures": {"infrastructure": 0, "agent_error": 0, "timeout": 0,
+                     "context_overflow": 0, "grading_error": 0},
+        "progress_sequence": 0
+    });
+    let state: RunStateV1 = serde_json::from_value(state).unwrap();
+    assert_eq!(state.status, RunStatus::Running);
+    let kv = bus.bucket(Bucket::RunState).await.unwrap();
+    kv.put(run.as_str(), state.encode().unwrap().into())
+        .await
+        .unwrap();
+}
+
+/// Trial `sample` of task `task` at `step`: a prompt and a response the reward pays for
+/// when `reward` is 1.
+fn trajectory(run: &RunId, step: u32, task: u32, sample: u32, reward: f64) -> TrajectoryV1 {
+    let prompt = [1u32, 100 + task, 200 + task, 300];
+    let response: [u32; 4] = if reward > 0.0 {
+        [42, 43, 44, 2]
+    } else {
+        [500 + sample, 600, 700, 2]
+    };
+    let tokens: Vec<u32> = prompt.iter().chain(&response).copied().collect();
+    let mut mask = vec![0u8; prompt.len()];
+    mask.extend([1u8; 4]);
+    let logprobs: Vec<f32> = mask
+        .iter()
+        .map(|m| if *m == 1 { -10.8 } else { 0.0 })
+        .collect();
+    let mut t = TrajectoryV1::example();
+    t.run_id = run.clone();
+    t.trial_id = TrialId::new(format!("trial-{step}-{task}-{sample}")).unwrap();
+    t.slot.task_id = TaskId::new(format!("task-{task}")).unwrap();
+    t.slot.step = step;
+    t.slot.split = Split::Train;
+    t.slot.sample_index = sample;
+    t.slot.attempt = 0;
+    t.status = SampleStatus::Scored;
+    t.reward = reward;
+    t.num_turns = 2;
+    t.branches = vec![TrajectoryBranch {
+        token_ids: tokens,
+        loss_mask: mask,
+        logprobs,
+    }];
+    t.calls = vec![CallSpan {
+        turn_index: 0,
+        branch: 0,
+        completion_start: 4,
+        completion_len: 4,
+        policy_version: u64::from(step - 1),
+    }];
+    t
+}
+
+/// One step's four trajectories: two tasks × two trials, one rewarded per task.
+fn step_batch(run: &RunId, step: u32) -> Vec<TrajectoryV1> {
+    let mut all = Vec::new();
+    for task in 0..2 {
+        for sample in 0..2 {
+            all.push(trajectory(run, step, task, sample, f64::from(sample)));
+        }
+    }
+    all
+}
+
+async fn connect(server: &NatsServer, ns: &Namespace) -> Bus {
+    let bus = Bus::connect(
+        BusConfig::new(server.url(), ns.clone(), "test"),
+        Metrics::new(),
+    )
+    .await
+    .unwrap();
+    bus.provision().await.unwrap();
+    bus
+}
+
+fn start_trainer(bus: &Bus, runs_dir: &Path) -> Shutdown {
+    let shutdown = Shutdown::new();
+    let config = TrainerConfig {
+        runs_dir: runs_dir.to_path_buf(),
+        keep_versions: 2,
+        capacity: 64,
+        ack_wait: Duration::from_secs(2),
+    };
+    Trainer::new(bus.clone(), config).start(&shutdown);
+    shutdown
+}
+
+async fn events<E: Event>(bus: &Bus, run: &RunId) -> Vec<E> {
+    let (domain, event) = E::TYPE.split_once('.').unwrap();
+    let domain = [Domain::Train, Domain::Weights, Domain::Run]
+        .into_iter()
+        .find(|d| d.token() == domain)
+        .unwrap();
+    let stream = bus
+        .jetstream()
+        .get_stream(bus.namespace().stream(domain))
+        .await
+        .unwrap();
+    let subject = bus.namespace().event_subject(domain, run, event);
+    let mut found = Vec::new();
+    let info = stream.get_info().await.unwrap();
+    for seq in info.state.first_sequence..=info.state.last_sequence {
+        if let Ok(message) = stream.get_raw_message(seq).await
+            && message.subject.as_str() == subject
+        {
+            found.push(E::decode(&message.payload).unwrap());
+        }
+    }
+    found
+}
+
+/// Trajectory messages the trainer holds without ack.
+async fn held(bus: &Bus) -> usize {
+    let stream = bus
+        .jetstream()
+        .get_stream(bus.namespace().stream(Domain::Trajectory))
+        .await
+        .unwrap();
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+        stream.get_consumer("trainer").await.unwrap();
+    consumer.info().await.unwrap().num_ack_pending
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trains_steps_publishes_versions_and_resumes_after_a_restart() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tiny_model(tmp.path());
+    let runs_dir = tmp.path().join("runs");
+    let run = RunId::new("run-trainer-1").unwrap();
+    put_run_state(&bus, &run, spec(), &base).await;
+
+    // Step 1: three of four trajectories are held, nothing is trained.
+    let trainer = start_trainer(&bus, &runs_dir);
+    let batch = step_batch(&run, 1);
+    for t in &batch[..3] {
+        bus.publish(t).await.unwrap();
+    }
+    until("three trajectories held", 60, || async {
+        held(&bus).await == 3
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await; // past ack_wait: still held, not trained
+    assert_eq!(held(&bus).await, 3);
+    assert!(events::<TrainStepV1>(&bus, &run).await.is_empty());
+    // The fourth completes the batch: the step trains and every message is acked.
+    bus.publish(&batch[3]).await.unwrap();
+    until("step 1 published", 120, || async {
+        events::<WeightsPublishedV1>(&bus, &run).await.len() == 1
+    })
+    .await;
+    let steps = events::<TrainStepV1>(&bus, &run).await;
+    let m = &steps[0].metrics;
+    assert!(m.pg_loss.is_finite() && m.grad_norm > 0.0, "{m:?}");
+    assert_eq!(
+        (m.trajectories, m.reward_mean, m.num_turns_mean),
+        (4, 0.5, 2.0)
+    );
+    assert!(m.tokens_per_second > 0.0 && m.lr > 0.0);
+    until("step 1 acked", 30, || async { held(&bus).await == 0 }).await;
+
+    // The version is a loadable Hugging Face folder whose checksum is the one published.
+    let v1 = &events::<WeightsPublishedV1>(&bus, &run).await[0];
+    assert_eq!((v1.policy_version, v1.step), (1, 1));
+    let dir = PathBuf::from(v1.uri.strip_prefix("file://").unwrap());
+    let (sha, size) = checkpoint::sha256_file(&dir.join("model.safetensors")).unwrap();
+    assert_eq!((sha.as_str(), size), (v1.sha256.as_str(), v1.size_bytes));
+    let trained = LoadedModel::open(&dir).unwrap();
+    let original = LoadedModel::open(&base).unwrap();
+    assert_ne!(
+        trained.model.weights().embed.data,
+        original.model.weights().embed.data
+    );
+    // The rewarded response became more likely.
+    let rewarded = &batch[1].branches[0].token_ids;
+    let lp = |m: &LoadedModel| {
+        m.model.forward_train(&[rewarded]).1[0][3..]
+            .iter()
+            .sum::<f32>()
+    };
+    assert!(
+        lp(&trained) > lp(&original),
+        "{} vs {}",
+        lp(&trained),
+        lp(&original)
+    );
+
+    // Step 2: two trajectories held, then the trainer stops (crash or redeploy).
+    let batch = step_batch(&run, 2);
+    for t in &batch[..2] {
+        bus.publish(t).await.unwrap();
+    }
+    until("two trajectories held", 30, || async {
+        held(&bus).await == 2
+    })
+    .await;
+    trainer.trigger();
+    tokio::time::timeout(Duration::from_secs(30), trainer.wait())
+        .await
+        .expect("the trainer stops promptly with messages held");
+
+    // A new trainer resumes from step 1's checkpoint; a late duplicate of step 1 is acked
+    // without training; the held step-2 messages come back and the step trains whole.
+    let trainer = start_trainer(&bus, &runs_dir);
+    bus.publish(&trajectory(&run, 1, 0, 0, 0.0)).await.unwrap();
+    for t in &batch[2..] {
+        bus.publish(t).await.unwrap();
+    }
+    until("step 2 published", 120, || async {
+        events::<WeightsPublishedV1>(&bus, &run).await.len() == 2
+    })
+    .await;
+    let steps = events::<TrainStepV1>(&bus, &run).await;
+    assert_eq!(steps.len(), 2);
+    assert_eq!(steps[1].metrics.trajectories, 4);
+    let (_, state) = checkpoint::latest_checkpoint(&runs_dir.join(run.as_str())).unwrap();
+    assert_eq!(
+        (state.step, state.optimizer_step),
+        (2, Some(2)),
+        "AdamW resumed at step 1"
+    );
+    until("step 2 acked", 30, || async { held(&bus).await == 0 }).await;
+    trainer.trigger();
+    trainer.wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_trajectories_are_dead_lettered_and_untrainable_runs_fail() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let runs_dir = tmp.path().join("runs");
+    let trainer = start_trainer(&bus, &runs_dir);
+
+    // Misaligned arrays: dead-lettered with the reason.
+    let run = RunId::new("run-trainer-bad").unwrap();
+    put_run_state(&bus, &run, spec(), &tmp.path().join("no-such-model")).await;
+    let mut bad = trajectory(&run, 1, 1, 1, 1.0);
+    bad.branches[0].loss_mask.pop();
+    bus.publish(&bad).await.unwrap();
+    let dlq = bus
+        .jetstream()
+        .get_stream(ns.stream(Domain::DeadLetter))
+        .await
+        .unwrap();
+    until("the dead letter", 30, || async {
+        dlq.clone().get_info().await.unwrap().state.messages == 1
+    })
+    .await;
+
+    // A model that cannot be loaded fails the run with the reason.
+    bus.publish(&trajectory(&run, 1, 0, 0, 1.0)).await.unwrap();
+    until("run.failed", 30, || async {
+        !events::<arl_schemas::events::RunFailedV1>(&bus, &run)
+            .await
+            .is_empty()
+    })
+    .await;
+    let failed = &events::<arl_schemas::events::RunFailedV1>(&bus, &run).await[0];
+    assert_eq!(failed.service, "trainer");
+    assert!(failed.reason.contains("no-such-model"), "{}", failed.reason);
+    trainer.trigger();
+    trainer.wait().await;
+}
