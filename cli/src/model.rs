@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use arl_model::chat::ChatMessage;
 use arl_model::generate::{Sampling, generate};
 use arl_model::load::LoadedModel;
-use arl_schemas::spec::{MODEL_NAMES, default_model_dir};
+use arl_schemas::spec::model_path_or_name;
 
 use crate::cli::ModelCommand;
 use crate::run::CliError;
@@ -34,16 +34,8 @@ pub fn execute(command: ModelCommand) -> Result<ExitCode, CliError> {
     }
 }
 
-/// A path, or the name of a model `make models` installed.
-fn resolve(path: &str) -> PathBuf {
-    match MODEL_NAMES.iter().find(|(name, _)| *name == path) {
-        Some((_, file)) => default_model_dir().join(file),
-        None => PathBuf::from(path),
-    }
-}
-
 fn open(path: &str) -> Result<LoadedModel, CliError> {
-    let resolved = resolve(path);
+    let resolved = model_path_or_name(path);
     LoadedModel::open(&resolved)
         .map_err(|err| CliError::Usage(format!("cannot open model {}: {err}", resolved.display())))
 }

@@ -328,6 +328,14 @@ pub const MODEL_NAMES: &[(&str, &str)] = &[
     ),
 ];
 
+/// An installed model's name to its file in [`default_model_dir`]; anything else is a path.
+pub fn model_path_or_name(path: &str) -> PathBuf {
+    match MODEL_NAMES.iter().find(|(name, _)| *name == path) {
+        Some((_, file)) => default_model_dir().join(file),
+        None => PathBuf::from(path),
+    }
+}
+
 impl RunSpec {
     /// Decodes TOML, reporting the first structural problem with its path.
     pub fn from_toml(text: &str) -> Result<Self, Vec<FieldError>> {

@@ -222,17 +222,6 @@ impl<B: Backend> Model<B> {
         d_entropy: &[Vec<f32>],
         grads: &mut Weights<B::Buf>,
     ) {
-        self.backend
-            .scope(|| self.backward_in_scope(pass, d_logprob, d_entropy, grads));
-    }
-
-    fn backward_in_scope(
-        &self,
-        pass: &TrainPass<B>,
-        d_logprob: &[Vec<f32>],
-        d_entropy: &[Vec<f32>],
-        grads: &mut Weights<B::Buf>,
-    ) {
         let (cfg, be) = (&self.config, &self.backend);
         let (c, kv, hd, i_dim) = (
             cfg.hidden_size,

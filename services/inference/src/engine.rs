@@ -1,0 +1,660 @@
+//! The batching engine: one thread owns every sequence and KV cache and runs the model.
+//!
+//! Each iteration it takes new requests and weight swaps from its inbox, admits waiting
+//! requests while there are free slots, then runs one forward pass per policy version over
+//! every active sequence: a decoding sequence feeds its last token, a new one feeds the
+//! next chunk of its prompt (chunked prefill, so a long prompt never stalls the others).
+//! Requests join and leave between steps. A request with `n` choices prefills once; the
+//! other choices fork from its cache.
+//!
+//! Log-probabilities are the model's own (log-softmax of the raw logits, before
+//! temperature or truncation), as vLLM returns them: they are what the trainer's
+//! importance ratios compare against.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use arl_model::generate::{Rng, Sampling, sample};
+use arl_model::load::LoadedModel;
+use arl_model::model::{KvCache, SeqInput};
+use tokio::sync::mpsc;
+
+/// A loaded policy version.
+#[derive(Debug)]
+pub struct ServedModel {
+    pub version: u64,
+    pub loaded: LoadedModel,
+}
+
+/// What to do with requests in flight when new weights arrive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SwapPolicy {
+    /// Finish them on the version they started with (it stays loaded until then).
+    Finish,
+    /// Abort them with an error naming the new version; the client retries.
+    Abort,
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Sequences decoded together (a request with `n` choices takes `n`).
+    pub max_batch: usize,
+    /// Requests waiting for a slot before new ones get 429.
+    pub queue_limit: usize,
+    /// Prompt tokens fed per step across all prefilling sequences.
+    pub prefill_chunk: usize,
+    /// Upper bound on prompt + completion (the model's own limit applies too).
+    pub max_model_len: usize,
+    pub swap_policy: SwapPolicy,
+    /// Sessions whose KV cache is kept for the next turn.
+    pub session_cache: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_batch: 16,
+            queue_limit: 64,
+            prefill_chunk: 256,
+            max_model_len: 8192,
+            swap_policy: SwapPolicy::Finish,
+            session_cache: 32,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: usize,
+    pub seed: Option<u64>,
+    pub max_tokens: usize,
+    /// Token ids that end a choice (the model's end-of-turn tokens, plus any asked for).
+    pub stop_ids: Vec<u32>,
+    /// Alternatives reported with each token (0 = none).
+    pub top_logprobs: usize,
+}
+
+/// A completion request in token space.
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub n: usize,
+    pub params: SamplingParams,
+    /// Turns of one session share their KV cache across requests.
+    pub session: Option<String>,
+    pub events: mpsc::UnboundedSender<Event>,
+    /// One flag per choice: set it to stop that choice (a stop string matched).
+    pub cancel: Vec<Arc<AtomicBool>>,
+}
+
+/// One sampled token with the model's log-probabilities.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub id: u32,
+    pub logprob: f32,
+    /// The most likely tokens at this position, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    Started {
+        policy_version: u64,
+        cached_tokens: usize,
+    },
+    Token {
+        choice: usize,
+        token: Sampled,
+    },
+    Finished {
+        choice: usize,
+        reason: FinishReason,
+    },
+    Aborted {
+        message: String,
+    },
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SubmitError {
+    #[error("no weights are loaded yet; retry when a policy version is published")]
+    NoWeights,
+    #[error("the request queue is full ({0} waiting); retry later")]
+    QueueFull(usize),
+    #[error(
+        "this model's maximum context length is {max} tokens, but the prompt has {prompt} tokens"
+    )]
+    ContextLength { max: usize, prompt: usize },
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+enum Inbox {
+    Submit(Request),
+    Swap(Arc<ServedModel>),
+}
+
+/// Shared between the handle and the engine thread.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub waiting: AtomicUsize,
+    pub active: AtomicUsize,
+    pub steps: AtomicU64,
+    pub generated_tokens: AtomicU64,
+}
+
+/// The API side of the engine.
+#[derive(Clone)]
+pub struct EngineHandle {
+    inbox: std_mpsc::Sender<Inbox>,
+    current: Arc<Mutex<Option<Arc<ServedModel>>>>,
+    config: EngineConfig,
+    pub stats: Arc<EngineStats>,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread, serving `model` if given (else 503 until a swap).
+    pub fn start(config: EngineConfig, model: Option<ServedModel>) -> std::io::Result<Self> {
+        let (tx, rx) = std_mpsc::channel();
+        let current = Arc::new(Mutex::new(model.map(Arc::new)));
+        let stats = Arc::new(EngineStats::default());
+        let mut engine = Engine {
+            config: config.clone(),
+            inbox: rx,
+            current: current.clone(),
+            waiting: VecDeque::new(),
+            active: Vec::new(),
+            sessions: SessionCache::new(config.session_cache),
+            stats: stats.clone(),
+            seed_counter: 0,
+        };
+        std::thread::Builder::new()
+            .name("arl-engine".into())
+            .spawn(move || engine.run())?;
+        Ok(Self {
+            inbox: tx,
+            current,
+            config,
+            stats,
+        })
+    }
+
+    /// The version new requests start on.
+    pub fn current(&self) -> Option<Arc<ServedModel>> {
+        self.current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The longest prompt + completion the current model accepts.
+    pub fn max_len(&self) -> usize {
+        self.current().map_or(self.config.max_model_len, |m| {
+            max_len(&m, self.config.max_model_len)
+        })
+    }
+
+    pub fn submit(&self, request: Request) -> Result<(), SubmitError> {
+        if self.current().is_none() {
+            return Err(SubmitError::NoWeights);
+        }
+        let max = self.max_len();
+        if request.prompt.len() >= max {
+            return Err(SubmitError::ContextLength {
+                max,
+                prompt: request.prompt.len(),
+            });
+        }
+        let waiting = self.stats.waiting.load(Ordering::SeqCst);
+        if waiting >= self.config.queue_limit {
+            return Err(SubmitError::QueueFull(waiting));
+        }
+        self.stats.waiting.fetch_add(1, Ordering::SeqCst);
+        self.inbox.send(Inbox::Submit(request)).map_err(|_| {
+            self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+            SubmitError::Stopped
+        })
+    }
+
+    /// Makes `model` the version new requests start on, between two decode steps.
+    pub fn swap(&self, model: ServedModel) -> Result<(), SubmitError> {
+        let model = Arc::new(model);
+        *self.current.lock().unwrap_or_else(PoisonError::into_inner) = Some(model.clone());
+        self.inbox
+            .send(Inbox::Swap(model))
+            .map_err(|_| SubmitError::Stopped)
+    }
+}
+
+struct Sequence {
+    request: Arc<RequestShared>,
+    choice: usize,
+    model: Arc<ServedModel>,
+    cache: KvCache,
+    /// Prompt, then generated tokens.
+    tokens: Vec<u32>,
+    /// Tokens already in the cache.
+    fed: usize,
+    generated: usize,
+    rng: Rng,
+    /// Choices still to fork from this one once its prompt is in the cache.
+    forks: usize,
+}
+
+struct RequestShared {
+    params: SamplingParams,
+    session: Option<String>,
+    events: mpsc::UnboundedSender<Event>,
+    cancel: Vec<Arc<AtomicBool>>,
+    base_seed: u64,
+}
+
+struct Engine {
+    config: EngineConfig,
+    inbox: std_mpsc::Receiver<Inbox>,
+    current: Arc<Mutex<Option<Arc<ServedModel>>>>,
+    waiting: VecDeque<Request>,
+    active: Vec<Sequence>,
+    sessions: SessionCache,
+    stats: Arc<EngineStats>,
+    seed_counter: u64,
+}
+
+impl Engine {
+    fn run(&mut self) {
+        loop {
+            let message = if self.active.is_empty() && self.waiting.is_empty() {
+                match self.inbox.recv() {
+                    Ok(message) => Some(message),
+                    Err(_) => return, // every handle is gone
+                }
+            } else {
+                self.inbox.try_recv().ok()
+            };
+            if let Some(message) = message {
+                self.receive(message);
+                while let Ok(message) = self.inbox.try_recv() {
+                    self.receive(message);
+                }
+            }
+            self.admit();
+            if !self.active.is_empty() {
+                self.step();
+            }
+            self.stats.active.store(self.active.len(), Ordering::SeqCst);
+        }
+    }
+
+    fn receive(&mut self, message: Inbox) {
+        match message {
+            Inbox::Submit(request) => self.waiting.push_back(request),
+            Inbox::Swap(model) => {
+                tracing::info!(policy_version = model.version, "weights swapped in");
+                // Cached prefixes were computed by other weights.
+                self.sessions.clear();
+                if self.config.swap_policy == SwapPolicy::Abort {
+                    let message = format!(
+                        "aborted: the weights changed to policy version {} during generation; retry the request",
+                        model.version
+                    );
+                    for seq in self.active.drain(..) {
+                        let _ = seq.request.events.send(Event::Aborted {
+                            message: message.clone(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// Moves waiting requests into the batch while there are slots.
+    fn admit(&mut self) {
+        let Some(model) = self
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+        else {
+            return;
+        };
+        while let Some(request) = self.waiting.front() {
+            let slots = request.n.max(1);
+            if !self.active.is_empty() && self.active.len() + slots > self.config.max_batch {
+                return;
+            }
+            let Some(request) = self.waiting.pop_front() else {
+                return;
+            };
+            self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+            self.seed_counter += 1;
+            let base_seed = request
+                .params
+                .seed
+                .unwrap_or_else(|| random_seed(self.seed_counter));
+            let (cache, cached) = match request.session.as_deref() {
+                Some(session) => self
+                    .sessions
+                    .take(session, &model, &request.prompt)
+                    .unwrap_or_else(|| (KvCache::new(&model.loaded.model), 0)),
+                None => (KvCache::new(&model.loaded.model), 0),
+            };
+            let shared = Arc::new(RequestShared {
+                params: request.params,
+                session: request.session,
+                events: request.events,
+                cancel: request.cancel,
+                base_seed,
+            });
+            let started = shared.events.send(Event::Started {
+                policy_version: model.version,
+                cached_tokens: cached,
+            });
+            if started.is_err() {
+                continue; // the client is gone
+            }
+            self.active.push(Sequence {
+                request: shared,
+                choice: 0,
+                model: model.clone(),
+                cache,
+                tokens: request.prompt,
+                fed: cached,
+                generated: 0,
+                rng: Rng::new(base_seed),
+                forks: slots - 1,
+            });
+        }
+    }
+
+    /// One forward pass per policy version over every sequence with tokens to feed.
+    fn step(&mut self) {
+        let started = Instant::now();
+        let mut budget = self.config.prefill_chunk.max(1);
+        // Per sequence: the end of the tokens fed this step.
+        let mut feed_to: Vec<Option<usize>> = Vec::with_capacity(self.active.len());
+        for seq in &self.active {
+            let pending = seq.tokens.len() - seq.fed;
+            if pending <= 1 {
+                feed_to.push(Some(seq.tokens.len()));
+            } else if budget > 0 {
+                let take = pending.min(budget);
+                budget -= take;
+                feed_to.push(Some(seq.fed + take));
+            } else {
+                feed_to.push(None);
+            }
+        }
+        let mut logits: Vec<Option<Vec<f32>>> = vec![None; self.active.len()];
+        let versions: Vec<u64> = {
+            let mut v: Vec<u64> = self.active.iter().map(|s| s.model.version).collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        for version in versions {
+            let indices: Vec<usize> = (0..self.active.len())
+                .filter(|&i| self.active[i].model.version == version && feed_to[i].is_some())
+                .collect();
+            let Some(&first) = indices.first() else {
+                continue;
+            };
+            let model = self.active[first].model.clone();
+            let mut inputs: Vec<SeqInput<'_>> = Vec::with_capacity(indices.len());
+            for (i, seq) in self.active.iter_mut().enumerate() {
+                if let (Some(end), true) = (feed_to[i], seq.model.version == version) {
+                    let Sequence {
+                        tokens, cache, fed, ..
+                    } = seq;
+                    inputs.push(SeqInput {
+                        tokens: &tokens[*fed..end],
+                        cache,
+                    });
+                }
+            }
+            let outputs = model.loaded.model.forward(&mut inputs);
+            drop(inputs);
+            for (i, out) in indices.into_iter().zip(outputs) {
+                let end = feed_to[i].unwrap_or(0);
+                self.active[i].fed = end;
+                if end == self.active[i].tokens.len() {
+                    logits[i] = Some(out);
+                }
+            }
+        }
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+
+        // Fork the other choices of requests whose prompt just finished.
+        let mut forked = Vec::new();
+        for (i, seq) in self.active.iter_mut().enumerate() {
+            if seq.forks > 0
+                && let Some(l) = &logits[i]
+            {
+                for choice in 1..=seq.forks {
+                    forked.push((
+                        Sequence {
+                            request: seq.request.clone(),
+                            choice,
+                            model: seq.model.clone(),
+                            cache: seq.cache.clone(),
+                            tokens: seq.tokens.clone(),
+                            fed: seq.fed,
+                            generated: 0,
+                            rng: Rng::new(seq.request.base_seed.wrapping_add(choice as u64)),
+                            forks: 0,
+                        },
+                        l.clone(),
+                    ));
+                }
+                seq.forks = 0;
+            }
+        }
+        for (seq, l) in forked {
+            self.active.push(seq);
+            logits.push(Some(l));
+        }
+
+        let mut done = vec![false; self.active.len()];
+        for (i, seq) in self.active.iter_mut().enumerate() {
+            let Some(l) = logits[i].take() else { continue };
+            if seq.request.cancel[seq.choice].load(Ordering::SeqCst) {
+                done[i] = true;
+                continue;
+            }
+            let token = sample_token(&l, &seq.request.params, &mut seq.rng);
+            seq.tokens.push(token.id);
+            seq.generated += 1;
+            self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+            let params = &seq.request.params;
+            let finish = if params.stop_ids.contains(&token.id) {
+                Some(FinishReason::Stop)
+            } else if seq.generated >= params.max_tokens
+                || seq.tokens.len() >= max_len(&seq.model, self.config.max_model_len)
+            {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            let choice = seq.choice;
+            let mut sent = seq.request.events.send(Event::Token { choice, token });
+            if let (Some(reason), Ok(())) = (finish, &sent) {
+                sent = seq.request.events.send(Event::Finished { choice, reason });
+                done[i] = true;
+            }
+            if sent.is_err() {
+                // The client went away: drop every choice of the request.
+                done[i] = true;
+                seq.request
+                    .cancel
+                    .iter()
+                    .for_each(|c| c.store(true, Ordering::SeqCst));
+            }
+        }
+        let mut index = 0;
+        let sessions = &mut self.sessions;
+        self.active.retain_mut(|seq| {
+            let keep = !done[index] && !seq.request.cancel[seq.choice].load(Ordering::SeqCst);
+            index += 1;
+            if !keep
+                && seq.choice == 0
+                && seq.forks == 0
+                && let Some(session) = &seq.request.session
+            {
+                let cache =
+                    std::mem::replace(&mut seq.cache, KvCache::new(&seq.model.loaded.model));
+                sessions.put(
+                    session,
+                    seq.model.version,
+                    seq.tokens[..seq.fed].to_vec(),
+                    cache,
+                );
+            }
+            keep
+        });
+        tracing::trace!(
+            batch = self.active.len(),
+            ms = started.elapsed().as_millis() as u64,
+            "step"
+        );
+    }
+}
+
+/// Prompt + completion limit of a model under the configured cap.
+fn max_len(model: &ServedModel, cap: usize) -> usize {
+    model.loaded.model.config.max_position_embeddings.min(cap)
+}
+
+/// Samples with the request's settings; reports the model's raw log-probabilities.
+fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> Sampled {
+    let sampling = Sampling {
+        temperature: params.temperature,
+        top_p: params.top_p,
+        top_k: params.top_k,
+        seed: 0,
+    };
+    let (id, _) = sample(logits, &sampling, rng);
+    let lse = log_sum_exp(logits);
+    let top = if params.top_logprobs == 0 {
+        Vec::new()
+    } else {
+        let mut indexed: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &z)| (i as u32, z - lse))
+            .collect();
+        let k = params.top_logprobs.min(indexed.len());
+        indexed.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
+        indexed.truncate(k);
+        indexed.sort_by(|a, b| b.1.total_cmp(&a.1));
+        indexed
+    };
+    Sampled {
+        id,
+        logprob: logits[id as usize] - lse,
+        top,
+    }
+}
+
+fn log_sum_exp(logits: &[f32]) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&z| f64::from((z - max).exp())).sum();
+    max + sum.ln() as f32
+}
+
+/// A seed for requests that do not fix one.
+fn random_seed(counter: u64) -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ counter.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// KV caches of recent sessions, keyed by session id, least recently used evicted.
+struct SessionCache {
+    capacity: usize,
+    entries: HashMap<String, SessionEntry>,
+    clock: u64,
+}
+
+struct SessionEntry {
+    version: u64,
+    tokens: Vec<u32>,
+    cache: KvCache,
+    used: u64,
+}
+
+impl SessionCache {
+    fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            entries: HashMap::new(),
+            clock: 0,
+        }
+    }
+
+    fn clear(&mut self) {
+        self.entries.clear();
+    }
+
+    /// The session's cache cut to the prefix it shares with `prompt` (keeping at least one
+    /// prompt token to feed), and that prefix's length; None when nothing is shared.
+    fn take(
+        &mut self,
+        session: &str,
+        model: &ServedModel,
+        prompt: &[u32],
+    ) -> Option<(KvCache, usize)> {
+        let entry = self.entries.remove(session)?;
+        if entry.version != model.version {
+            return None;
+        }
+        let shared = entry
+            .tokens
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(prompt.len().saturating_sub(1));
+        if shared == 0 {
+            return None;
+        }
+        let mut cache = entry.cache;
+        cache.truncate(&model.loaded.model, shared);
+        Some((cache, shared))
+    }
+
+    fn put(&mut self, session: &str, version: u64, tokens: Vec<u32>, cache: KvCache) {
+        if self.capacity == 0 || tokens.is_empty() {
+            return;
+        }
+        self.clock += 1;
+        if self.entries.len() >= self.capacity
+            && !self.entries.contains_key(session)
+            && let Some(oldest) = self
+                .entries
+                .iter()
+                .min_by_key(|(_, e)| e.used)
+                .map(|(k, _)| k.clone())
+        {
+            self.entries.remove(&oldest);
+        }
+        self.entries.insert(
+            session.to_owned(),
+            SessionEntry {
+                version,
+                tokens,
+                cache,
+                used: self.clock,
+            },
+        );
+    }
+}

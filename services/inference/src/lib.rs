@@ -1,0 +1,13 @@
+//! The embedded inference engine: an OpenAI-compatible server over the model core.
+//!
+//! - [`engine`]: continuous batching on one thread (chunked prefill, `n` forks, per-session
+//!   prefix cache, weight swaps between decode steps);
+//! - [`api`]: the HTTP endpoints; [`protocol`]: request bodies, errors, and the per-choice
+//!   text state (stop strings, incremental detokenization, tool-call hold-back);
+//! - [`tools`]: Qwen / SmolLM2 tool-call formats; [`weights`]: follows `weights.published`.
+
+pub mod api;
+pub mod engine;
+pub mod protocol;
+pub mod tools;
+pub mod weights;

@@ -1,0 +1,127 @@
+//! `arl-inference`: the embedded OpenAI-compatible engine.
+
+use std::net::SocketAddr;
+
+use anyhow::Context;
+use arl_inference::api::{self, AppState, InferenceMetrics};
+use arl_inference::engine::{EngineConfig, EngineHandle, ServedModel, SwapPolicy};
+use arl_model::load::LoadedModel;
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
+use arl_schemas::RunId;
+use arl_schemas::spec::model_path_or_name;
+use clap::Parser;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "arl-inference",
+    version,
+    about = "ARL inference: an OpenAI-compatible engine with token ids, logprobs and versioned weights"
+)]
+struct Args {
+    #[command(flatten)]
+    common: CommonArgs,
+
+    /// Initial weights (GGUF file, Hugging Face folder, or an installed model name), served
+    /// as policy version 0. Without it the server answers 503 until a version is published.
+    #[arg(long, env = "ARL_MODEL")]
+    model: Option<String>,
+
+    /// The name `/v1/models` reports.
+    #[arg(long, default_value = "policy")]
+    served_model_name: String,
+
+    /// Address of the OpenAI API (and of /health and /metrics).
+    #[arg(long, env = "ARL_INFERENCE_ADDR", default_value = "127.0.0.1:8100")]
+    listen: SocketAddr,
+
+    /// Follow only this run's `weights.published` (default: every run's).
+    #[arg(long)]
+    run: Option<String>,
+
+    /// Durable consumer name for weight events (one per engine instance).
+    #[arg(long, default_value = "inference")]
+    instance: String,
+
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
+    #[arg(long, default_value_t = 64)]
+    queue_limit: usize,
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
+    #[arg(long, default_value_t = 8192)]
+    max_model_len: usize,
+    /// In-flight requests when weights change: finish on their version, or abort.
+    #[arg(long, value_enum, default_value_t = SwapPolicy::Finish)]
+    swap_policy: SwapPolicy,
+    /// Sessions (`user` or `x-session-id`) whose KV cache is kept between turns.
+    #[arg(long, default_value_t = 32)]
+    session_cache: usize,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let telemetry = telemetry::init("arl-inference", telemetry::otlp_endpoint_from_env())?;
+    let namespace = args.common.namespace()?;
+    let run = args
+        .run
+        .as_deref()
+        .map(RunId::new)
+        .transpose()
+        .context("--run")?;
+    let initial = match &args.model {
+        Some(name) => {
+            let path = model_path_or_name(name);
+            let loaded = tokio::task::spawn_blocking(move || LoadedModel::open(&path))
+                .await?
+                .with_context(|| format!("loading {name}"))?;
+            Some(ServedModel { version: 0, loaded })
+        }
+        None => None,
+    };
+    let config = EngineConfig {
+        max_batch: args.max_batch.max(1),
+        queue_limit: args.queue_limit,
+        prefill_chunk: args.prefill_chunk.max(1),
+        max_model_len: args.max_model_len,
+        swap_policy: args.swap_policy,
+        session_cache: args.session_cache,
+    };
+    let engine = EngineHandle::start(config, initial).context("starting the engine thread")?;
+
+    let metrics = Metrics::new();
+    let bus = Bus::connect(
+        BusConfig::new(&args.common.nats_url, namespace, "arl-inference"),
+        metrics.clone(),
+    )
+    .await?;
+    bus.provision().await.context("provisioning streams")?;
+    let shutdown = Shutdown::new();
+    shutdown.trigger_on_signals();
+    arl_inference::weights::follow(
+        &bus,
+        engine.clone(),
+        &args.instance,
+        run.as_ref(),
+        &shutdown,
+    );
+
+    let state = AppState {
+        engine,
+        model_name: args.served_model_name,
+        metrics: InferenceMetrics::register(&metrics),
+    };
+    let router = api::router(state).merge(arl_runtime::http::ops_router(
+        "inference",
+        bus.clone(),
+        metrics,
+    ));
+    let addr = arl_runtime::http::serve(args.listen, router, &shutdown).await?;
+    tracing::info!(%addr, "inference serving");
+    println!("listening on http://{addr}");
+    shutdown.triggered().await;
+    shutdown.wait().await;
+    telemetry.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,108 @@
+//! Following `weights.published`: each new policy version is checked (sha256), loaded
+//! beside the serving one on a blocking thread, and swapped in between decode steps.
+
+use std::path::{Path, PathBuf};
+
+use arl_model::load::LoadedModel;
+use arl_runtime::consumer::run_consumer;
+use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
+use arl_schemas::events::WeightsPublishedV1;
+use arl_schemas::{Domain, RunId};
+
+use crate::engine::{EngineHandle, ServedModel};
+
+/// Consumes weight versions (of one run, or of every run) and swaps them in.
+pub fn follow(
+    bus: &Bus,
+    engine: EngineHandle,
+    durable: &str,
+    run: Option<&RunId>,
+    shutdown: &Shutdown,
+) {
+    let ns = bus.namespace();
+    let filter = match run {
+        Some(run) => ns.event_subject(Domain::Weights, run, "published"),
+        None => ns.event_filter(Domain::Weights, "published"),
+    };
+    let mut spec = ConsumerSpec::new(Domain::Weights, durable, vec![filter]).ordered();
+    // Loading a version takes a while; it is not a stuck handler.
+    spec.keep_alive = true;
+    shutdown.spawn(run_consumer(
+        bus.clone(),
+        spec,
+        move |delivery: Delivery| {
+            let engine = engine.clone();
+            async move { on_weights(&engine, &delivery).await }
+        },
+        shutdown.clone(),
+    ));
+}
+
+async fn on_weights(engine: &EngineHandle, delivery: &Delivery) -> Result<(), HandlerError> {
+    let event: WeightsPublishedV1 = delivery
+        .decode()
+        .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+    if engine
+        .current()
+        .is_some_and(|m| m.version >= event.policy_version)
+    {
+        return Ok(()); // already serving this version or a newer one
+    }
+    let dir = local_path(&event.uri).map_err(HandlerError::DeadLetter)?;
+    let expected = event.sha256.clone();
+    let version = event.policy_version;
+    let loaded = tokio::task::spawn_blocking(move || load_checked(&dir, &expected))
+        .await
+        .map_err(|e| HandlerError::Retry(format!("loading version {version} panicked: {e}")))?
+        .map_err(HandlerError::Retry)?;
+    engine
+        .swap(ServedModel { version, loaded })
+        .map_err(|e| HandlerError::Retry(e.to_string()))?;
+    tracing::info!(policy_version = version, uri = %event.uri, "serving new weights");
+    Ok(())
+}
+
+/// `file:///path` (or a plain path) to a path; other schemes are not reachable here.
+fn local_path(uri: &str) -> Result<PathBuf, String> {
+    if let Some(path) = uri.strip_prefix("file://") {
+        return Ok(PathBuf::from(path));
+    }
+    if uri.starts_with('/') {
+        return Ok(PathBuf::from(uri));
+    }
+    Err(format!(
+        "weights uri {uri:?}: only file:// locations can be loaded by this engine"
+    ))
+}
+
+fn load_checked(dir: &Path, sha256: &str) -> Result<LoadedModel, String> {
+    let file = dir.join("model.safetensors");
+    let found = sha256_file(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+    if found != sha256 {
+        return Err(format!(
+            "{}: sha256 is {found}, the event says {sha256} (incomplete copy?)",
+            file.display()
+        ));
+    }
+    LoadedModel::open(dir).map_err(|e| e.to_string())
+}
+
+fn sha256_file(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path)?;
+    let mut context = ring::digest::Context::new(&ring::digest::SHA256);
+    let mut buffer = vec![0u8; 1 << 20];
+    loop {
+        let read = file.read(&mut buffer)?;
+        if read == 0 {
+            break;
+        }
+        context.update(&buffer[..read]);
+    }
+    Ok(context
+        .finish()
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
