@@ -1,0 +1,601 @@
+//! The inference server over HTTP with real models: token ids and logprobs that match a
+//! fresh forward pass, streaming equal to non-streaming, sessions, errors, and weight swaps
+//! under load.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use arl_inference::api::{self, AppState, InferenceMetrics};
+use arl_inference::engine::{EngineConfig, EngineHandle, ServedModel};
+use arl_model::config::ModelConfig;
+use arl_model::load::LoadedModel;
+use arl_model::model::Model;
+use arl_model::weights::Weights;
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, Metrics, Shutdown};
+use arl_schemas::RunId;
+use arl_schemas::events::{WeightsFormat, WeightsPublishedV1};
+use arl_testkit::{NatsServer, http, test_namespace, wait_for};
+use serde_json::{Value, json};
+
+fn model_dir() -> PathBuf {
+    std::env::var_os("ARL_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/arl/models")
+        })
+}
+
+fn smollm2() -> LoadedModel {
+    let path = model_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run `make models`",
+        path.display()
+    );
+    LoadedModel::open(&path).unwrap()
+}
+
+/// A tiny random llama with SmolLM2's tokenizer and template: fast, and each seed a
+/// clearly different policy.
+fn tiny(seed: u64) -> LoadedModel {
+    let mut loaded = smollm2();
+    let config = ModelConfig {
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        ..loaded.model.config.clone()
+    };
+    loaded.model = Model::new(config.clone(), Weights::random(&config, seed, 0.5));
+    loaded
+}
+
+struct Server {
+    _nats: NatsServer,
+    bus: Bus,
+    engine: EngineHandle,
+    base: String,
+    shutdown: Shutdown,
+}
+
+impl Server {
+    async fn start(config: EngineConfig, model: Option<ServedModel>) -> Self {
+        let nats = NatsServer::start().unwrap();
+        let metrics = Metrics::new();
+        let bus = Bus::connect(
+            BusConfig::new(nats.url(), test_namespace(), "test"),
+            metrics.clone(),
+        )
+        .await
+        .unwrap();
+        bus.provision().await.unwrap();
+        let engine = EngineHandle::start(config, model).unwrap();
+        let shutdown = Shutdown::new();
+        let state = AppState {
+            engine: engine.clone(),
+            model_name: "policy".into(),
+            metrics: InferenceMetrics::register(&metrics),
+        };
+        let router = api::router(state).merge(arl_runtime::http::ops_router(
+            "inference",
+            bus.clone(),
+            metrics,
+        ));
+        let addr: SocketAddr =
+            arl_runtime::http::serve("127.0.0.1:0".parse().unwrap(), router, &shutdown)
+                .await
+                .unwrap();
+        Self {
+            _nats: nats,
+            bus,
+            engine,
+            base: format!("http://{addr}"),
+            shutdown,
+        }
+    }
+
+    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let response = http(
+            &format!("{}{path}", self.base),
+            "POST",
+            &[("content-type", "application/json")],
+            body.to_string().as_bytes(),
+        )
+        .await
+        .unwrap();
+        let status = response.status;
+        let text = response.text();
+        let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        (status, value)
+    }
+
+    /// The `data:` payloads of a streamed response.
+    async fn stream(&self, path: &str, body: &Value) -> Vec<Value> {
+        let response = http(
+            &format!("{}{path}", self.base),
+            "POST",
+            &[("content-type", "application/json")],
+            body.to_string().as_bytes(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(response.status, 200, "{}", response.text());
+        let text = response.text();
+        let events: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect();
+        assert_eq!(events.last(), Some(&"[DONE]"), "{text}");
+        events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str(e).unwrap())
+            .collect()
+    }
+}
+
+fn served(loaded: LoadedModel, version: u64) -> Option<ServedModel> {
+    Some(ServedModel { version, loaded })
+}
+
+fn ids(value: &Value) -> Vec<u32> {
+    serde_json::from_value(value.clone()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_carry_token_ids_versions_and_true_logprobs() {
+    let reference = smollm2();
+    let server = Server::start(EngineConfig::default(), served(smollm2(), 0)).await;
+
+    let (status, models) = http(&format!("{}/v1/models", server.base), "GET", &[], b"")
+        .await
+        .map(|r| (r.status, r.json::<Value>()))
+        .unwrap();
+    assert_eq!(
+        (status, models["data"][0]["id"].as_str()),
+        (200, Some("policy"))
+    );
+
+    // Greedy chat answers, with every token's log-probability and the ids.
+    let (status, body) = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": "policy", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                    "temperature": 0, "max_tokens": 24, "logprobs": true, "top_logprobs": 3}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let choice = &body["choices"][0];
+    assert!(
+        choice["message"]["content"]
+            .as_str()
+            .unwrap()
+            .contains("Paris"),
+        "{body}"
+    );
+    assert_eq!(body["policy_version"], 0);
+    let prompt = ids(&body["prompt_token_ids"]);
+    let completion = ids(&choice["token_ids"]);
+    assert_eq!(body["usage"]["prompt_tokens"], prompt.len());
+    assert_eq!(body["usage"]["completion_tokens"], completion.len());
+    let logprobs: Vec<f32> = choice["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["logprob"].as_f64().unwrap() as f32)
+        .collect();
+    assert_eq!(logprobs.len(), completion.len());
+    for entry in choice["logprobs"]["content"].as_array().unwrap() {
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(top[0]["logprob"], entry["logprob"]);
+    }
+    // Every logprob is the log-softmax of a fresh forward pass at its position.
+    let full: Vec<u32> = prompt.iter().chain(&completion).copied().collect();
+    let fresh = &reference.model.forward_train(&[&full]).1[0][prompt.len() - 1..];
+    let worst = logprobs
+        .iter()
+        .zip(fresh)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst < 2e-3, "largest logprob difference {worst}");
+
+    // Token-in completions: the same prompt ids give the same tokens.
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": prompt, "temperature": 0, "max_tokens": completion.len(), "logprobs": 1}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(ids(&body["choices"][0]["token_ids"]), completion);
+    assert_eq!(
+        body["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .len(),
+        completion.len()
+    );
+    server.shutdown.trigger();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_matches_non_streaming_with_a_seed() {
+    let server = Server::start(EngineConfig::default(), served(smollm2(), 0)).await;
+    let request = json!({"messages": [{"role": "user", "content": "Tell me a short story about a cat."}],
+                         "temperature": 0.9, "top_p": 0.95, "seed": 1234, "max_tokens": 40, "n": 2,
+                         "stop": ["\n\n"]});
+    let (status, whole) = server.post("/v1/chat/completions", &request).await;
+    assert_eq!(status, 200, "{whole}");
+    let mut streamed_request = request.clone();
+    streamed_request["stream"] = json!(true);
+    streamed_request["stream_options"] = json!({"include_usage": true});
+    let chunks = server
+        .stream("/v1/chat/completions", &streamed_request)
+        .await;
+    assert_eq!(chunks[0]["prompt_token_ids"], whole["prompt_token_ids"]);
+    for choice in 0..2 {
+        let mut tokens = Vec::new();
+        let mut text = String::new();
+        let mut finish = Value::Null;
+        for chunk in &chunks {
+            for c in chunk["choices"].as_array().unwrap() {
+                if c["index"] == choice {
+                    tokens.extend(ids(&c["token_ids"]));
+                    text.push_str(c["delta"]["content"].as_str().unwrap_or(""));
+                    if !c["finish_reason"].is_null() {
+                        finish = c["finish_reason"].clone();
+                    }
+                }
+            }
+        }
+        let expected = &whole["choices"][choice];
+        assert_eq!(tokens, ids(&expected["token_ids"]), "choice {choice}");
+        assert_eq!(text, expected["message"]["content"].as_str().unwrap());
+        assert_eq!(finish, expected["finish_reason"]);
+        assert!(!text.contains("\n\n"));
+    }
+    assert_ne!(
+        whole["choices"][0]["token_ids"], whole["choices"][1]["token_ids"],
+        "the two choices are different samples"
+    );
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage, &whole["usage"]);
+    server.shutdown.trigger();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_reuses_its_prefix_and_answers_the_same() {
+    let server = Server::start(EngineConfig::default(), served(smollm2(), 0)).await;
+    let mut messages = vec![json!({"role": "user", "content": "List three colors."})];
+    let first =
+        json!({"messages": messages, "temperature": 0, "max_tokens": 16, "user": "trial-1"});
+    let (_, answer) = server.post("/v1/chat/completions", &first).await;
+    assert_eq!(answer["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    messages
+        .push(json!({"role": "assistant", "content": answer["choices"][0]["message"]["content"]}));
+    messages.push(json!({"role": "user", "content": "And three animals?"}));
+    let second = json!({"messages": messages, "temperature": 0, "max_tokens": 16});
+    let (_, uncached) = server.post("/v1/chat/completions", &second).await;
+    let mut with_session = second.clone();
+    with_session["user"] = json!("trial-1");
+    let (_, cached) = server.post("/v1/chat/completions", &with_session).await;
+    let reused = cached["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(reused > 20, "{cached}");
+    assert_eq!(
+        cached["choices"][0]["token_ids"],
+        uncached["choices"][0]["token_ids"]
+    );
+    server.shutdown.trigger();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors() {
+    let config = EngineConfig {
+        max_model_len: 64,
+        ..EngineConfig::default()
+    };
+    let server = Server::start(config, served(tiny(1), 0)).await;
+    let cases = [
+        (json!({"messages": "hello"}), 400, "invalid_request_error"),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "temperature": 3}),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "n": 0}),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}),
+            404,
+            "invalid_request_error",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "word ".repeat(80)}]}),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "prompt_token_ids": [1, 99999999]}),
+            400,
+            "invalid_request_error",
+        ),
+    ];
+    for (body, status, kind) in cases {
+        let (got, error) = server.post("/v1/chat/completions", &body).await;
+        assert_eq!(got, status, "{body} -> {error}");
+        assert_eq!(error["error"]["type"], kind, "{error}");
+        assert!(!error["error"]["message"].as_str().unwrap().is_empty());
+    }
+    let (_, error) = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "word ".repeat(80)}]}),
+        )
+        .await;
+    assert_eq!(error["error"]["code"], "context_length_exceeded", "{error}");
+    let response = http(
+        &format!("{}/v1/completions", server.base),
+        "POST",
+        &[],
+        b"{not json",
+    )
+    .await
+    .unwrap();
+    assert_eq!(response.status, 400);
+
+    // No weights yet: 503 until a version arrives.
+    let empty = Server::start(EngineConfig::default(), None).await;
+    let (status, error) = empty
+        .post("/v1/completions", &json!({"prompt": [1, 2, 3]}))
+        .await;
+    assert_eq!(status, 503, "{error}");
+    empty
+        .engine
+        .swap(ServedModel {
+            version: 3,
+            loaded: tiny(2),
+        })
+        .unwrap();
+    let (status, body) = empty
+        .post("/v1/completions", &json!({"prompt": [1, 2, 3]}))
+        .await;
+    assert_eq!((status, body["policy_version"].as_u64()), (200, Some(3)));
+
+    // A full queue answers 429 and loses nothing it accepted.
+    let busy = Server::start(
+        EngineConfig {
+            max_batch: 1,
+            queue_limit: 1,
+            ..EngineConfig::default()
+        },
+        served(tiny(1), 0),
+    )
+    .await;
+    let request = json!({"prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0});
+    let results =
+        futures::future::join_all((0..6).map(|_| busy.post("/v1/completions", &request))).await;
+    let statuses: Vec<u16> = results.iter().map(|(s, _)| *s).collect();
+    assert!(statuses.contains(&429), "{statuses:?}");
+    for (status, body) in &results {
+        match status {
+            200 => assert_eq!(
+                body["choices"][0]["token_ids"].as_array().unwrap().len(),
+                200
+            ),
+            429 => assert_eq!(body["error"]["type"], "rate_limit_exceeded"),
+            other => panic!("unexpected {other}: {body}"),
+        }
+    }
+    for s in [server, empty, busy] {
+        s.shutdown.trigger();
+    }
+}
+
+/// Saves `loaded` as a published version; returns its event.
+fn publish_dir(loaded: &LoadedModel, dir: &Path, run: &RunId, version: u64) -> WeightsPublishedV1 {
+    loaded.save_hf(dir).unwrap();
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let sha256 = ring::digest::digest(&ring::digest::SHA256, &bytes)
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    WeightsPublishedV1 {
+        run_id: run.clone(),
+        policy_version: version,
+        step: version as u32,
+        uri: format!("file://{}", dir.display()),
+        sha256,
+        format: WeightsFormat::HfSafetensors,
+        size_bytes: bytes.len() as u64,
+        at: chrono::Utc::now(),
+    }
+}
+
+/// Greedy tokens of a policy for a prompt, computed offline.
+fn greedy(loaded: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    arl_model::generate::generate(&loaded.model, prompt, n, &[], &Default::default()).0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_weight_swap_under_load_loses_nothing_and_versions_are_right() {
+    let (v0, v1) = (tiny(10), tiny(11));
+    let prompt = vec![1u32, 510, 2683, 314, 30, 198];
+    let max_tokens = 60;
+    let expected = [
+        greedy(&v0, &prompt, max_tokens),
+        greedy(&v1, &prompt, max_tokens),
+    ];
+    assert_ne!(expected[0], expected[1]);
+    let server = Server::start(
+        EngineConfig {
+            max_batch: 4,
+            ..EngineConfig::default()
+        },
+        served(v0, 0),
+    )
+    .await;
+    arl_inference::weights::follow(
+        &server.bus,
+        server.engine.clone(),
+        "inference-test",
+        None,
+        &server.shutdown,
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let run = RunId::new("run-swap").unwrap();
+    let event = publish_dir(&v1, &tmp.path().join("step-1"), &run, 1);
+    let request = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    let load = futures::future::join_all((0..12).map(|i| {
+        let request = request.clone();
+        let server = &server;
+        async move {
+            tokio::time::sleep(Duration::from_millis(150 * i)).await;
+            server.post("/v1/completions", &request).await
+        }
+    }));
+    let swap = async {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        server.bus.publish(&event).await.unwrap();
+    };
+    let (results, ()) = tokio::join!(load, swap);
+    let mut versions = Vec::new();
+    for (status, body) in &results {
+        assert_eq!(*status, 200, "{body}");
+        let version = body["policy_version"].as_u64().unwrap() as usize;
+        // Each response is exactly what its reported version generates.
+        assert_eq!(
+            ids(&body["choices"][0]["token_ids"]),
+            expected[version],
+            "version {version}"
+        );
+        versions.push(version);
+    }
+    assert!(
+        versions.contains(&0) && versions.contains(&1),
+        "{versions:?}"
+    );
+    wait_for("version 1 served", Duration::from_secs(10), || async {
+        server
+            .engine
+            .current()
+            .filter(|m| m.version == 1)
+            .map(|_| ())
+    })
+    .await;
+    server.shutdown.trigger();
+}
+
+/// The official `openai` Python SDK (tools venv) talks to the server, streaming and not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_python_sdk_works_against_the_server() {
+    let python = std::env::var_os("ARL_TOOLS_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/arl/tools/bin/python")
+        });
+    assert!(
+        python.exists(),
+        "{} is missing: run `make deps`",
+        python.display()
+    );
+    let server = Server::start(
+        EngineConfig {
+            max_model_len: 2048,
+            ..EngineConfig::default()
+        },
+        served(smollm2(), 0),
+    )
+    .await;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_sdk.py");
+    let output = tokio::process::Command::new(&python)
+        .arg(&script)
+        .arg(format!("{}/v1", server.base))
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let seen: Value = serde_json::from_slice(&output.stdout).unwrap();
+    let (whole, streamed) = (&seen["whole"], &seen["streamed"]);
+    assert!(!whole["token_ids"].as_array().unwrap().is_empty());
+    for field in ["content", "token_ids", "logprobs", "finish_reason", "usage"] {
+        assert_eq!(whole[field], streamed[field], "{field}");
+    }
+    assert_eq!(whole["policy_version"], 0);
+    assert_eq!(whole["top"][0].as_array().unwrap().len(), 2);
+    assert_eq!(seen["models"], json!(["policy"]));
+    assert_eq!(
+        seen["too_long"],
+        json!({"status": 400, "code": "context_length_exceeded"})
+    );
+    assert_eq!(seen["bad_temperature"]["status"], 400);
+    assert!(
+        !seen["completion"]["token_ids"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+    server.shutdown.trigger();
+}
+
+/// Qwen's template is given the tools and the call format; its `<tool_call>` tag survives
+/// detokenization (so a tagged call is parsed — `tools.rs` tests the parsing); an answer
+/// without the tag stays text: a call is never guessed from untagged JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qwen_gets_its_tools_and_untagged_json_is_not_guessed() {
+    let path = model_dir().join("qwen2.5-coder-0.5b-instruct.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run `make models`",
+        path.display()
+    );
+    let qwen = LoadedModel::open(&path).unwrap();
+    let tag = qwen.tokenizer.token_to_id("<tool_call>").unwrap();
+    assert_eq!(qwen.tokenizer.decode(&[tag], true).unwrap(), "<tool_call>");
+    let server = Server::start(EngineConfig::default(), served(qwen, 0)).await;
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let request = json!({"messages": [{"role": "user", "content": "What is the weather like in Paris today?"}],
+                         "tools": tools, "temperature": 0, "max_tokens": 40});
+    let (status, body) = server.post("/v1/chat/completions", &request).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        ids(&body["prompt_token_ids"]).contains(&tag),
+        "the template explains the tag"
+    );
+    let choice = &body["choices"][0];
+    let content = choice["message"]["content"].as_str().unwrap_or("");
+    if content.contains("<tool_call>") || choice["message"]["tool_calls"].is_array() {
+        assert_eq!(choice["finish_reason"], "tool_calls", "{body}");
+    } else {
+        assert!(content.contains("get_weather"), "{body}");
+        assert_eq!(choice["finish_reason"], "stop");
+        assert!(choice["message"].get("tool_calls").is_none());
+    }
+    // Streaming gives the same outcome.
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let chunks = server.stream("/v1/chat/completions", &streamed).await;
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, content);
+    server.shutdown.trigger();
+}
