@@ -449,7 +449,11 @@ fn job(
     if stop_strings.len() > 4 {
         return Err(ApiError::invalid("at most 4 stop sequences", Some("stop")));
     }
-    let mut stop_ids = model.loaded.tokenizer.stop_ids().to_vec();
+    let mut stop_ids = if common.ignore_eos {
+        Vec::new()
+    } else {
+        model.loaded.tokenizer.stop_ids().to_vec()
+    };
     stop_ids.extend(common.stop_token_ids.iter().flatten());
     let session = headers
         .get("x-session-id")

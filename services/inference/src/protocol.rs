@@ -55,6 +55,9 @@ pub struct CommonParams {
     pub stop: Option<OneOrMany>,
     #[serde(default)]
     pub stop_token_ids: Option<Vec<u32>>,
+    /// Keep generating past the model's end-of-turn tokens (vLLM and llama.cpp's name).
+    #[serde(default)]
+    pub ignore_eos: bool,
     #[serde(default)]
     pub seed: Option<u64>,
     /// Turns with the same `user` share a KV-cache prefix (agent sessions).
