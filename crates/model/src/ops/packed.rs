@@ -225,8 +225,13 @@ mod tests {
 
     #[test]
     fn packed_matches_dequantized_f32() {
-        for kind in [GgmlType::Q4_1, GgmlType::Q8_0] {
-            let (rows, cols, n) = (48, 96, 3);
+        for (kind, n) in [
+            (GgmlType::Q4_1, 1),
+            (GgmlType::Q4_1, 3),
+            (GgmlType::Q8_0, 1),
+            (GgmlType::Q8_0, 3),
+        ] {
+            let (rows, cols) = (48, 96);
             let data = gguf_blocks(kind, rows, cols);
             let dense = kind.dequantize(&data, rows * cols).unwrap();
             let packed = PackedMatrix::from_gguf(kind, &data, rows, cols, None).unwrap();
