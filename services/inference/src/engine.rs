@@ -541,8 +541,13 @@ fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> Sampl
         top_k: params.top_k,
         seed: 0,
     };
-    let (id, _) = sample(logits, &sampling, rng);
     let lse = log_sum_exp(logits);
+    let id = if params.temperature <= 0.0 {
+        // Greedy needs no sampling pass over the vocabulary.
+        argmax(logits)
+    } else {
+        sample(logits, &sampling, rng).0
+    };
     let top = if params.top_logprobs == 0 {
         Vec::new()
     } else {
@@ -562,6 +567,16 @@ fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> Sampl
         logprob: logits[id as usize] - lse,
         top,
     }
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &z) in logits.iter().enumerate() {
+        if z > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
 
 fn log_sum_exp(logits: &[f32]) -> f32 {
