@@ -599,3 +599,46 @@ async fn qwen_gets_its_tools_and_untagged_json_is_not_guessed() {
     assert_eq!(text, content);
     server.shutdown.trigger();
 }
+
+/// With the abort policy, a request in flight when the weights change gets a clear error
+/// naming the new version; the next request runs on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_abort_policy_fails_in_flight_requests_clearly() {
+    let server = Server::start(
+        EngineConfig {
+            swap_policy: arl_inference::engine::SwapPolicy::Abort,
+            ..EngineConfig::default()
+        },
+        served(tiny(20), 0),
+    )
+    .await;
+    let request =
+        json!({"prompt": [1, 2, 3], "max_tokens": 8000, "temperature": 0, "ignore_eos": true});
+    let (in_flight, ()) = tokio::join!(server.post("/v1/completions", &request), async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        server
+            .engine
+            .swap(ServedModel {
+                version: 5,
+                loaded: tiny(21),
+            })
+            .unwrap();
+    });
+    let (status, error) = in_flight;
+    assert_eq!(status, 503, "{error}");
+    assert_eq!(error["error"]["code"], "weights_changed");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("version 5")
+    );
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": [1, 2, 3], "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!((status, body["policy_version"].as_u64()), (200, Some(5)));
+    server.shutdown.trigger();
+}
