@@ -189,7 +189,19 @@ fn chat_job(state: &AppState, headers: &HeaderMap, request: ChatRequest) -> Resu
     let model = current_model(state)?;
     let loaded = &model.loaded;
     let tools_given = request.tools.as_ref().is_some_and(|t| !t.is_empty());
-    let tool_choice_none = request.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
+    let tool_choice_none = match &request.tool_choice {
+        None => false,
+        Some(Value::String(choice)) if choice == "auto" => false,
+        Some(Value::String(choice)) if choice == "none" => true,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!(
+                    "tool_choice {other} is not supported: this engine does not constrain decoding; use \"auto\" or \"none\""
+                ),
+                Some("tool_choice"),
+            ));
+        }
+    };
     let prompt = match &request.common.prompt_token_ids {
         Some(ids) => ids.clone(),
         None => {
