@@ -68,6 +68,42 @@ pub fn other_schemas() -> Vec<(&'static str, Schema)> {
             "run-state.v1",
             schemars::schema_for!(crate::state::RunStateV1),
         ),
+        (
+            "rpc.sandbox.lease-request.v1",
+            schemars::schema_for!(crate::rpc::LeaseRequestV1),
+        ),
+        (
+            "rpc.sandbox.lease-grant.v1",
+            schemars::schema_for!(crate::rpc::LeaseGrantV1),
+        ),
+        (
+            "rpc.sandbox.renew-request.v1",
+            schemars::schema_for!(crate::rpc::RenewRequestV1),
+        ),
+        (
+            "rpc.sandbox.release-request.v1",
+            schemars::schema_for!(crate::rpc::ReleaseRequestV1),
+        ),
+        (
+            "rpc.sandbox.exec-request",
+            schemars::schema_for!(crate::rpc::ExecRequest),
+        ),
+        (
+            "rpc.sandbox.exec-result",
+            schemars::schema_for!(crate::rpc::ExecResult),
+        ),
+        (
+            "rpc.proxy.key-request.v1",
+            schemars::schema_for!(crate::rpc::TrialKeyRequestV1),
+        ),
+        (
+            "rpc.proxy.key-grant.v1",
+            schemars::schema_for!(crate::rpc::TrialKeyGrantV1),
+        ),
+        (
+            "rpc.proxy.revoke.v1",
+            schemars::schema_for!(crate::rpc::TrialKeyRevokeV1),
+        ),
     ]
 }
 

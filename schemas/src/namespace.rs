@@ -211,6 +211,16 @@ impl Namespace {
         )
     }
 
+    /// `arl.rpc.proxy.<instance|any>.<op>`.
+    pub fn proxy_rpc(&self, instance: &str, op: crate::rpc::ProxyOp) -> String {
+        format!(
+            "{}.rpc.proxy.{}.{}",
+            self.subject_root(),
+            instance,
+            op.token()
+        )
+    }
+
     pub fn bucket(&self, bucket: Bucket) -> String {
         format!("{}{}", self.upper_prefix(), bucket.suffix())
     }

@@ -146,6 +146,61 @@ impl SandboxOp {
     }
 }
 
+/// Ask the token proxy for a trial's key: every LLM call made with it is recorded for the
+/// trial. Sent by the rollout service when a trial starts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TrialKeyRequestV1 {
+    pub run_id: RunId,
+    pub trial_id: TrialId,
+    /// The policy version serving when the trial started.
+    pub policy_version: u64,
+    /// Calls are refused (429) once the engine is more than this many versions ahead of
+    /// `policy_version`; None = no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_staleness: Option<u64>,
+}
+
+/// A trial's key and where to use it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TrialKeyGrantV1 {
+    pub trial_key: String,
+    /// An OpenAI base URL with the key in its path (`…/<key>/v1`); the key also works as
+    /// `Authorization: Bearer <key>` on `…/v1`.
+    pub base_url: String,
+    /// The proxy instance holding the key: revoke goes there.
+    pub instance: String,
+}
+
+/// Ends a trial's key; later calls with it get 401.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TrialKeyRevokeV1 {
+    pub trial_key: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TrialKeyRevokedV1 {
+    /// LLM calls recorded under the key.
+    pub calls: u32,
+}
+
+/// Token proxy operations, for [`crate::Namespace::proxy_rpc`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProxyOp {
+    Issue,
+    Revoke,
+}
+
+impl ProxyOp {
+    pub fn token(self) -> &'static str {
+        match self {
+            ProxyOp::Issue => "issue",
+            ProxyOp::Revoke => "revoke",
+        }
+    }
+}
+
 /// The exec API of a lease (HTTP `POST {endpoint}/exec`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]

@@ -1,0 +1,699 @@
+//! The gateway: `/{trial_key}/v1/...` or `/v1/...` with `Authorization: Bearer <key>`.
+//! Each chat or text completion is checked, sent to a backend (asking it for token ids and
+//! logprobs), returned to the client — streamed chunk by chunk as it arrives — and recorded
+//! as an `llm.call` event. The record is stored before the client sees the end of the
+//! answer: when it cannot be stored, the client gets a 503 (or, streaming, an error in
+//! place of `[DONE]`), never an unrecorded answer.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use arl_runtime::Bus;
+use arl_schemas::RunId;
+use arl_schemas::events::{CallTiming, FinishReason, LlmCallV1};
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use futures::StreamExt;
+use http_body_util::BodyExt;
+use serde_json::{Map, Value, json};
+
+use crate::backends::Backends;
+use crate::client::{ClientError, HttpClient};
+use crate::keys::{Keys, Trial};
+
+#[derive(Clone, Debug)]
+pub struct ProxyConfig {
+    /// Request bodies above this are refused before they are read whole.
+    pub max_body_bytes: usize,
+    /// Calls in flight per run before new ones get 429.
+    pub max_in_flight_per_run: usize,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 8 << 20,
+            max_in_flight_per_run: 256,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct Proxy {
+    pub bus: Bus,
+    pub keys: Arc<Keys>,
+    pub backends: Arc<Backends>,
+    pub client: HttpClient,
+    pub config: ProxyConfig,
+    runs: Arc<Mutex<HashMap<RunId, Arc<RunLoad>>>>,
+}
+
+/// What the proxy knows of a run: calls in flight, the newest policy version seen.
+#[derive(Debug, Default)]
+struct RunLoad {
+    in_flight: AtomicUsize,
+    latest_version: AtomicU64,
+}
+
+impl Proxy {
+    pub fn new(bus: Bus, keys: Arc<Keys>, backends: Arc<Backends>, config: ProxyConfig) -> Self {
+        Self {
+            bus,
+            keys,
+            backends,
+            client: HttpClient::new(),
+            config,
+            runs: Arc::default(),
+        }
+    }
+
+    fn run_load(&self, run: &RunId) -> Arc<RunLoad> {
+        self.runs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(run.clone())
+            .or_default()
+            .clone()
+    }
+}
+
+pub fn router(proxy: Proxy) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_bearer))
+        .route("/v1/completions", post(completion_bearer))
+        .route("/{key}/v1/chat/completions", post(chat_path))
+        .route("/{key}/v1/completions", post(completion_path))
+        .with_state(proxy)
+}
+
+/// OpenAI's error body.
+pub fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    let body =
+        json!({"error": {"message": message.into(), "type": kind, "param": null, "code": null}});
+    (status, axum::Json(body)).into_response()
+}
+
+fn bearer(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get(header::AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
+        .map(str::to_owned)
+}
+
+async fn chat_bearer(State(p): State<Proxy>, request: Request) -> Response {
+    let key = bearer(request.headers());
+    call(p, key, Kind::Chat, request).await
+}
+
+async fn completion_bearer(State(p): State<Proxy>, request: Request) -> Response {
+    let key = bearer(request.headers());
+    call(p, key, Kind::Completion, request).await
+}
+
+async fn chat_path(State(p): State<Proxy>, Path(key): Path<String>, request: Request) -> Response {
+    call(p, Some(key), Kind::Chat, request).await
+}
+
+async fn completion_path(
+    State(p): State<Proxy>,
+    Path(key): Path<String>,
+    request: Request,
+) -> Response {
+    call(p, Some(key), Kind::Completion, request).await
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+impl Kind {
+    fn path(self) -> &'static str {
+        match self {
+            Kind::Chat => "/v1/chat/completions",
+            Kind::Completion => "/v1/completions",
+        }
+    }
+
+    /// Request fields passed on; anything else is refused (a typo must not be ignored).
+    fn allowed(self, field: &str) -> bool {
+        const COMMON: &[&str] = &[
+            "model",
+            "stream",
+            "stream_options",
+            "n",
+            "temperature",
+            "top_p",
+            "top_k",
+            "max_tokens",
+            "stop",
+            "stop_token_ids",
+            "seed",
+            "logprobs",
+            "user",
+            "frequency_penalty",
+            "presence_penalty",
+            "logit_bias",
+            "ignore_eos",
+            "prompt_token_ids",
+            "min_tokens",
+            "repetition_penalty",
+        ];
+        const CHAT: &[&str] = &[
+            "messages",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "top_logprobs",
+            "max_completion_tokens",
+            "response_format",
+            "metadata",
+            "store",
+        ];
+        const COMPLETION: &[&str] = &["prompt", "echo", "suffix", "best_of"];
+        COMMON.contains(&field)
+            || match self {
+                Kind::Chat => CHAT.contains(&field),
+                Kind::Completion => COMPLETION.contains(&field),
+            }
+    }
+}
+
+async fn call(p: Proxy, key: Option<String>, kind: Kind, request: Request) -> Response {
+    let started = Instant::now();
+    let started_at = chrono::Utc::now();
+    let Some(trial) = key.as_deref().and_then(|k| p.keys.get(k)) else {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "invalid_api_key",
+            "unknown or revoked trial key: use the base URL the rollout service issued for this trial",
+        );
+    };
+    let body = match read_body(request, p.config.max_body_bytes).await {
+        Ok(body) => body,
+        Err(response) => return response,
+    };
+    let mut fields = match parse_request(&body, kind) {
+        Ok(fields) => fields,
+        Err(message) => return error(StatusCode::BAD_REQUEST, "invalid_request_error", message),
+    };
+    let load = p.run_load(&trial.run_id);
+    if let Some(response) = backpressure(&p, &trial, &load) {
+        return response;
+    }
+    load.in_flight.fetch_add(1, Ordering::SeqCst);
+    let guard = InFlight(load.clone());
+
+    let stream = fields.get("stream").and_then(Value::as_bool) == Some(true);
+    let call = CallContext {
+        trial: trial.clone(),
+        turn_index: trial.turns.fetch_add(1, Ordering::SeqCst),
+        request_messages: fields
+            .get("messages")
+            .or_else(|| fields.get("prompt"))
+            .cloned()
+            .unwrap_or(Value::Null),
+        tools: fields.get("tools").cloned(),
+        model: fields
+            .get("model")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned(),
+        started,
+        started_at,
+        load: load.clone(),
+    };
+    // Turns of one trial share an engine-side session (prefix cache).
+    fields
+        .entry("user")
+        .or_insert_with(|| json!(trial.trial_id.as_str()));
+
+    for index in p.backends.candidates(&trial.trial_id) {
+        let backend = p.backends.list[index].clone();
+        let mut body = fields.clone();
+        backend.dialect.decorate(&mut body, kind == Kind::Chat);
+        let bytes = Bytes::from(Value::Object(body).to_string());
+        backend.in_flight.fetch_add(1, Ordering::SeqCst);
+        let sent = p
+            .client
+            .post_json(&format!("{}{}", backend.url, kind.path()), bytes)
+            .await;
+        let response = match sent {
+            Ok(response) => response,
+            Err(ClientError::Connect(reason)) => {
+                backend.in_flight.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!(backend = %backend.url, %reason, "backend refused; trying another");
+                p.backends.mark_down(index);
+                continue;
+            }
+            Err(ClientError::Other(reason)) => {
+                backend.in_flight.fetch_sub(1, Ordering::SeqCst);
+                return error(StatusCode::BAD_GATEWAY, "backend_error", reason);
+            }
+        };
+        p.backends.remember(&trial.trial_id, index);
+        let status = response.status();
+        if !status.is_success() {
+            // The engine refused the request (bad input, overload): nothing was generated.
+            backend.in_flight.fetch_sub(1, Ordering::SeqCst);
+            let body = response.into_body().collect().await.map(|b| b.to_bytes());
+            return (
+                status,
+                [(header::CONTENT_TYPE, "application/json")],
+                body.unwrap_or_default(),
+            )
+                .into_response();
+        }
+        let recorder = Recorder {
+            proxy: p.clone(),
+            call,
+            backend: backend.url.clone(),
+            record: Record::default(),
+            _in_flight: guard,
+            backend_load: backend.clone(),
+        };
+        return if stream {
+            recorder.stream(response.into_body())
+        } else {
+            recorder.whole(response.into_body()).await
+        };
+    }
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "service_unavailable",
+        "no backend accepted the connection; retry later",
+    )
+}
+
+/// Reads the body, refusing one over `limit` before reading it whole.
+async fn read_body(request: Request, limit: usize) -> Result<Bytes, Response> {
+    let too_large = || {
+        error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("request body is larger than {limit} bytes"),
+        )
+    };
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(request.into_body(), limit)
+        .await
+        .map_err(|_| too_large())
+}
+
+fn parse_request(body: &[u8], kind: Kind) -> Result<Map<String, Value>, String> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| format!("request body is not valid JSON: {e}"))?;
+    let Value::Object(fields) = value else {
+        return Err("request body must be a JSON object".into());
+    };
+    if let Some(unknown) = fields.keys().find(|f| !kind.allowed(f)) {
+        return Err(format!("unknown field {unknown:?}"));
+    }
+    match kind {
+        Kind::Chat if !fields.get("messages").is_some_and(Value::is_array) => {
+            return Err("messages must be an array".into());
+        }
+        Kind::Completion
+            if !fields.contains_key("prompt") && !fields.contains_key("prompt_token_ids") =>
+        {
+            return Err("prompt is required".into());
+        }
+        _ => {}
+    }
+    if fields.get("n").is_some_and(|n| n.as_u64() != Some(1)) {
+        return Err("n must be 1 through the proxy: each trial is one sample".into());
+    }
+    Ok(fields)
+}
+
+/// 429 when the run has too many calls in flight or the engine has moved too far past the
+/// trial's policy version.
+fn backpressure(p: &Proxy, trial: &Trial, load: &RunLoad) -> Option<Response> {
+    let busy = load.in_flight.load(Ordering::SeqCst) >= p.config.max_in_flight_per_run;
+    let latest = load.latest_version.load(Ordering::SeqCst);
+    let stale = trial
+        .max_staleness
+        .is_some_and(|limit| latest > trial.policy_version + limit);
+    let (message, retry_after) = if busy {
+        ("the run's LLM-call capacity is in use", "1")
+    } else if stale {
+        (
+            "the trial's policy version is too stale for this run (max_staleness)",
+            "5",
+        )
+    } else {
+        return None;
+    };
+    let mut response = error(
+        StatusCode::TOO_MANY_REQUESTS,
+        "rate_limit_exceeded",
+        message,
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static(retry_after));
+    Some(response)
+}
+
+struct InFlight(Arc<RunLoad>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+struct CallContext {
+    trial: Arc<Trial>,
+    turn_index: u32,
+    request_messages: Value,
+    tools: Option<Value>,
+    model: String,
+    started: Instant,
+    started_at: chrono::DateTime<chrono::Utc>,
+    load: Arc<RunLoad>,
+}
+
+/// What the backend said, gathered from a whole response or from stream chunks.
+#[derive(Debug, Default)]
+struct Record {
+    prompt_token_ids: Vec<u32>,
+    completion_token_ids: Vec<u32>,
+    logprobs: Vec<f32>,
+    finish_reason: Option<String>,
+    policy_version: Option<u64>,
+    model: Option<String>,
+    first_token_ms: Option<f64>,
+}
+
+impl Record {
+    /// Takes in a response body or one chunk (choice 0 only: the proxy allows n = 1).
+    fn absorb(&mut self, v: &Value) {
+        if let Some(ids) = v.get("prompt_token_ids").and_then(Value::as_array) {
+            self.prompt_token_ids = ids
+                .iter()
+                .filter_map(|i| i.as_u64())
+                .map(|i| i as u32)
+                .collect();
+        }
+        if let Some(version) = v.get("policy_version").and_then(Value::as_u64) {
+            self.policy_version = Some(version);
+        }
+        if let Some(model) = v.get("model").and_then(Value::as_str) {
+            self.model = Some(model.to_owned());
+        }
+        let Some(choice) = v.get("choices").and_then(|c| c.get(0)) else {
+            return;
+        };
+        if let Some(ids) = choice.get("token_ids").and_then(Value::as_array) {
+            self.completion_token_ids
+                .extend(ids.iter().filter_map(|i| i.as_u64()).map(|i| i as u32));
+        }
+        let logprobs = choice.get("logprobs");
+        if let Some(content) = logprobs
+            .and_then(|l| l.get("content"))
+            .and_then(Value::as_array)
+        {
+            self.logprobs.extend(
+                content
+                    .iter()
+                    .filter_map(|e| e.get("logprob").and_then(Value::as_f64))
+                    .map(|l| l as f32),
+            );
+        } else if let Some(values) = logprobs
+            .and_then(|l| l.get("token_logprobs"))
+            .and_then(Value::as_array)
+        {
+            self.logprobs
+                .extend(values.iter().filter_map(Value::as_f64).map(|l| l as f32));
+        }
+        if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
+            self.finish_reason = Some(reason.to_owned());
+        }
+    }
+}
+
+struct Recorder {
+    proxy: Proxy,
+    call: CallContext,
+    backend: String,
+    record: Record,
+    _in_flight: InFlight,
+    backend_load: Arc<crate::backends::Backend>,
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        self.backend_load.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Recorder {
+    /// Stores the call's record; the reason when it cannot be.
+    async fn store(&mut self) -> Result<(), String> {
+        let r = &self.record;
+        if r.completion_token_ids.is_empty() && r.prompt_token_ids.is_empty() {
+            return Err("the backend returned no token ids (is it asked in its dialect?)".into());
+        }
+        let version = r.policy_version.unwrap_or(self.call.trial.policy_version);
+        self.call
+            .load
+            .latest_version
+            .fetch_max(version, Ordering::SeqCst);
+        let event = LlmCallV1 {
+            run_id: self.call.trial.run_id.clone(),
+            trial_id: self.call.trial.trial_id.clone(),
+            turn_index: self.call.turn_index,
+            request_messages: self.call.request_messages.clone(),
+            tools: self.call.tools.clone(),
+            prompt_token_ids: r.prompt_token_ids.clone(),
+            completion_token_ids: r.completion_token_ids.clone(),
+            logprobs: r.logprobs.clone(),
+            policy_version: version,
+            finish_reason: match r.finish_reason.as_deref() {
+                Some("stop") => FinishReason::Stop,
+                Some("length") => FinishReason::Length,
+                Some("tool_calls") => FinishReason::ToolCalls,
+                _ => FinishReason::Abort,
+            },
+            timing: CallTiming {
+                started_at: self.call.started_at,
+                latency_ms: self.call.started.elapsed().as_secs_f64() * 1000.0,
+                time_to_first_token_ms: r.first_token_ms,
+            },
+            backend: self.backend.clone(),
+            model: r.model.clone().unwrap_or_else(|| self.call.model.clone()),
+        };
+        self.proxy
+            .bus
+            .publish(&event)
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("the call could not be recorded: {e}"))
+    }
+
+    async fn whole(mut self, body: hyper::body::Incoming) -> Response {
+        let bytes = match body.collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(e) => return error(StatusCode::BAD_GATEWAY, "backend_error", e.to_string()),
+        };
+        match serde_json::from_slice::<Value>(&bytes) {
+            Ok(value) => self.record.absorb(&value),
+            Err(e) => {
+                return error(
+                    StatusCode::BAD_GATEWAY,
+                    "backend_error",
+                    format!("the backend's answer is not JSON: {e}"),
+                );
+            }
+        }
+        match self.store().await {
+            Ok(()) => (
+                StatusCode::OK,
+                [(header::CONTENT_TYPE, "application/json")],
+                bytes,
+            )
+                .into_response(),
+            Err(reason) => error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                reason,
+            ),
+        }
+    }
+
+    /// Passes each server-sent event through as soon as it is complete; `[DONE]` is sent
+    /// only after the record is stored.
+    fn stream(self, body: hyper::body::Incoming) -> Response {
+        let chunks = body.into_data_stream();
+        let state = (self, chunks, Vec::<u8>::new(), false);
+        let stream = futures::stream::unfold(
+            state,
+            |(mut rec, mut chunks, mut buffer, done)| async move {
+                if done {
+                    return None;
+                }
+                loop {
+                    if let Some(end) = find_event_end(&buffer) {
+                        let event: Vec<u8> = buffer.drain(..end).collect();
+                        let data = event_data(&event);
+                        if data.as_deref() == Some("[DONE]") {
+                            let tail = match rec.store().await {
+                                Ok(()) => event,
+                                Err(reason) => sse_error(&reason),
+                            };
+                            return Some((
+                                Ok::<_, std::io::Error>(Bytes::from(tail)),
+                                (rec, chunks, buffer, true),
+                            ));
+                        }
+                        if let Some(value) =
+                            data.and_then(|d| serde_json::from_str::<Value>(&d).ok())
+                        {
+                            if rec.record.first_token_ms.is_none() {
+                                rec.record.first_token_ms =
+                                    Some(rec.call.started.elapsed().as_secs_f64() * 1000.0);
+                            }
+                            rec.record.absorb(&value);
+                        }
+                        return Some((Ok(Bytes::from(event)), (rec, chunks, buffer, false)));
+                    }
+                    match chunks.next().await {
+                        Some(Ok(bytes)) => buffer.extend_from_slice(&bytes),
+                        Some(Err(e)) => {
+                            let tail = sse_error(&format!("the backend stream broke: {e}"));
+                            return Some((Ok(Bytes::from(tail)), (rec, chunks, buffer, true)));
+                        }
+                        None => {
+                            // Ended without [DONE]: record what came, then say it was cut short.
+                            let reason = match rec.store().await {
+                                Ok(()) => "the backend ended the stream early".to_owned(),
+                                Err(reason) => reason,
+                            };
+                            return Some((
+                                Ok(Bytes::from(sse_error(&reason))),
+                                (rec, chunks, buffer, true),
+                            ));
+                        }
+                    }
+                }
+            },
+        );
+        Response::builder()
+            .status(StatusCode::OK)
+            .header(header::CONTENT_TYPE, "text/event-stream")
+            .header(header::CACHE_CONTROL, "no-cache")
+            .body(Body::from_stream(stream))
+            .unwrap_or_else(|_| {
+                error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal_error",
+                    "response",
+                )
+            })
+    }
+}
+
+/// End of the first complete SSE event (after its blank line).
+fn find_event_end(buffer: &[u8]) -> Option<usize> {
+    buffer
+        .windows(2)
+        .position(|w| w == b"\n\n")
+        .map(|i| i + 2)
+        .or_else(|| {
+            buffer
+                .windows(4)
+                .position(|w| w == b"\r\n\r\n")
+                .map(|i| i + 4)
+        })
+}
+
+/// The `data:` payload of one event.
+fn event_data(event: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(event).ok()?;
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(str::trim_start)
+        .collect();
+    (!data.is_empty()).then(|| data.join("\n"))
+}
+
+fn sse_error(reason: &str) -> Vec<u8> {
+    let body = json!({"error": {"message": reason, "type": "service_unavailable", "param": null, "code": null}});
+    format!("data: {body}\n\n").into_bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_checked_field_by_field() {
+        let ok =
+            br#"{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true}"#;
+        assert!(parse_request(ok, Kind::Chat).is_ok());
+        let typo = br#"{"messages": [], "temprature": 0.5}"#;
+        assert!(
+            parse_request(typo, Kind::Chat)
+                .unwrap_err()
+                .contains("temprature")
+        );
+        assert!(
+            parse_request(b"{", Kind::Chat)
+                .unwrap_err()
+                .contains("not valid JSON")
+        );
+        assert!(
+            parse_request(br#"{"messages": [], "n": 2}"#, Kind::Chat)
+                .unwrap_err()
+                .contains("n must be 1")
+        );
+        assert!(
+            parse_request(br#"{"max_tokens": 3}"#, Kind::Completion)
+                .unwrap_err()
+                .contains("prompt")
+        );
+    }
+
+    #[test]
+    fn records_gather_ids_from_chunks_and_whole_answers() {
+        let mut r = Record::default();
+        r.absorb(&json!({"prompt_token_ids": [1, 2], "policy_version": 3, "choices": [{"token_ids": [7], "logprobs": {"content": [{"logprob": -0.5}]}}]}));
+        r.absorb(&json!({"choices": [{"token_ids": [8], "logprobs": {"content": [{"logprob": -0.25}]}, "finish_reason": "stop"}]}));
+        assert_eq!(
+            (r.prompt_token_ids, r.completion_token_ids),
+            (vec![1, 2], vec![7, 8])
+        );
+        assert_eq!((r.logprobs, r.policy_version), (vec![-0.5, -0.25], Some(3)));
+        assert_eq!(r.finish_reason.as_deref(), Some("stop"));
+        let mut c = Record::default();
+        c.absorb(&json!({"choices": [{"token_ids": [5], "logprobs": {"token_logprobs": [-1.0]}}]}));
+        assert_eq!(c.logprobs, vec![-1.0]);
+    }
+
+    #[test]
+    fn sse_events_are_split_at_blank_lines() {
+        let buffer = b"data: {\"a\":1}\n\ndata: [DONE]\n\n";
+        let end = find_event_end(buffer).unwrap();
+        assert_eq!(event_data(&buffer[..end]).as_deref(), Some("{\"a\":1}"));
+        assert_eq!(event_data(&buffer[end..]).as_deref(), Some("[DONE]"));
+        assert_eq!(find_event_end(b"data: partial"), None);
+    }
+}

@@ -1,0 +1,207 @@
+//! The engines behind the proxy: least-loaded routing with per-trial affinity (so an
+//! engine's prefix cache keeps serving the trial), health checks, and the dialect each
+//! speaks for token ids and logprobs.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use arl_runtime::Shutdown;
+use arl_schemas::TrialId;
+use serde_json::{Value, json};
+
+use crate::client::HttpClient;
+
+/// How a backend is asked for token ids and logprobs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dialect {
+    /// ARL's embedded engine: ids are always returned; logprobs on request.
+    Arl,
+    /// vLLM's OpenAI server: `return_token_ids` plus logprobs. (SGLang's OpenAI server
+    /// follows vLLM's field names for these.)
+    Vllm,
+}
+
+impl Dialect {
+    /// Adds what the backend needs to return ids and logprobs.
+    pub fn decorate(self, body: &mut serde_json::Map<String, Value>, chat: bool) {
+        if chat {
+            body.insert("logprobs".into(), json!(true));
+        } else if !body.get("logprobs").is_some_and(Value::is_u64) {
+            body.insert("logprobs".into(), json!(0));
+        }
+        if self == Dialect::Vllm {
+            body.insert("return_token_ids".into(), json!(true));
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Backend {
+    /// Base URL, without `/v1`.
+    pub url: String,
+    pub dialect: Dialect,
+    pub in_flight: AtomicUsize,
+    healthy: AtomicBool,
+}
+
+impl Backend {
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::SeqCst)
+    }
+}
+
+/// Parses `dialect=url` (dialect `arl` or `vllm`; a bare URL means `arl`).
+pub fn parse_backend(spec: &str) -> Result<(Dialect, String), String> {
+    let (dialect, url) = match spec.split_once('=') {
+        Some(("arl", url)) => (Dialect::Arl, url),
+        Some(("vllm", url)) | Some(("sglang", url)) => (Dialect::Vllm, url),
+        Some((other, _)) => {
+            return Err(format!(
+                "backend dialect {other:?} is unknown; use arl=URL or vllm=URL"
+            ));
+        }
+        None => (Dialect::Arl, spec),
+    };
+    if !url.starts_with("http://") {
+        return Err(format!("backend URL {url:?} must start with http://"));
+    }
+    Ok((
+        dialect,
+        url.trim_end_matches('/').trim_end_matches("/v1").to_owned(),
+    ))
+}
+
+#[derive(Debug)]
+pub struct Backends {
+    pub list: Vec<Arc<Backend>>,
+    affinity: Mutex<HashMap<TrialId, usize>>,
+}
+
+impl Backends {
+    pub fn new(specs: Vec<(Dialect, String)>) -> Self {
+        Self {
+            list: specs
+                .into_iter()
+                .map(|(dialect, url)| {
+                    Arc::new(Backend {
+                        url,
+                        dialect,
+                        in_flight: AtomicUsize::new(0),
+                        healthy: AtomicBool::new(true),
+                    })
+                })
+                .collect(),
+            affinity: Mutex::default(),
+        }
+    }
+
+    /// Backends to try for a trial, in order: the one it used before (if healthy), then
+    /// the healthy ones least loaded first, then the unhealthy ones as a last resort.
+    pub fn candidates(&self, trial: &TrialId) -> Vec<usize> {
+        let sticky = self
+            .affinity
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(trial)
+            .copied()
+            .filter(|&i| self.list.get(i).is_some_and(|b| b.is_healthy()));
+        let mut order: Vec<usize> = (0..self.list.len())
+            .filter(|&i| Some(i) != sticky)
+            .collect();
+        order.sort_by_key(|&i| {
+            let b = &self.list[i];
+            (!b.is_healthy(), b.in_flight.load(Ordering::SeqCst))
+        });
+        sticky.into_iter().chain(order).collect()
+    }
+
+    pub fn remember(&self, trial: &TrialId, backend: usize) {
+        self.affinity
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(trial.clone(), backend);
+    }
+
+    pub fn forget(&self, trial: &TrialId) {
+        self.affinity
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(trial);
+    }
+
+    /// Marks a backend down after a refused connection (the health check brings it back).
+    pub fn mark_down(&self, backend: usize) {
+        if let Some(b) = self.list.get(backend) {
+            b.healthy.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// Polls every backend's `/v1/models` every `period`.
+    pub fn watch_health(
+        self: &Arc<Self>,
+        client: HttpClient,
+        period: Duration,
+        shutdown: &Shutdown,
+    ) {
+        let backends = self.clone();
+        let stop = shutdown.clone();
+        shutdown.spawn(async move {
+            loop {
+                for b in &backends.list {
+                    let url = format!("{}/v1/models", b.url);
+                    let ok = matches!(
+                        tokio::time::timeout(period, client.get(&url)).await,
+                        Ok(Ok(status)) if status == 200
+                    );
+                    if ok != b.is_healthy() {
+                        tracing::info!(backend = %b.url, healthy = ok, "backend health changed");
+                    }
+                    b.healthy.store(ok, Ordering::SeqCst);
+                }
+                tokio::select! {
+                    () = stop.triggered() => return,
+                    () = tokio::time::sleep(period) => {}
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routing_prefers_the_trials_backend_then_the_least_loaded() {
+        let backends = Backends::new(vec![
+            (Dialect::Arl, "http://a".into()),
+            (Dialect::Arl, "http://b".into()),
+            (Dialect::Arl, "http://c".into()),
+        ]);
+        backends.list[0].in_flight.store(5, Ordering::SeqCst);
+        backends.list[1].in_flight.store(1, Ordering::SeqCst);
+        let trial = TrialId::new("trial-1").unwrap();
+        assert_eq!(backends.candidates(&trial), vec![2, 1, 0]);
+        backends.remember(&trial, 0);
+        assert_eq!(backends.candidates(&trial), vec![0, 2, 1]);
+        backends.mark_down(0);
+        assert_eq!(backends.candidates(&trial), vec![2, 1, 0]);
+    }
+
+    #[test]
+    fn backend_specs_parse_with_clear_errors() {
+        assert_eq!(
+            parse_backend("vllm=http://h:8000/v1").unwrap(),
+            (Dialect::Vllm, "http://h:8000".into())
+        );
+        assert_eq!(parse_backend("http://h").unwrap().0, Dialect::Arl);
+        assert!(
+            parse_backend("tgi=http://h")
+                .unwrap_err()
+                .contains("unknown")
+        );
+        assert!(parse_backend("arl=h:1").unwrap_err().contains("http://"));
+    }
+}

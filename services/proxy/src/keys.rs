@@ -1,0 +1,60 @@
+//! Trial keys: issued for one trial over NATS request/reply, revoked when it ends. A key
+//! names exactly one trial, so a caller can only ever add to its own trial's record.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+
+use arl_schemas::rpc::TrialKeyRequestV1;
+use arl_schemas::{RunId, TrialId};
+
+#[derive(Debug)]
+pub struct Trial {
+    pub run_id: RunId,
+    pub trial_id: TrialId,
+    pub policy_version: u64,
+    pub max_staleness: Option<u64>,
+    /// Calls so far: the next call's turn index.
+    pub turns: AtomicU32,
+}
+
+#[derive(Debug, Default)]
+pub struct Keys {
+    trials: RwLock<HashMap<String, Arc<Trial>>>,
+}
+
+impl Keys {
+    pub fn issue(&self, request: &TrialKeyRequestV1) -> String {
+        let key = format!("tk-{}", uuid::Uuid::new_v4().simple());
+        let trial = Arc::new(Trial {
+            run_id: request.run_id.clone(),
+            trial_id: request.trial_id.clone(),
+            policy_version: request.policy_version,
+            max_staleness: request.max_staleness,
+            turns: AtomicU32::new(0),
+        });
+        self.trials
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key.clone(), trial);
+        key
+    }
+
+    /// The live trial of a key.
+    pub fn get(&self, key: &str) -> Option<Arc<Trial>> {
+        self.trials
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(key)
+            .cloned()
+    }
+
+    /// Ends a key; returns how many calls it made, None if it was not live.
+    pub fn revoke(&self, key: &str) -> Option<u32> {
+        self.trials
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(key)
+            .map(|t| t.turns.load(Ordering::SeqCst))
+    }
+}

@@ -1,0 +1,13 @@
+//! The token proxy: an OpenAI-compatible gateway in front of the engines that records, for
+//! every LLM call of every trial, the prompt and completion token ids, logprobs and policy
+//! version.
+//!
+//! - [`keys`]: per-trial keys; [`service`]: issuing and revoking them over NATS;
+//! - [`api`]: authentication, checks, backpressure, forwarding and recording;
+//! - [`backends`]: routing, affinity, health and dialects; [`client`]: the HTTP client.
+
+pub mod api;
+pub mod backends;
+pub mod client;
+pub mod keys;
+pub mod service;

@@ -1,0 +1,68 @@
+//! Trial keys over NATS request/reply: `arl.rpc.proxy.any.issue` (queue group `proxy`) and
+//! `arl.rpc.proxy.<instance>.revoke`.
+
+use std::sync::Arc;
+
+use arl_runtime::rpc::serve;
+use arl_runtime::{Bus, Shutdown};
+use arl_schemas::rpc::{
+    ProxyOp, RpcError, RpcErrorCode, TrialKeyGrantV1, TrialKeyRequestV1, TrialKeyRevokeV1,
+    TrialKeyRevokedV1,
+};
+
+use crate::keys::Keys;
+
+/// Serves key issue and revoke until shutdown.
+pub async fn serve_keys(
+    bus: &Bus,
+    keys: Arc<Keys>,
+    instance: &str,
+    public_url: &str,
+    shutdown: &Shutdown,
+) -> anyhow::Result<()> {
+    let ns = bus.namespace();
+    let (issue_keys, base, name) = (keys.clone(), public_url.to_owned(), instance.to_owned());
+    let issue = serve(
+        bus.clone(),
+        ns.proxy_rpc("any", ProxyOp::Issue),
+        Some("proxy".into()),
+        64,
+        move |request: TrialKeyRequestV1| {
+            let (keys, base, name) = (issue_keys.clone(), base.clone(), name.clone());
+            async move {
+                let trial_key = keys.issue(&request);
+                tracing::debug!(run = %request.run_id, trial = %request.trial_id, "trial key issued");
+                Ok::<_, RpcError>(TrialKeyGrantV1 {
+                    base_url: format!("{base}/{trial_key}/v1"),
+                    trial_key,
+                    instance: name,
+                })
+            }
+        },
+        shutdown.clone(),
+    )
+    .await?;
+    shutdown.spawn(issue);
+    let revoke = serve(
+        bus.clone(),
+        ns.proxy_rpc(instance, ProxyOp::Revoke),
+        None,
+        64,
+        move |request: TrialKeyRevokeV1| {
+            let keys = keys.clone();
+            async move {
+                match keys.revoke(&request.trial_key) {
+                    Some(calls) => Ok(TrialKeyRevokedV1 { calls }),
+                    None => Err(RpcError::new(
+                        RpcErrorCode::NotFound,
+                        "no live trial has this key (already revoked, or issued by another proxy instance)",
+                    )),
+                }
+            }
+        },
+        shutdown.clone(),
+    )
+    .await?;
+    shutdown.spawn(revoke);
+    Ok(())
+}
