@@ -1,0 +1,345 @@
+//! The proxy against a real nats-server and a stand-in OpenAI backend (a test double for an
+//! engine: canned answers with token ids): keys, recording, streaming, errors, backpressure,
+//! retries, and refusing to answer when the record cannot be stored.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arl_proxy::api::{self, Proxy, ProxyConfig};
+use arl_proxy::backends::{Backends, Dialect};
+use arl_proxy::keys::Keys;
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, Metrics, Shutdown};
+use arl_schemas::events::LlmCallV1;
+use arl_schemas::rpc::{
+    ProxyOp, TrialKeyGrantV1, TrialKeyRequestV1, TrialKeyRevokeV1, TrialKeyRevokedV1,
+};
+use arl_schemas::{Domain, Event, RunId, TrialId};
+use arl_testkit::{NatsServer, http, test_namespace, wait_for};
+use axum::Json;
+use axum::response::IntoResponse;
+use serde_json::{Value, json};
+
+type Seen = Arc<Mutex<Vec<Value>>>;
+
+/// A stand-in engine: answers `[7, 8]` after a `[1, 2, 3]` prompt, streaming or not;
+/// "slow" in a message makes it wait a second.
+async fn fake_backend(shutdown: &Shutdown) -> (SocketAddr, Seen) {
+    let seen: Seen = Arc::default();
+    let record = seen.clone();
+    let router = axum::Router::new()
+        .route("/v1/models", axum::routing::get(|| async { Json(json!({"data": []})) }))
+        .route(
+            "/v1/chat/completions",
+            axum::routing::post(move |Json(body): Json<Value>| {
+                let record = record.clone();
+                async move {
+                    record.lock().unwrap().push(body.clone());
+                    if body.to_string().contains("slow") {
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                    if body["stream"] == true {
+                        let chunks = [
+                            json!({"prompt_token_ids": [1, 2, 3], "policy_version": 2, "choices": [{"index": 0, "delta": {"content": "h"}, "token_ids": [7], "logprobs": {"content": [{"logprob": -0.1}]}, "finish_reason": null}]}),
+                            json!({"policy_version": 2, "choices": [{"index": 0, "delta": {"content": "i"}, "token_ids": [8], "logprobs": {"content": [{"logprob": -0.2}]}, "finish_reason": "stop"}]}),
+                        ];
+                        let mut text = String::new();
+                        for c in chunks {
+                            text.push_str(&format!("data: {c}\n\n"));
+                        }
+                        text.push_str("data: [DONE]\n\n");
+                        ([("content-type", "text/event-stream")], text).into_response()
+                    } else {
+                        Json(json!({"prompt_token_ids": [1, 2, 3], "policy_version": 2, "model": "policy",
+                                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                                 "token_ids": [7, 8], "logprobs": {"content": [{"logprob": -0.1}, {"logprob": -0.2}]},
+                                                 "finish_reason": "stop"}]}))
+                        .into_response()
+                    }
+                }
+            }),
+        );
+    let addr = arl_runtime::http::serve("127.0.0.1:0".parse().unwrap(), router, shutdown)
+        .await
+        .unwrap();
+    (addr, seen)
+}
+
+struct Setup {
+    server: NatsServer,
+    bus: Bus,
+    base: String,
+    seen: Seen,
+    shutdown: Shutdown,
+}
+
+async fn setup(config: ProxyConfig, dead_backend_first: bool) -> Setup {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let mut bus_config = BusConfig::new(server.url(), ns, "proxy-test");
+    // A record that cannot be stored must fail the call quickly.
+    bus_config.publish_timeout = Duration::from_secs(2);
+    let bus = Bus::connect(bus_config, Metrics::new()).await.unwrap();
+    bus.provision().await.unwrap();
+    let shutdown = Shutdown::new();
+    let (backend, seen) = fake_backend(&shutdown).await;
+    let mut specs = Vec::new();
+    if dead_backend_first {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        specs.push((Dialect::Arl, format!("http://{closed}")));
+    }
+    specs.push((Dialect::Vllm, format!("http://{backend}")));
+    let keys = Arc::new(Keys::default());
+    let proxy = Proxy::new(
+        bus.clone(),
+        keys.clone(),
+        Arc::new(Backends::new(specs)),
+        config,
+    );
+    let addr = arl_runtime::http::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        api::router(proxy),
+        &shutdown,
+    )
+    .await
+    .unwrap();
+    let base = format!("http://{addr}");
+    arl_proxy::service::serve_keys(&bus, keys, "p1", &base, &shutdown)
+        .await
+        .unwrap();
+    Setup {
+        server,
+        bus,
+        base,
+        seen,
+        shutdown,
+    }
+}
+
+impl Setup {
+    async fn key(&self, trial: &str, max_staleness: Option<u64>) -> TrialKeyGrantV1 {
+        let request = TrialKeyRequestV1 {
+            run_id: RunId::new("run-proxy").unwrap(),
+            trial_id: TrialId::new(trial).unwrap(),
+            policy_version: 0,
+            max_staleness,
+        };
+        self.bus
+            .request(
+                self.bus.namespace().proxy_rpc("any", ProxyOp::Issue),
+                &request,
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap()
+    }
+
+    async fn post(
+        &self,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: &Value,
+    ) -> (u16, String, Vec<(String, String)>) {
+        let mut all = vec![("content-type", "application/json")];
+        all.extend_from_slice(headers);
+        let r = http(url, "POST", &all, body.to_string().as_bytes())
+            .await
+            .unwrap();
+        (r.status, r.text(), r.headers)
+    }
+
+    async fn calls(&self) -> Vec<LlmCallV1> {
+        let stream = self
+            .bus
+            .jetstream()
+            .get_stream(self.bus.namespace().stream(Domain::Llm))
+            .await
+            .unwrap();
+        let info = stream.clone().get_info().await.unwrap();
+        let mut out = Vec::new();
+        for seq in info.state.first_sequence..=info.state.last_sequence {
+            if let Ok(m) = stream.get_raw_message(seq).await {
+                out.push(LlmCallV1::decode(&m.payload).unwrap());
+            }
+        }
+        out
+    }
+}
+
+fn chat(content: &str) -> Value {
+    json!({"model": "policy", "messages": [{"role": "user", "content": content}]})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_are_forwarded_recorded_and_keys_scope_them() {
+    let s = setup(ProxyConfig::default(), true).await;
+    let grant = s.key("trial-a", None).await;
+    assert!(
+        grant
+            .base_url
+            .ends_with(&format!("/{}/v1", grant.trial_key))
+    );
+
+    // Key in the path; the first backend refuses connections, the second answers.
+    let (status, body, _) = s
+        .post(
+            &format!("{}/chat/completions", grant.base_url),
+            &[],
+            &chat("hello"),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["choices"][0]["message"]["content"],
+        "hi"
+    );
+    // The backend was asked in its dialect, with the trial as the session.
+    let sent = s.seen.lock().unwrap()[0].clone();
+    assert_eq!(
+        (sent["logprobs"].clone(), sent["return_token_ids"].clone()),
+        (json!(true), json!(true))
+    );
+    assert_eq!(sent["user"], "trial-a");
+
+    // Key as a bearer token, streaming: chunks pass through, [DONE] comes last.
+    let mut streamed = chat("again");
+    streamed["stream"] = json!(true);
+    let auth = format!("Bearer {}", grant.trial_key);
+    let (status, text, _) = s
+        .post(
+            &format!("{}/v1/chat/completions", s.base),
+            &[("authorization", &auth)],
+            &streamed,
+        )
+        .await;
+    assert_eq!(status, 200);
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.len(), 3, "{text}");
+    assert_eq!(data.last(), Some(&"[DONE]"));
+
+    // Both calls are recorded, in turn order, with ids, logprobs and version.
+    let calls = wait_for("two records", Duration::from_secs(10), || async {
+        let calls = s.calls().await;
+        (calls.len() == 2).then_some(calls)
+    })
+    .await;
+    for (turn, call) in calls.iter().enumerate() {
+        assert_eq!(call.turn_index as usize, turn);
+        assert_eq!(call.trial_id.as_str(), "trial-a");
+        assert_eq!(
+            (
+                call.prompt_token_ids.clone(),
+                call.completion_token_ids.clone()
+            ),
+            (vec![1, 2, 3], vec![7, 8])
+        );
+        assert_eq!(
+            (call.logprobs.clone(), call.policy_version),
+            (vec![-0.1, -0.2], 2)
+        );
+        assert_eq!(call.request_messages[0]["role"], "user");
+    }
+
+    // Unknown and revoked keys get 401; revoke reports the calls made.
+    let (status, _, _) = s
+        .post(
+            &format!("{}/tk-nope/v1/chat/completions", s.base),
+            &[],
+            &chat("x"),
+        )
+        .await;
+    assert_eq!(status, 401);
+    let revoked: TrialKeyRevokedV1 = s
+        .bus
+        .request(
+            s.bus
+                .namespace()
+                .proxy_rpc(&grant.instance, ProxyOp::Revoke),
+            &TrialKeyRevokeV1 {
+                trial_key: grant.trial_key.clone(),
+            },
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    assert_eq!(revoked.calls, 2);
+    let (status, body, _) = s
+        .post(
+            &format!("{}/chat/completions", grant.base_url),
+            &[],
+            &chat("x"),
+        )
+        .await;
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("revoked"));
+    s.shutdown.trigger();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_overload_and_an_unrecordable_call_are_refused() {
+    let s = setup(
+        ProxyConfig {
+            max_body_bytes: 4096,
+            max_in_flight_per_run: 1,
+        },
+        false,
+    )
+    .await;
+    let grant = s.key("trial-b", None).await;
+    let url = format!("{}/chat/completions", grant.base_url);
+
+    let mut typo = chat("x");
+    typo["temprature"] = json!(0.5);
+    let (status, body, _) = s.post(&url, &[], &typo).await;
+    assert_eq!(status, 400);
+    assert!(
+        body.contains("temprature") && body.contains("invalid_request_error"),
+        "{body}"
+    );
+    let r = http(&url, "POST", &[], b"{not json").await.unwrap();
+    assert_eq!(r.status, 400);
+    let (status, body, _) = s.post(&url, &[], &chat(&"x".repeat(10_000))).await;
+    assert_eq!(status, 413, "{body}");
+
+    // One call in flight fills the run: the next gets 429 with Retry-After.
+    let slow_request = chat("slow");
+    let slow = s.post(&url, &[], &slow_request);
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        s.post(&url, &[], &chat("fast")).await
+    };
+    let ((slow_status, _, _), (status, _, headers)) = tokio::join!(slow, second);
+    assert_eq!((slow_status, status), (200, 429));
+    assert!(headers.iter().any(|(k, v)| k == "retry-after" && v == "1"));
+
+    // With NATS gone the call cannot be recorded: 503, not an answer.
+    let mut s = s;
+    s.server.stop().unwrap();
+    let (status, body, _) = s.post(&url, &[], &chat("lost?")).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("could not be recorded"), "{body}");
+    s.shutdown.trigger();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trial_past_its_staleness_limit_is_held_back() {
+    let s = setup(ProxyConfig::default(), false).await;
+    // The fake engine serves version 2; a trial that started on 0 with max_staleness 1 may
+    // make one call (which reveals the version), then waits.
+    let grant = s.key("trial-c", Some(1)).await;
+    let url = format!("{}/chat/completions", grant.base_url);
+    assert_eq!(s.post(&url, &[], &chat("one")).await.0, 200);
+    let (status, body, headers) = s.post(&url, &[], &chat("two")).await;
+    assert_eq!(status, 429, "{body}");
+    assert!(body.contains("stale"));
+    assert!(headers.iter().any(|(k, _)| k == "retry-after"));
+    s.shutdown.trigger();
+}
