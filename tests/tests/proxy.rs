@@ -1,0 +1,181 @@
+//! Agents through the real `arl-proxy` to the real `arl-inference` (SmolLM2): the official
+//! `openai` SDK holds a two-turn conversation; every call is recorded with ids that decode
+//! to the text the agent got, and the second call's prompt extends the first call's
+//! prompt plus completion (what trajectory assembly relies on). Build the binaries first
+//! (`cargo build --bins`; `make test` does).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use arl_model::load::LoadedModel;
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, Metrics};
+use arl_schemas::events::LlmCallV1;
+use arl_schemas::rpc::{ProxyOp, TrialKeyGrantV1, TrialKeyRequestV1};
+use arl_schemas::{Domain, Event, RunId, TrialId};
+use arl_testkit::{NatsServer, http, test_namespace, wait_for};
+
+fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe.parent().and_then(Path::parent).unwrap().join(name);
+    assert!(
+        path.exists(),
+        "{} is missing; run `cargo build --bins` first",
+        path.display()
+    );
+    path
+}
+
+fn home_cache(rel: &str) -> PathBuf {
+    PathBuf::from(std::env::var_os("HOME").unwrap())
+        .join(".cache/arl")
+        .join(rel)
+}
+
+struct Processes(Vec<Child>);
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_through_the_proxy_is_recorded_token_for_token() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let (engine_port, proxy_port) = (free_port(), free_port());
+    let spawn = |name: &str, args: &[String]| {
+        Command::new(binary(name))
+            .args(args)
+            .env("NATS_URL", server.url())
+            .env("ARL_PREFIX", ns.prefix().unwrap())
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap()
+    };
+    let _processes = Processes(vec![
+        spawn(
+            "arl-inference",
+            &[
+                "--model".into(),
+                "smollm2-135m-instruct".into(),
+                "--listen".into(),
+                format!("127.0.0.1:{engine_port}"),
+            ],
+        ),
+        spawn(
+            "arl-proxy",
+            &[
+                "--backend".into(),
+                format!("arl=http://127.0.0.1:{engine_port}"),
+                "--listen".into(),
+                format!("127.0.0.1:{proxy_port}"),
+            ],
+        ),
+    ]);
+    wait_for("the engine", Duration::from_secs(60), || async {
+        let r = http(
+            &format!("http://127.0.0.1:{engine_port}/v1/models"),
+            "GET",
+            &[],
+            b"",
+        )
+        .await
+        .ok()?;
+        (r.status == 200).then_some(())
+    })
+    .await;
+
+    let bus = Bus::connect(
+        BusConfig::new(server.url(), ns.clone(), "test"),
+        Metrics::new(),
+    )
+    .await
+    .unwrap();
+    let request = TrialKeyRequestV1 {
+        run_id: RunId::new("run-sdk").unwrap(),
+        trial_id: TrialId::new("trial-sdk").unwrap(),
+        policy_version: 0,
+        max_staleness: None,
+    };
+    let grant: TrialKeyGrantV1 = wait_for("the proxy", Duration::from_secs(30), || async {
+        bus.request(
+            ns.proxy_rpc("any", ProxyOp::Issue),
+            &request,
+            Duration::from_secs(2),
+        )
+        .await
+        .ok()
+    })
+    .await;
+
+    let python = std::env::var_os("ARL_TOOLS_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or(home_cache("tools/bin/python"));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/proxy_sdk.py");
+    let output = tokio::process::Command::new(python)
+        .arg(script)
+        .arg(&grant.base_url)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let seen: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+
+    let stream = bus
+        .jetstream()
+        .get_stream(ns.stream(Domain::Llm))
+        .await
+        .unwrap();
+    let calls: Vec<LlmCallV1> = wait_for("two recorded calls", Duration::from_secs(10), || async {
+        let info = stream.clone().get_info().await.ok()?;
+        let mut calls = Vec::new();
+        for seq in info.state.first_sequence..=info.state.last_sequence {
+            if let Ok(m) = stream.get_raw_message(seq).await {
+                calls.push(LlmCallV1::decode(&m.payload).ok()?);
+            }
+        }
+        (calls.len() == 2).then_some(calls)
+    })
+    .await;
+    let model_dir = std::env::var_os("ARL_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or(home_cache("models"));
+    let tokenizer = LoadedModel::open(&model_dir.join("SmolLM2-135M-Instruct.Q4_1.gguf"))
+        .unwrap()
+        .tokenizer;
+    for (turn, call) in calls.iter().enumerate() {
+        assert_eq!(call.turn_index as usize, turn);
+        assert_eq!(call.logprobs.len(), call.completion_token_ids.len());
+        let text = tokenizer.decode(&call.completion_token_ids, true).unwrap();
+        assert_eq!(text, seen["answers"][turn].as_str().unwrap(), "turn {turn}");
+    }
+    let mut extended = calls[0].prompt_token_ids.clone();
+    extended.extend(&calls[0].completion_token_ids);
+    assert!(
+        calls[1].prompt_token_ids.starts_with(&extended),
+        "turn 1's prompt {:?} does not extend turn 0's prompt + completion {:?}",
+        calls[1].prompt_token_ids,
+        extended
+    );
+}
