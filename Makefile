@@ -92,6 +92,7 @@ bench: deps models loadtest
 	cargo build --release --quiet -p arl-loadtest --bins
 	$(CARGO_TARGET_DIR)/release/arl-bench-model
 	$(CARGO_TARGET_DIR)/release/arl-bench-inference
+	$(CARGO_TARGET_DIR)/release/arl-bench-proxy
 	$(CARGO_TARGET_DIR)/release/arl-bench-sandbox
 
 loadtest: deps
