@@ -17,10 +17,14 @@ export ARL_MODEL_DIR ?= $(ARL_CACHE)/models
 TOOLS := $(ARL_CACHE)/tools
 export ARL_NATS_SERVER := $(TOOLS)/bin/nats-server
 export ARL_TOOLS_PYTHON := $(TOOLS)/bin/python
+AGENTS := $(ARL_CACHE)/agents
+export ARL_AGENTS_PYTHON := $(AGENTS)/bin/python
 BIN := $(CARGO_TARGET_DIR)/debug
 
 TOOLS_HASH := $(shell sha256sum tools/requirements.txt | cut -c1-16)
 TOOLS_STAMP := $(TOOLS)/.installed-$(TOOLS_HASH)
+AGENTS_HASH := $(shell sha256sum tools/agents-requirements.txt | cut -c1-16)
+AGENTS_STAMP := $(AGENTS)/.installed-$(AGENTS_HASH)
 
 SMOLLM2 := $(ARL_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 QWEN_CODER := $(ARL_MODEL_DIR)/qwen2.5-coder-0.5b-instruct.gguf
@@ -38,7 +42,7 @@ help:
 	@echo "make loadtest admission throughput/latency against a JetStream baseline"
 	@echo "make lint | fmt | bench | clean-cache"
 
-deps: $(TOOLS_STAMP) system-deps
+deps: $(TOOLS_STAMP) $(AGENTS_STAMP) system-deps
 
 # Debian packages the sandbox needs (bubblewrap; setpriv, git and tar are on every Debian).
 system-deps:
@@ -52,6 +56,13 @@ $(TOOLS_STAMP): tools/requirements.txt
 	python3 -m venv $(TOOLS)
 	$(TOOLS)/bin/pip install --quiet --disable-pip-version-check -r tools/requirements.txt
 	$(ARL_NATS_SERVER) --version
+	touch $@
+
+$(AGENTS_STAMP): tools/agents-requirements.txt
+	@command -v python3 >/dev/null || { echo "python3 is required (apt-get install python3 python3-venv)"; exit 1; }
+	rm -rf $(AGENTS)
+	python3 -m venv $(AGENTS)
+	$(AGENTS)/bin/pip install --quiet --disable-pip-version-check -r tools/agents-requirements.txt
 	touch $@
 
 models: $(SMOLLM2) $(QWEN_CODER) $(QWEN_TOKENIZER)

@@ -179,3 +179,189 @@ async fn the_openai_sdk_through_the_proxy_is_recorded_token_for_token() {
         extended
     );
 }
+
+/// mini-swe-agent, unchanged (its text-based config; PyPI `mini-swe-agent` in the agents
+/// venv), pointed at the proxy through its `api_base`, runs three steps against SmolLM2.
+/// It runs inside bubblewrap with a read-only host and a scratch work dir, since whatever
+/// commands the model writes are executed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mini_swe_agent_runs_through_the_proxy_and_every_step_is_recorded() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let (engine_port, proxy_port) = (free_port(), free_port());
+    let spawn = |name: &str, args: &[String]| {
+        Command::new(binary(name))
+            .args(args)
+            .env("NATS_URL", server.url())
+            .env("ARL_PREFIX", ns.prefix().unwrap())
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap()
+    };
+    let _processes = Processes(vec![
+        spawn(
+            "arl-inference",
+            &[
+                "--model".into(),
+                "smollm2-135m-instruct".into(),
+                "--listen".into(),
+                format!("127.0.0.1:{engine_port}"),
+            ],
+        ),
+        spawn(
+            "arl-proxy",
+            &[
+                "--backend".into(),
+                format!("arl=http://127.0.0.1:{engine_port}"),
+                "--listen".into(),
+                format!("127.0.0.1:{proxy_port}"),
+            ],
+        ),
+    ]);
+    wait_for("the engine", Duration::from_secs(60), || async {
+        let r = http(
+            &format!("http://127.0.0.1:{engine_port}/v1/models"),
+            "GET",
+            &[],
+            b"",
+        )
+        .await
+        .ok()?;
+        (r.status == 200).then_some(())
+    })
+    .await;
+    let bus = Bus::connect(
+        BusConfig::new(server.url(), ns.clone(), "test"),
+        Metrics::new(),
+    )
+    .await
+    .unwrap();
+    let request = TrialKeyRequestV1 {
+        run_id: RunId::new("run-msa").unwrap(),
+        trial_id: TrialId::new("trial-msa").unwrap(),
+        policy_version: 0,
+        max_staleness: None,
+    };
+    let grant: TrialKeyGrantV1 = wait_for("the proxy", Duration::from_secs(30), || async {
+        bus.request(
+            ns.proxy_rpc("any", ProxyOp::Issue),
+            &request,
+            Duration::from_secs(2),
+        )
+        .await
+        .ok()
+    })
+    .await;
+
+    let python = std::env::var_os("ARL_AGENTS_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or(home_cache("agents/bin/python"));
+    assert!(
+        python.exists(),
+        "{} is missing: run `make deps`",
+        python.display()
+    );
+    let work = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/mini_swe_agent.py");
+    let work_dir = work.path().to_str().unwrap();
+    let output = tokio::process::Command::new("bwrap")
+        .args([
+            "--ro-bind",
+            "/",
+            "/",
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+            "--tmpfs",
+            "/tmp",
+        ])
+        .args([
+            "--bind",
+            work_dir,
+            work_dir,
+            "--unshare-pid",
+            "--die-with-parent",
+            "--chdir",
+            work_dir,
+        ])
+        .arg("--setenv")
+        .args(["HOME", work_dir])
+        .arg(&python)
+        .arg(&script)
+        .arg(&grant.base_url)
+        .arg(work_dir)
+        .arg(work.path().join("messages.json"))
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let seen: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(work.path().join("messages.json")).unwrap()).unwrap();
+    // The text of each LLM call, in order: an accepted step is an assistant message; a
+    // rejected one (format error) is kept in the feedback message's `extra`.
+    let assistant: Vec<&str> = seen["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| match m["role"].as_str() {
+            Some("assistant") => m["content"].as_str(),
+            _ => m["extra"]["model_response"].as_str(),
+        })
+        .collect();
+    assert!(!assistant.is_empty(), "the agent made no LLM call");
+
+    let stream = bus
+        .jetstream()
+        .get_stream(ns.stream(Domain::Llm))
+        .await
+        .unwrap();
+    let calls: Vec<LlmCallV1> = wait_for("the agent's calls", Duration::from_secs(10), || async {
+        let info = stream.clone().get_info().await.ok()?;
+        let mut calls = Vec::new();
+        for seq in info.state.first_sequence..=info.state.last_sequence {
+            if let Ok(m) = stream.get_raw_message(seq).await {
+                calls.push(LlmCallV1::decode(&m.payload).ok()?);
+            }
+        }
+        (calls.len() == assistant.len()).then_some(calls)
+    })
+    .await;
+    let model_dir = std::env::var_os("ARL_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or(home_cache("models"));
+    let tokenizer = LoadedModel::open(&model_dir.join("SmolLM2-135M-Instruct.Q4_1.gguf"))
+        .unwrap()
+        .tokenizer;
+    for (call, text) in calls.iter().zip(&assistant) {
+        assert_eq!(call.trial_id.as_str(), "trial-msa");
+        assert_eq!(
+            &tokenizer.decode(&call.completion_token_ids, true).unwrap(),
+            text
+        );
+    }
+    // Every step resends the agent's history: each prompt extends the first (system +
+    // task). Rejected responses are not kept in mini-swe-agent's history, so only accepted
+    // steps extend the previous prompt + completion (the SDK test checks that case).
+    // (The first prompt ends with the template's generation prompt, which the later ones
+    // have after their own last message instead.)
+    let generation_prompt = tokenizer.encode("<|im_start|>assistant\n").unwrap();
+    let first = &calls[0].prompt_token_ids;
+    let history = first
+        .strip_suffix(generation_prompt.as_slice())
+        .unwrap_or(first);
+    for call in &calls[1..] {
+        assert!(
+            call.prompt_token_ids.starts_with(history),
+            "turn {}",
+            call.turn_index
+        );
+        assert!(call.prompt_token_ids.len() > first.len());
+    }
+}
