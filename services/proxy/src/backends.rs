@@ -18,8 +18,7 @@ use crate::client::HttpClient;
 pub enum Dialect {
     /// ARL's embedded engine: ids are always returned; logprobs on request.
     Arl,
-    /// vLLM's OpenAI server: `return_token_ids` plus logprobs. (SGLang's OpenAI server
-    /// follows vLLM's field names for these.)
+    /// vLLM's OpenAI server: `return_token_ids` plus logprobs.
     Vllm,
 }
 
@@ -56,7 +55,7 @@ impl Backend {
 pub fn parse_backend(spec: &str) -> Result<(Dialect, String), String> {
     let (dialect, url) = match spec.split_once('=') {
         Some(("arl", url)) => (Dialect::Arl, url),
-        Some(("vllm", url)) | Some(("sglang", url)) => (Dialect::Vllm, url),
+        Some(("vllm", url)) => (Dialect::Vllm, url),
         Some((other, _)) => {
             return Err(format!(
                 "backend dialect {other:?} is unknown; use arl=URL or vllm=URL"
