@@ -36,7 +36,7 @@ SPEC ?= examples/smoke.toml
 help:
 	@echo "make run      install what is missing, build, and run $(SPEC) on this machine"
 	@echo "make test     fmt check, clippy -D warnings, all tests (unit, integration, end-to-end)"
-	@echo "make deps     install nats-server $(shell grep -o '[0-9.]*$$' tools/requirements.txt) into $(TOOLS)"
+	@echo "make deps     install the test tools (tools/requirements.txt) into $(TOOLS) and the agents (tools/agents-requirements.txt) into $(AGENTS)"
 	@echo "make models   install SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct and the Qwen tokenizer into $(ARL_MODEL_DIR)"
 	@echo "make gen      regenerate schemas/json from the Rust types"
 	@echo "make loadtest admission throughput/latency against a JetStream baseline"
