@@ -45,6 +45,10 @@ pub struct SandboxHandle {
     /// Holds `tree/`.
     pub dir: PathBuf,
     pub workdir: String,
+    /// Read-only (host folder, path inside) mounts of the environment.
+    pub mounts: Vec<(PathBuf, String)>,
+    /// The environment's variables (a request's own variables override them).
+    pub env: std::collections::BTreeMap<String, String>,
     pub cgroup: LeaseCgroup,
     pub limits: ResolvedLimits,
     /// Cancelled when the lease ends: running commands are killed.

@@ -126,11 +126,17 @@ impl Bubblewrap {
             "--chdir",
             &sandbox.workdir,
         ]);
+        for (source, target) in &sandbox.mounts {
+            push(&["--ro-bind", &source.to_string_lossy(), target]);
+        }
         // Everything not mounted writable above (the root tmpfs included) is read-only.
         push(&["--remount-ro", "/"]);
         push(&["--clearenv"]);
         push(&["--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin"]);
         push(&["--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8"]);
+        for (name, value) in &sandbox.env {
+            push(&["--setenv", name, value]);
+        }
         if self.proxy_socket.is_some() {
             let url = format!("http://127.0.0.1:{}/v1", self.proxy_port);
             push(&["--setenv", "ARL_PROXY_URL", &url]);

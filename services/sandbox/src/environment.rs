@@ -1,7 +1,11 @@
 //! Environment snapshots: `<environments_dir>/<name>/tree/` is the work tree a sandbox
 //! starts from; `<name>/environment.json` may say where it is mounted (`{"workdir":
-//! "/testbed"}`, default `/app`). The image builder writes them; the sandbox only reads.
+//! "/testbed"}`, default `/app`), which read-only folders of the environments root appear
+//! where inside (`"mounts": [{"source": "python/3.6.15", "target": "/opt/python"}]`: an
+//! interpreter, a virtual environment), and extra environment variables (`"env"`). The
+//! image builder writes them; the sandbox only reads.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use arl_schemas::events::EnvironmentRef;
@@ -30,12 +34,28 @@ pub struct Environment {
     pub tree: PathBuf,
     /// Absolute path of the work tree inside the sandbox.
     pub workdir: String,
+    /// Read-only folders of the environments root and where they appear inside.
+    pub mounts: Vec<(PathBuf, String)>,
+    /// Variables every command of the environment gets (its `PATH`, `VIRTUAL_ENV`, …).
+    pub env: BTreeMap<String, String>,
 }
 
 #[derive(Deserialize)]
 struct Metadata {
     #[serde(default = "default_workdir")]
     workdir: String,
+    #[serde(default)]
+    mounts: Vec<MountSpec>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+struct MountSpec {
+    /// Relative to the environments root.
+    source: String,
+    /// Absolute path inside the sandbox.
+    target: String,
 }
 
 fn default_workdir() -> String {
@@ -66,33 +86,62 @@ pub fn resolve(root: &Path, env: &EnvironmentRef) -> Result<Environment, Environ
         });
     }
     let metadata_path = dir.join("environment.json");
-    let workdir = match std::fs::read(&metadata_path) {
-        Ok(bytes) => {
-            let metadata: Metadata =
-                serde_json::from_slice(&bytes).map_err(|err| EnvironmentError::BadMetadata {
-                    name: name.to_owned(),
-                    path: metadata_path.display().to_string(),
-                    reason: err.to_string(),
-                })?;
-            metadata.workdir
-        }
-        Err(_) => default_workdir(),
+    let bad = |reason: String| EnvironmentError::BadMetadata {
+        name: name.to_owned(),
+        path: metadata_path.display().to_string(),
+        reason,
     };
-    let sane_workdir = workdir.starts_with('/')
-        && !workdir.split('/').any(|p| p == "..")
-        && !["/", "/proc", "/dev", "/usr", "/etc", "/run", "/tmp"].contains(&workdir.as_str());
-    if !sane_workdir {
-        return Err(EnvironmentError::BadMetadata {
-            name: name.to_owned(),
-            path: metadata_path.display().to_string(),
-            reason: format!("workdir {workdir:?} must be an absolute path outside system folders"),
-        });
+    let metadata = match std::fs::read(&metadata_path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|err| bad(err.to_string()))?,
+        Err(_) => Metadata {
+            workdir: default_workdir(),
+            mounts: Vec::new(),
+            env: BTreeMap::new(),
+        },
+    };
+    let workdir = metadata.workdir;
+    if !sane_target(&workdir) {
+        return Err(bad(format!(
+            "workdir {workdir:?} must be an absolute path outside system folders"
+        )));
+    }
+    let mut mounts = Vec::with_capacity(metadata.mounts.len());
+    for mount in metadata.mounts {
+        let source = root.join(&mount.source);
+        let inside_root = !mount.source.starts_with('/')
+            && !mount.source.split('/').any(|p| p == "..")
+            && source.is_dir();
+        if !inside_root {
+            return Err(bad(format!(
+                "mount source {:?} must be an existing folder inside the environments root",
+                mount.source
+            )));
+        }
+        if !sane_target(&mount.target) || mount.target == workdir {
+            return Err(bad(format!(
+                "mount target {:?} must be an absolute path outside system folders and the work tree",
+                mount.target
+            )));
+        }
+        mounts.push((source, mount.target));
     }
     Ok(Environment {
         name: name.to_owned(),
         tree,
         workdir,
+        mounts,
+        env: metadata.env,
     })
+}
+
+/// An absolute path inside the sandbox that does not shadow a system folder.
+fn sane_target(path: &str) -> bool {
+    path.starts_with('/')
+        && !path.split('/').any(|p| p == "..")
+        && ![
+            "/", "/proc", "/dev", "/usr", "/etc", "/run", "/tmp", "/bin", "/lib", "/lib64", "/sbin",
+        ]
+        .contains(&path.trim_end_matches('/'))
 }
 
 #[cfg(test)]

@@ -332,6 +332,8 @@ impl<B: Backend> SandboxService<B> {
             lease_id: lease_id.clone(),
             dir,
             workdir: environment.workdir.clone(),
+            mounts: environment.mounts.clone(),
+            env: environment.env.clone(),
             cgroup,
             limits,
             ended: CancellationToken::new(),

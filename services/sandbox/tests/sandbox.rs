@@ -594,3 +594,81 @@ async fn the_proxy_socket_is_reachable_and_nothing_else() {
     server.abort();
     h.stop().await;
 }
+
+/// An environment's read-only mounts (an interpreter, a virtual environment) and variables
+/// appear in every command; the mounts cannot be written.
+#[tokio::test(flavor = "multi_thread")]
+async fn environment_mounts_and_variables_reach_every_command() {
+    use std::os::unix::fs::PermissionsExt;
+    let harness = Harness::start().await;
+    let root = harness.files.path().join("environments");
+    let tools = root.join("shared/tools");
+    std::fs::create_dir_all(&tools).unwrap();
+    std::fs::write(
+        tools.join("hello"),
+        "#!/bin/sh\necho hello from the mount\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(tools.join("hello"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let env_dir = root.join("harbor/with-tools");
+    std::fs::create_dir_all(env_dir.join("tree")).unwrap();
+    std::fs::write(
+        env_dir.join("environment.json"),
+        r#"{"workdir": "/testbed", "mounts": [{"source": "shared/tools", "target": "/opt/tools"}],
+            "env": {"PATH": "/opt/tools:/usr/bin:/bin", "GREETING": "hi"}}"#,
+    )
+    .unwrap();
+    // The sandbox user must be able to reach the mount's source.
+    for dir in [
+        harness.files.path(),
+        root.as_path(),
+        root.join("shared").as_path(),
+        tools.as_path(),
+    ] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let request = LeaseRequestV1 {
+        run_id: RunId::new("run-sbx").unwrap(),
+        trial_id: None,
+        environment: EnvironmentRef {
+            name: "harbor/with-tools".into(),
+            digest: None,
+        },
+        ttl_s: 600,
+        limits: SandboxLimits::default(),
+    };
+    let grant: LeaseGrantV1 = harness
+        .bus
+        .request(
+            harness.ns.sandbox_rpc("any", SandboxOp::Lease),
+            &request,
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert_eq!(grant.workdir, "/testbed");
+    let out = exec(&grant, "hello && echo \"$GREETING\" && pwd").await;
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    assert_eq!(out.stdout, "hello from the mount\nhi\n/testbed\n");
+    let write = exec(&grant, "touch /opt/tools/x").await;
+    assert_ne!(write.exit_code, 0, "the mount is writable: {write:?}");
+    harness.release(&grant).await;
+
+    // A mount that leaves the environments root is refused with the reason.
+    std::fs::write(
+        env_dir.join("environment.json"),
+        r#"{"mounts": [{"source": "../../", "target": "/opt/x"}]}"#,
+    )
+    .unwrap();
+    let refused: Result<LeaseGrantV1, _> = harness
+        .bus
+        .request(
+            harness.ns.sandbox_rpc("any", SandboxOp::Lease),
+            &request,
+            Duration::from_secs(30),
+        )
+        .await;
+    let error = refused.unwrap_err().to_string();
+    assert!(error.contains("inside the environments root"), "{error}");
+    harness.stop().await;
+}
