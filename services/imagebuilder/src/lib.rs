@@ -1,0 +1,7 @@
+//! The image builder: every task's environment exists before its trials start.
+//!
+//! - [`recipe`]: what an environment is made of (SWE-bench instances), with a digest;
+//! - [`local`]: local snapshots for the bubblewrap sandbox, built in bubblewrap.
+
+pub mod local;
+pub mod recipe;

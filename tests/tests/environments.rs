@@ -1,0 +1,198 @@
+//! A real SWE-bench environment (django__django-11880 from `../shared/data/swebench`): the
+//! image builder builds it in bubblewrap with the instance's recorded setup commands (pip
+//! from PyPI, Python 3.6.15 from pyenv), reuses it the second time, and the sandbox service
+//! leases it and runs the instance's test command inside. Explicit failures for a missing
+//! interpreter and a missing commit. Needs `arl-sandbox-init` built (`cargo build --bins`).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use arl_imagebuilder::local::{BuildError, LocalBuilder, LocalConfig};
+use arl_imagebuilder::recipe::{Recipe, load_instances};
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, Metrics, Shutdown};
+use arl_sandbox::config::SandboxConfig;
+use arl_sandbox::service::SandboxService;
+use arl_schemas::RunId;
+use arl_schemas::events::EnvironmentRef;
+use arl_schemas::rpc::{ExecResult, LeaseGrantV1, LeaseRequestV1, SandboxLimits, SandboxOp};
+use arl_testkit::{NatsServer, http, test_namespace};
+
+fn shared_swebench() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/swebench")
+}
+
+fn home() -> PathBuf {
+    PathBuf::from(std::env::var_os("HOME").unwrap())
+}
+
+fn builder(root: &Path) -> LocalBuilder {
+    LocalBuilder::new(LocalConfig {
+        root: root.to_path_buf(),
+        pyenv_root: std::env::var_os("ARL_PYENV_ROOT")
+            .map(PathBuf::from)
+            .unwrap_or(home().join(".pyenv")),
+        pip_cache: std::env::var_os("PIP_CACHE_DIR")
+            .map(PathBuf::from)
+            .unwrap_or(home().join(".cache/arl/pip")),
+        timeout: Duration::from_secs(900),
+    })
+}
+
+fn init_binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("arl-sandbox-init");
+    assert!(
+        path.exists(),
+        "{} is missing; run `cargo build --bins` first",
+        path.display()
+    );
+    path
+}
+
+async fn exec(grant: &LeaseGrantV1, command: &str) -> ExecResult {
+    let body = serde_json::json!({"command": command, "timeout_s": 600});
+    let response = http(
+        &format!("{}/exec", grant.endpoint),
+        "POST",
+        &[
+            ("authorization", &format!("Bearer {}", grant.token)),
+            ("content-type", "application/json"),
+        ],
+        body.to_string().as_bytes(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(response.status, 200, "{}", response.text());
+    response.json()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swebench_environment_builds_once_and_its_tests_run_in_a_sandbox() {
+    let files = tempfile::Builder::new()
+        .prefix("arl-env-")
+        .tempdir()
+        .unwrap();
+    std::fs::set_permissions(files.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let root = files.path().join("environments");
+    std::fs::create_dir_all(&root).unwrap();
+    let instances = load_instances(&shared_swebench().join("instances.json")).unwrap();
+    let instance = instances
+        .iter()
+        .find(|i| i.instance_id == "django__django-11880")
+        .unwrap();
+    let pyenv = std::env::var_os("ARL_PYENV_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or(home().join(".pyenv"));
+    let recipe = Recipe::from_swe(instance, &shared_swebench(), &pyenv).unwrap();
+    let builder = builder(&root);
+
+    let built = match builder.ensure(&recipe).await {
+        Ok(built) => built,
+        Err(err) => {
+            let log =
+                std::fs::read_to_string(root.join(".failed/swebench_django__django-11880.log"))
+                    .unwrap_or_default();
+            panic!("{err}\n--- build log ---\n{log}");
+        }
+    };
+    assert!(!built.cached);
+    let again = builder.ensure(&recipe).await.unwrap();
+    assert!(again.cached && again.seconds < 1.0, "{again:?}");
+
+    // Lease it from the real sandbox service and run the instance's tests inside.
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = Bus::connect(
+        BusConfig::new(server.url(), ns.clone(), "test"),
+        Metrics::new(),
+    )
+    .await
+    .unwrap();
+    bus.provision().await.unwrap();
+    let shutdown = Shutdown::new();
+    let mut config = SandboxConfig::local(files.path().join("state"), root.clone(), init_binary());
+    config.pool_min_idle = 0;
+    SandboxService::start_local(
+        bus.clone(),
+        config,
+        "127.0.0.1:0".parse().unwrap(),
+        &shutdown,
+    )
+    .await
+    .unwrap();
+    let request = LeaseRequestV1 {
+        run_id: RunId::new("run-env").unwrap(),
+        trial_id: None,
+        environment: EnvironmentRef {
+            name: recipe.name.clone(),
+            digest: None,
+        },
+        ttl_s: 900,
+        limits: SandboxLimits::default(),
+    };
+    let grant: LeaseGrantV1 = bus
+        .request(
+            ns.sandbox_rpc("any", SandboxOp::Lease),
+            &request,
+            Duration::from_secs(120),
+        )
+        .await
+        .unwrap();
+    assert_eq!(grant.workdir, "/testbed");
+    let version = exec(
+        &grant,
+        "python --version && python -c 'import django; print(django.__file__)'",
+    )
+    .await;
+    assert_eq!(version.exit_code, 0, "{version:?}");
+    assert!(version.stdout.contains("Python 3.6.15"), "{version:?}");
+    assert!(
+        version.stdout.contains("/testbed/django/__init__.py"),
+        "{version:?}"
+    );
+    let command = format!(
+        "{} && {}",
+        instance.eval_env.join(" && "),
+        instance.test_command
+    );
+    let tests = exec(&grant, &command).await;
+    let output = format!("{}{}", tests.stdout, tests.stderr);
+    assert_eq!(tests.exit_code, 0, "{output}");
+    assert!(output.contains("Ran ") && output.contains("OK"), "{output}");
+    shutdown.trigger();
+    shutdown.wait().await;
+
+    // Explicit failures, never retried forever.
+    let mut missing_python = instance.clone();
+    missing_python.python = "2.0.1".into();
+    let recipe = Recipe::from_swe(&missing_python, &shared_swebench(), &pyenv).unwrap();
+    let error = builder.ensure(&recipe).await.unwrap_err();
+    assert!(
+        matches!(error, BuildError::InterpreterMissing { .. }),
+        "{error}"
+    );
+    assert!(error.to_string().contains("pyenv install 2.0.1"));
+    let mut missing_commit = instance.clone();
+    missing_commit.instance_id = "django__django-0".into();
+    let wrong = "0123456789abcdef0123456789abcdef01234567";
+    missing_commit.setup_commands = missing_commit
+        .setup_commands
+        .iter()
+        .map(|c| c.replace(&instance.base_commit, wrong))
+        .collect();
+    missing_commit.base_commit = wrong.into();
+    let recipe = Recipe::from_swe(&missing_commit, &shared_swebench(), &pyenv).unwrap();
+    let error = builder.ensure(&recipe).await.unwrap_err();
+    assert!(matches!(error, BuildError::MissingCommit(_)), "{error}");
+    assert!(
+        !root.join("swebench/django__django-0").exists(),
+        "a failed build is not published"
+    );
+}
