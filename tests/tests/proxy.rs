@@ -263,6 +263,11 @@ async fn mini_swe_agent_runs_through_the_proxy_and_every_step_is_recorded() {
         "{} is missing: run `make deps`",
         python.display()
     );
+    let venv = python
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .to_path_buf();
     let work = tempfile::tempdir().unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/mini_swe_agent.py");
     let work_dir = work.path().to_str().unwrap();
@@ -278,6 +283,10 @@ async fn mini_swe_agent_runs_through_the_proxy_and_every_step_is_recorded() {
             "--tmpfs",
             "/tmp",
         ])
+        // The agents venv may itself live under /tmp (a CI cache there).
+        .arg("--ro-bind")
+        .arg(&venv)
+        .arg(&venv)
         .args([
             "--bind",
             work_dir,
