@@ -1,7 +1,9 @@
 //! The image builder: every task's environment exists before its trials start.
 //!
 //! - [`recipe`]: what an environment is made of (SWE-bench instances), with a digest;
-//! - [`local`]: local snapshots for the bubblewrap sandbox, built in bubblewrap.
+//! - [`local`]: local snapshots for the bubblewrap sandbox, built in bubblewrap;
+//! - [`service`]: task batches in, `image.ready` / `image.failed` out.
 
 pub mod local;
 pub mod recipe;
+pub mod service;

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use crate::recipe::{ENV_DIR, OPT, Recipe, SOURCE_REPO, TESTBED, WORK};
+use crate::recipe::{ENV_DIR, OPT, Recipe, SOURCE_REPO, Source, WORK};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
@@ -172,11 +172,20 @@ impl LocalBuilder {
         tokio::fs::create_dir_all(&self.config.pip_cache)
             .await
             .map_err(io("creating the pip cache"))?;
-        let source = staging.join("source.git");
-        copy_repository(&recipe.source_repo, &source).await?;
+        let workdir = recipe.workdir.as_str();
+        let (source, script) = match &recipe.source {
+            Source::GitRepository(repo) => {
+                let copy = staging.join("source.git");
+                copy_repository(repo, &copy).await?;
+                (copy, recipe.script.clone())
+            }
+            Source::Folder(folder) => (
+                folder.clone(),
+                format!("cp -a {SOURCE_REPO}/. \"$TESTBED\"/\n{}", recipe.script),
+            ),
+        };
         let script = format!(
-            "set -eo pipefail\nexport TESTBED={TESTBED} ENV_DIR={ENV_DIR} WORK={WORK} SOURCE_REPO={SOURCE_REPO}\nmkdir -p \"$WORK\"\ncd {TESTBED}\n{}\n",
-            recipe.script
+            "set -eo pipefail\nexport TESTBED={workdir} ENV_DIR={ENV_DIR} WORK={WORK} SOURCE_REPO={SOURCE_REPO}\nmkdir -p \"$WORK\"\ncd {workdir}\n{script}\n"
         );
         let mut command = tokio::process::Command::new("bwrap");
         command.args([
@@ -187,7 +196,7 @@ impl LocalBuilder {
         ]);
         command.args(system_mounts());
         command.args(["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]);
-        command.arg("--bind").arg(staging.join("tree")).arg(TESTBED);
+        command.arg("--bind").arg(staging.join("tree")).arg(workdir);
         command.arg("--bind").arg(staging.join("opt")).arg(OPT);
         command.arg("--ro-bind").arg(&source).arg(SOURCE_REPO);
         if let Some((copy, target)) = interpreter {
@@ -215,7 +224,7 @@ impl LocalBuilder {
             "PIP_DISABLE_PIP_VERSION_CHECK",
             "1",
         ]);
-        command.args(["--chdir", TESTBED, "--", "/bin/bash", "-c", &script]);
+        command.args(["--chdir", workdir, "--", "/bin/bash", "-c", &script]);
         let log_path = staging.join("build.log");
         let log = std::fs::File::create(&log_path).map_err(io("creating the build log"))?;
         let log_err = log.try_clone().map_err(io("the build log"))?;
@@ -242,7 +251,7 @@ impl LocalBuilder {
             json!({"source": copy.strip_prefix(&self.config.root).unwrap_or(copy).to_string_lossy(), "target": target})
         });
         let metadata = json!({
-            "workdir": TESTBED,
+            "workdir": workdir,
             "mounts": python_mount.into_iter().chain([json!({
                 "source": format!("{}/opt", recipe.name),
                 "target": OPT,
@@ -258,9 +267,11 @@ impl LocalBuilder {
             serde_json::to_vec_pretty(&metadata).unwrap_or_default(),
         )
         .map_err(io("writing environment.json"))?;
-        tokio::fs::remove_dir_all(&source)
-            .await
-            .map_err(io("removing the source copy"))?;
+        if matches!(recipe.source, Source::GitRepository(_)) {
+            tokio::fs::remove_dir_all(&source)
+                .await
+                .map_err(io("removing the source copy"))?;
+        }
         readable(staging).await
     }
 }

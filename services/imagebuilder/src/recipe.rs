@@ -33,15 +33,25 @@ pub enum RecipeError {
     Invalid(String, String),
 }
 
+/// Where an environment's files come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Source {
+    /// A bare git repository, mounted read-only at [`SOURCE_REPO`] (the script checks out).
+    GitRepository(PathBuf),
+    /// A folder whose contents become the work tree.
+    Folder(PathBuf),
+}
+
 /// How to build one environment.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Recipe {
     /// The environment's name under the environments root (`swebench/<instance_id>`).
     pub name: String,
+    /// Where the work tree is, in the build and in every sandbox.
+    pub workdir: String,
     /// A pyenv version to mount at its pyenv path, if the setup needs one.
     pub python: Option<String>,
-    /// Mounted read-only at [`SOURCE_REPO`] during the build.
-    pub source_repo: PathBuf,
+    pub source: Source,
     /// The setup commands, run in order by one bash.
     pub script: String,
     /// sha256 of everything that shapes the result.
@@ -109,12 +119,106 @@ impl Recipe {
         );
         Ok(Self {
             name: format!("swebench/{}", instance.instance_id),
+            workdir: TESTBED.into(),
             python: Some(instance.python.clone()),
-            source_repo,
+            source: Source::GitRepository(source_repo),
             script,
             digest,
         })
     }
+
+    /// The recipe of a Harbor task folder (`environment/Dockerfile`): its `WORKDIR` is the
+    /// work tree and the folder it `COPY`s there is its content. Other instructions need
+    /// a container build (the cluster path) and are refused here with the line.
+    pub fn from_harbor(task_dir: &Path) -> Result<Self, RecipeError> {
+        let task = task_dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let invalid = |reason: String| RecipeError::Invalid(task.clone(), reason);
+        let dockerfile_path = task_dir.join("environment/Dockerfile");
+        let dockerfile =
+            std::fs::read_to_string(&dockerfile_path).map_err(|e| RecipeError::Read {
+                path: dockerfile_path.display().to_string(),
+                reason: e.to_string(),
+            })?;
+        let mut workdir = "/app".to_owned();
+        let mut copied = None;
+        for line in dockerfile
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        {
+            let (instruction, rest) = line.split_once(char::is_whitespace).unwrap_or((line, ""));
+            match instruction.to_ascii_uppercase().as_str() {
+                "FROM" | "ENV" | "LABEL" => {}
+                "WORKDIR" => workdir = rest.trim().to_owned(),
+                "COPY" => {
+                    let parts: Vec<&str> = rest.split_whitespace().collect();
+                    match parts.as_slice() {
+                        [from, to] if to.trim_end_matches('/') == workdir.trim_end_matches('/') => {
+                            copied = Some(
+                                task_dir
+                                    .join("environment")
+                                    .join(from.trim_end_matches('/')),
+                            );
+                        }
+                        _ => {
+                            return Err(invalid(format!(
+                                "{line:?}: only `COPY <folder>/ <WORKDIR>/` can be built locally"
+                            )));
+                        }
+                    }
+                }
+                _ => {
+                    return Err(invalid(format!(
+                        "{line:?}: needs a container build; local snapshots take WORKDIR and COPY only"
+                    )));
+                }
+            }
+        }
+        let folder = copied
+            .ok_or_else(|| invalid("the Dockerfile copies nothing into its WORKDIR".into()))?;
+        if !folder.is_dir() {
+            return Err(invalid(format!("{} is not a folder", folder.display())));
+        }
+        let digest =
+            sha256_hex(format!("harbor\n{task}\n{workdir}\n{}", folder_digest(&folder)).as_bytes());
+        Ok(Self {
+            name: format!("harbor/{task}"),
+            workdir,
+            python: None,
+            source: Source::Folder(folder),
+            script: String::new(),
+            digest,
+        })
+    }
+}
+
+/// A digest of a folder's file names and contents (sorted, so stable).
+fn folder_digest(folder: &Path) -> String {
+    let mut entries = Vec::new();
+    let mut stack = vec![folder.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(read) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in read.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                let name = path
+                    .strip_prefix(folder)
+                    .unwrap_or(&path)
+                    .to_string_lossy()
+                    .into_owned();
+                entries.push((name, sha256_hex(&std::fs::read(&path).unwrap_or_default())));
+            }
+        }
+    }
+    entries.sort();
+    sha256_hex(format!("{entries:?}").as_bytes())
 }
 
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -150,7 +254,10 @@ mod tests {
         let r =
             Recipe::from_swe(&instance(), Path::new("/data"), Path::new("/root/.pyenv")).unwrap();
         assert_eq!(r.name, "swebench/django__django-11880");
-        assert_eq!(r.source_repo, Path::new("/data/repos/django.git"));
+        assert_eq!(
+            r.source,
+            Source::GitRepository("/data/repos/django.git".into())
+        );
         assert!(
             r.script
                 .starts_with("/root/.pyenv/versions/3.6.15/bin/python3.6 -m venv")
@@ -186,6 +293,40 @@ mod tests {
                 .to_string()
                 .contains("base_commit")
         );
+    }
+
+    #[test]
+    fn harbor_tasks_become_folder_recipes() {
+        let tasks = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/tasks");
+        let r = Recipe::from_harbor(&tasks.join("fix-mean")).unwrap();
+        assert_eq!(
+            (r.name.as_str(), r.workdir.as_str()),
+            ("harbor/fix-mean", "/app")
+        );
+        assert!(matches!(r.source, Source::Folder(ref f) if f.ends_with("environment/app")));
+        assert_eq!(
+            r.digest,
+            Recipe::from_harbor(&tasks.join("fix-mean")).unwrap().digest
+        );
+        assert_ne!(
+            r.digest,
+            Recipe::from_harbor(&tasks.join("fix-fizzbuzz"))
+                .unwrap()
+                .digest
+        );
+        let dir = std::env::temp_dir().join(format!("arl-harbor-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("environment")).unwrap();
+        std::fs::write(
+            dir.join("environment/Dockerfile"),
+            "FROM python:3.11\nRUN pip install numpy\n",
+        )
+        .unwrap();
+        let error = Recipe::from_harbor(&dir).unwrap_err().to_string();
+        assert!(
+            error.contains("RUN pip install numpy") && error.contains("container build"),
+            "{error}"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]

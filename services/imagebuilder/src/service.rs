@@ -1,0 +1,189 @@
+//! The image builder service: for every task of every `task.batch`, make sure its
+//! environment exists, then say so (`image.ready`, with the location and whether it was
+//! cached) or say why not (`image.failed`, with a reason and the build log's tail). A build
+//! failure is reported once and not retried; only bus trouble is.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use arl_runtime::consumer::run_consumer;
+use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
+use arl_schemas::events::{
+    EnvironmentLocation, ImageFailedV1, ImageFailureReason, ImageReadyV1, TaskBatchV1, TaskKind,
+    TaskRef,
+};
+use arl_schemas::state::RunStateV1;
+use arl_schemas::{Bucket, Domain, RunId};
+
+use crate::local::{BuildError, LocalBuilder};
+use crate::recipe::{Recipe, SweInstance};
+
+/// Where recipes come from.
+#[derive(Clone, Debug, Default)]
+pub struct Recipes {
+    /// SWE-bench instances with their setup commands (`instances.json` form), by id.
+    pub swebench: HashMap<String, SweInstance>,
+    /// Folder the instances' `source_repo` paths are relative to.
+    pub swebench_dir: PathBuf,
+    pub pyenv_root: PathBuf,
+}
+
+pub struct ImageBuilder {
+    bus: Bus,
+    local: Arc<LocalBuilder>,
+    recipes: Recipes,
+}
+
+/// Why a task has no environment.
+struct Failure {
+    reason: ImageFailureReason,
+    message: String,
+    log_tail: String,
+}
+
+impl ImageBuilder {
+    pub fn new(bus: Bus, local: Arc<LocalBuilder>, recipes: Recipes) -> Self {
+        Self {
+            bus,
+            local,
+            recipes,
+        }
+    }
+
+    pub fn start(self, shutdown: &Shutdown) {
+        let ns = self.bus.namespace();
+        let mut spec = ConsumerSpec::new(
+            Domain::Task,
+            "imagebuilder",
+            vec![ns.event_filter(Domain::Task, "batch")],
+        );
+        // A cold build takes minutes: keep the batch alive while it runs.
+        spec.keep_alive = true;
+        spec.concurrency = 4;
+        let bus = self.bus.clone();
+        let builder = Arc::new(self);
+        shutdown.spawn(run_consumer(
+            bus,
+            spec,
+            move |delivery: Delivery| {
+                let builder = builder.clone();
+                async move { builder.on_batch(delivery).await }
+            },
+            shutdown.clone(),
+        ));
+    }
+
+    async fn on_batch(&self, delivery: Delivery) -> Result<(), HandlerError> {
+        let batch: TaskBatchV1 = delivery
+            .decode()
+            .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+        let dataset = self.dataset_path(&batch.run_id).await?;
+        // Math tasks run in a generic sandbox: nothing to build, nothing to announce.
+        for task in batch.tasks.iter().filter(|t| t.kind != TaskKind::Math) {
+            let started = std::time::Instant::now();
+            let outcome = match self.recipe(task, dataset.as_ref()) {
+                Ok(recipe) => self.local.ensure(&recipe).await.map_err(failure),
+                Err(failure) => Err(failure),
+            };
+            let at = chrono::Utc::now();
+            match outcome {
+                Ok(built) => {
+                    self.bus
+                        .publish(&ImageReadyV1 {
+                            run_id: batch.run_id.clone(),
+                            task_id: task.task_id.clone(),
+                            environment: task.environment.clone(),
+                            location: EnvironmentLocation::LocalSnapshot {
+                                path: built.dir.display().to_string(),
+                            },
+                            cached: built.cached,
+                            build_seconds: started.elapsed().as_secs_f64(),
+                            at,
+                        })
+                        .await?;
+                }
+                Err(failure) => {
+                    tracing::warn!(task = %task.task_id, reason = ?failure.reason, message = %failure.message, "environment failed");
+                    self.bus
+                        .publish(&ImageFailedV1 {
+                            run_id: batch.run_id.clone(),
+                            task_id: task.task_id.clone(),
+                            environment: task.environment.clone(),
+                            reason: failure.reason,
+                            message: failure.message,
+                            log_tail: failure.log_tail,
+                            at,
+                        })
+                        .await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The run's dataset location (Harbor task folders live under it).
+    async fn dataset_path(&self, run: &RunId) -> Result<Option<PathBuf>, HandlerError> {
+        let kv = self.bus.bucket(Bucket::RunState).await?;
+        let entry = kv
+            .get(run.as_str())
+            .await
+            .map_err(|e| HandlerError::Retry(format!("cannot read run state: {e}")))?;
+        Ok(entry
+            .and_then(|bytes| RunStateV1::decode(&bytes).ok())
+            .and_then(|state| state.dataset_path)
+            .map(PathBuf::from))
+    }
+
+    fn recipe(&self, task: &TaskRef, dataset: Option<&PathBuf>) -> Result<Recipe, Failure> {
+        let name = &task.environment.name;
+        let no_recipe = |message: String| Failure {
+            reason: ImageFailureReason::InstallError,
+            message,
+            log_tail: String::new(),
+        };
+        match task.kind {
+            TaskKind::Swebench => {
+                let id = name.strip_prefix("swebench/").unwrap_or(name);
+                let instance = self.recipes.swebench.get(id).ok_or_else(|| {
+                    no_recipe(format!(
+                        "no setup recipe for SWE-bench instance {id}: give the image builder an instances file that has it (--swebench-recipes)"
+                    ))
+                })?;
+                Recipe::from_swe(
+                    instance,
+                    &self.recipes.swebench_dir,
+                    &self.recipes.pyenv_root,
+                )
+                .map_err(|e| no_recipe(e.to_string()))
+            }
+            TaskKind::Harbor => {
+                let task_name = name.strip_prefix("harbor/").unwrap_or(name);
+                let dataset = dataset.ok_or_else(|| {
+                    no_recipe(format!(
+                        "run has no dataset path to find Harbor task {task_name}"
+                    ))
+                })?;
+                Recipe::from_harbor(&dataset.join(task_name)).map_err(|e| no_recipe(e.to_string()))
+            }
+            TaskKind::Math => Err(no_recipe("math tasks have no environment to build".into())),
+        }
+    }
+}
+
+fn failure(error: BuildError) -> Failure {
+    let (reason, log_tail) = match &error {
+        BuildError::InterpreterMissing { .. } => {
+            (ImageFailureReason::InterpreterMissing, String::new())
+        }
+        BuildError::MissingCommit(tail) => (ImageFailureReason::MissingCommit, tail.clone()),
+        BuildError::InstallError { tail, .. } => (ImageFailureReason::InstallError, tail.clone()),
+        BuildError::Timeout(_, tail) => (ImageFailureReason::Timeout, tail.clone()),
+        BuildError::Io(_) => (ImageFailureReason::InstallError, String::new()),
+    };
+    Failure {
+        reason,
+        message: error.to_string(),
+        log_tail,
+    }
+}

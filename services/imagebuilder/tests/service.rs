@@ -1,0 +1,171 @@
+//! The image builder service on a real nats-server: a task batch of Harbor tasks (the
+//! bundled examples) gets `image.ready` for each buildable task — built the first time,
+//! cached the second — and `image.failed` with the reason for one that cannot be built.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arl_imagebuilder::local::{LocalBuilder, LocalConfig};
+use arl_imagebuilder::service::{ImageBuilder, Recipes};
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, Metrics, Shutdown};
+use arl_schemas::events::{
+    EnvironmentLocation, EnvironmentRef, Example, ImageFailedV1, ImageFailureReason, ImageReadyV1,
+    Split, TaskBatchV1, TaskKind, TaskRef,
+};
+use arl_schemas::state::RunStateV1;
+use arl_schemas::{Bucket, Domain, Event, RunId, TaskId};
+use arl_testkit::{NatsServer, test_namespace, wait_for};
+
+fn examples() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/tasks")
+}
+
+async fn put_run(bus: &Bus, run: &RunId) {
+    let mut state: RunStateV1 = serde_json::from_value(serde_json::json!({
+        "run_id": run, "name": "images", "status": "running", "phase": "preparing",
+        "submitted_by": "test", "submitted_at": "2026-11-30T00:00:00Z",
+        "updated_at": "2026-11-30T00:00:00Z", "total_steps": 1, "step": 0,
+        "policy_version": 0, "trials_finished": 0,
+        "failures": {"infrastructure": 0, "agent_error": 0, "timeout": 0, "context_overflow": 0, "grading_error": 0},
+        "progress_sequence": 0
+    }))
+    .unwrap();
+    state.dataset_path = Some(examples().display().to_string());
+    let kv = bus.bucket(Bucket::RunState).await.unwrap();
+    kv.put(run.as_str(), state.encode().unwrap().into())
+        .await
+        .unwrap();
+}
+
+fn batch(run: &RunId, tasks: &[&str]) -> TaskBatchV1 {
+    TaskBatchV1 {
+        run_id: run.clone(),
+        step: 1,
+        split: Split::Train,
+        samples_per_task: 2,
+        tasks: tasks
+            .iter()
+            .map(|t| TaskRef {
+                task_id: TaskId::new(*t).unwrap(),
+                kind: TaskKind::Harbor,
+                dataset_digest: TaskBatchV1::example().tasks[0].dataset_digest.clone(),
+                environment: EnvironmentRef {
+                    name: format!("harbor/{t}"),
+                    digest: None,
+                },
+            })
+            .collect(),
+    }
+}
+
+async fn all<E: Event>(bus: &Bus, domain: Domain, event: &str) -> Vec<E> {
+    let stream = bus
+        .jetstream()
+        .get_stream(bus.namespace().stream(domain))
+        .await
+        .unwrap();
+    let info = stream.clone().get_info().await.unwrap();
+    let mut out = Vec::new();
+    for seq in info.state.first_sequence..=info.state.last_sequence {
+        if let Ok(m) = stream.get_raw_message(seq).await
+            && m.subject.ends_with(event)
+        {
+            out.push(E::decode(&m.payload).unwrap());
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harbor_batches_get_ready_or_failed_environments() {
+    let server = NatsServer::start().unwrap();
+    let bus = Bus::connect(
+        BusConfig::new(server.url(), test_namespace(), "test"),
+        Metrics::new(),
+    )
+    .await
+    .unwrap();
+    bus.provision().await.unwrap();
+    let files = tempfile::tempdir().unwrap();
+    let root = files.path().join("environments");
+    let local = Arc::new(LocalBuilder::new(LocalConfig {
+        root: root.clone(),
+        pyenv_root: files.path().join("no-pyenv"),
+        pip_cache: files.path().join("pip"),
+        timeout: Duration::from_secs(120),
+    }));
+    let shutdown = Shutdown::new();
+    ImageBuilder::new(bus.clone(), local, Recipes::default()).start(&shutdown);
+
+    let (first, second) = (
+        RunId::new("run-img-1").unwrap(),
+        RunId::new("run-img-2").unwrap(),
+    );
+    for run in [&first, &second] {
+        put_run(&bus, run).await;
+    }
+    bus.publish(&batch(
+        &first,
+        &["fix-mean", "fix-fizzbuzz", "no-such-task"],
+    ))
+    .await
+    .unwrap();
+    let ready = wait_for(
+        "two environments ready",
+        Duration::from_secs(60),
+        || async {
+            let ready = all::<ImageReadyV1>(&bus, Domain::Image, "ready").await;
+            (ready.len() == 2).then_some(ready)
+        },
+    )
+    .await;
+    for r in &ready {
+        assert!(!r.cached, "{r:?}");
+        let EnvironmentLocation::LocalSnapshot { path } = &r.location else {
+            panic!("{r:?}")
+        };
+        assert!(Path::new(path).join("tree").is_dir());
+        let metadata: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(Path::new(path).join("environment.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(metadata["workdir"], "/app");
+    }
+    assert!(root.join("harbor/fix-mean/tree/stats.py").is_file());
+    let failed = wait_for(
+        "one environment failed",
+        Duration::from_secs(30),
+        || async {
+            let failed = all::<ImageFailedV1>(&bus, Domain::Image, "failed").await;
+            (failed.len() == 1).then_some(failed)
+        },
+    )
+    .await;
+    assert_eq!(failed[0].task_id.as_str(), "no-such-task");
+    assert_eq!(failed[0].reason, ImageFailureReason::InstallError);
+    assert!(
+        failed[0].message.contains("Dockerfile"),
+        "{}",
+        failed[0].message
+    );
+
+    // Another run with the same task: nothing is built again.
+    bus.publish(&batch(&second, &["fix-mean"])).await.unwrap();
+    let cached = wait_for(
+        "the cached environment",
+        Duration::from_secs(30),
+        || async {
+            all::<ImageReadyV1>(&bus, Domain::Image, "ready")
+                .await
+                .into_iter()
+                .find(|r| r.run_id == second)
+        },
+    )
+    .await;
+    assert!(cached.cached);
+    shutdown.trigger();
+    shutdown.wait().await;
+}
