@@ -50,7 +50,9 @@ system-deps:
 	    if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq bubblewrap; \
 	    else echo "bubblewrap is missing: sudo apt-get install bubblewrap"; exit 1; fi; fi
 
-$(TOOLS_STAMP): tools/requirements.txt
+# The stamp's name carries the requirements' hash, so it is rebuilt exactly when they
+# change (not when a fresh clone gives the file a newer mtime).
+$(TOOLS_STAMP):
 	@command -v python3 >/dev/null || { echo "python3 is required (apt-get install python3 python3-venv)"; exit 1; }
 	rm -rf $(TOOLS)
 	python3 -m venv $(TOOLS)
@@ -58,7 +60,7 @@ $(TOOLS_STAMP): tools/requirements.txt
 	$(ARL_NATS_SERVER) --version
 	touch $@
 
-$(AGENTS_STAMP): tools/agents-requirements.txt
+$(AGENTS_STAMP):
 	@command -v python3 >/dev/null || { echo "python3 is required (apt-get install python3 python3-venv)"; exit 1; }
 	rm -rf $(AGENTS)
 	python3 -m venv $(AGENTS)
