@@ -44,11 +44,14 @@ help:
 
 deps: $(TOOLS_STAMP) $(AGENTS_STAMP) system-deps
 
-# Debian packages the sandbox needs (bubblewrap; setpriv, git and tar are on every Debian).
+# Debian packages: bubblewrap for the sandbox (setpriv, git and tar are on every Debian),
+# docker-registry (a real OCI registry) for the image builder's registry tests.
 system-deps:
-	@if ! command -v bwrap >/dev/null; then \
-	    if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq bubblewrap; \
-	    else echo "bubblewrap is missing: sudo apt-get install bubblewrap"; exit 1; fi; fi
+	@missing=""; command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
+	    [ -x /usr/bin/docker-registry ] || missing="$$missing docker-registry"; \
+	    if [ -n "$$missing" ]; then \
+	    if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $$missing; \
+	    else echo "missing Debian packages:$$missing (sudo apt-get install$$missing)"; exit 1; fi; fi
 
 # The stamp's name carries the requirements' hash, so it is rebuilt exactly when they
 # change (not when a fresh clone gives the file a newer mtime).

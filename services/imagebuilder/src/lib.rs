@@ -2,8 +2,10 @@
 //!
 //! - [`recipe`]: what an environment is made of (SWE-bench instances), with a digest;
 //! - [`local`]: local snapshots for the bubblewrap sandbox, built in bubblewrap;
+//! - [`registry`]: cluster images checked through the OCI distribution API;
 //! - [`service`]: task batches in, `image.ready` / `image.failed` out.
 
 pub mod local;
 pub mod recipe;
+pub mod registry;
 pub mod service;
