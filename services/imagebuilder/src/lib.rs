@@ -3,8 +3,10 @@
 //! - [`recipe`]: what an environment is made of (SWE-bench instances), with a digest;
 //! - [`local`]: local snapshots for the bubblewrap sandbox, built in bubblewrap;
 //! - [`registry`]: cluster images checked through the OCI distribution API;
+//! - [`buildkit`]: a missing cluster image's build context and `buildctl` command;
 //! - [`service`]: task batches in, `image.ready` / `image.failed` out.
 
+pub mod buildkit;
 pub mod local;
 pub mod recipe;
 pub mod registry;
