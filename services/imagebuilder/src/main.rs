@@ -5,9 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use arl_imagebuilder::buildkit::BuildKit;
 use arl_imagebuilder::local::{LocalBuilder, LocalConfig};
 use arl_imagebuilder::recipe::load_instances;
-use arl_imagebuilder::service::{ImageBuilder, Recipes};
+use arl_imagebuilder::registry::{Credentials, Registry};
+use arl_imagebuilder::service::{Cluster, ImageBuilder, Recipes};
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use clap::Parser;
@@ -41,6 +43,22 @@ struct Args {
     /// A build running longer is stopped and reported as a timeout.
     #[arg(long, default_value_t = 1800)]
     build_timeout_s: u64,
+
+    /// Cluster mode: environments are images `{registry}/{namespace}/{instance}:latest`
+    /// (e.g. `http://registry:5000`), built with BuildKit when missing.
+    #[arg(long, env = "ARL_REGISTRY")]
+    registry: Option<String>,
+    #[arg(long, default_value = "swebench")]
+    registry_namespace: String,
+    #[arg(long, env = "ARL_REGISTRY_USER")]
+    registry_user: Option<String>,
+    #[arg(long, env = "ARL_REGISTRY_PASSWORD")]
+    registry_password: Option<String>,
+    /// buildkitd's address for `buildctl --addr`.
+    #[arg(long, env = "BUILDKIT_HOST", default_value = "tcp://buildkitd:1234")]
+    buildkit_addr: String,
+    #[arg(long, default_value = "buildctl")]
+    buildctl: PathBuf,
 }
 
 #[tokio::main]
@@ -84,7 +102,22 @@ async fn main() -> anyhow::Result<()> {
     shutdown.trigger_on_signals();
     let router = arl_runtime::http::ops_router("imagebuilder", bus.clone(), metrics);
     arl_runtime::http::serve(args.common.http_addr, router, &shutdown).await?;
-    ImageBuilder::new(bus, local, recipes).start(&shutdown);
+    let mut builder = ImageBuilder::new(bus, local, recipes);
+    if let Some(url) = &args.registry {
+        let credentials = match (args.registry_user, args.registry_password) {
+            (Some(username), Some(password)) => Some(Credentials { username, password }),
+            _ => None,
+        };
+        builder = builder.with_cluster(Cluster {
+            registry: Registry::new(url, &args.registry_namespace, credentials),
+            buildkit: BuildKit {
+                addr: args.buildkit_addr,
+                buildctl: args.buildctl,
+            },
+            contexts: std::env::temp_dir().join("arl-build-contexts"),
+        });
+    }
+    builder.start(&shutdown);
     tracing::info!("image builder running");
     shutdown.triggered().await;
     shutdown.wait().await;

@@ -16,8 +16,19 @@ use arl_schemas::events::{
 use arl_schemas::state::RunStateV1;
 use arl_schemas::{Bucket, Domain, RunId};
 
+use crate::buildkit::BuildKit;
 use crate::local::{BuildError, LocalBuilder};
 use crate::recipe::{Recipe, SweInstance};
+use crate::registry::Registry;
+
+/// Cluster mode: environments are OCI images in a registry, built by BuildKit when missing.
+#[derive(Clone, Debug)]
+pub struct Cluster {
+    pub registry: Registry,
+    pub buildkit: BuildKit,
+    /// Where build contexts are written.
+    pub contexts: PathBuf,
+}
 
 /// Where recipes come from.
 #[derive(Clone, Debug, Default)]
@@ -33,6 +44,13 @@ pub struct ImageBuilder {
     bus: Bus,
     local: Arc<LocalBuilder>,
     recipes: Recipes,
+    cluster: Option<Cluster>,
+}
+
+/// A ready environment, local or in the registry.
+struct Ready {
+    location: EnvironmentLocation,
+    cached: bool,
 }
 
 /// Why a task has no environment.
@@ -48,7 +66,14 @@ impl ImageBuilder {
             bus,
             local,
             recipes,
+            cluster: None,
         }
+    }
+
+    /// Builds registry images instead of local snapshots.
+    pub fn with_cluster(mut self, cluster: Cluster) -> Self {
+        self.cluster = Some(cluster);
+        self
     }
 
     pub fn start(self, shutdown: &Shutdown) {
@@ -83,21 +108,32 @@ impl ImageBuilder {
         for task in batch.tasks.iter().filter(|t| t.kind != TaskKind::Math) {
             let started = std::time::Instant::now();
             let outcome = match self.recipe(task, dataset.as_ref()) {
-                Ok(recipe) => self.local.ensure(&recipe).await.map_err(failure),
+                Ok(recipe) => match &self.cluster {
+                    Some(cluster) => self.ensure_image(cluster, &recipe).await,
+                    None => self
+                        .local
+                        .ensure(&recipe)
+                        .await
+                        .map_err(failure)
+                        .map(|built| Ready {
+                            location: EnvironmentLocation::LocalSnapshot {
+                                path: built.dir.display().to_string(),
+                            },
+                            cached: built.cached,
+                        }),
+                },
                 Err(failure) => Err(failure),
             };
             let at = chrono::Utc::now();
             match outcome {
-                Ok(built) => {
+                Ok(ready) => {
                     self.bus
                         .publish(&ImageReadyV1 {
                             run_id: batch.run_id.clone(),
                             task_id: task.task_id.clone(),
                             environment: task.environment.clone(),
-                            location: EnvironmentLocation::LocalSnapshot {
-                                path: built.dir.display().to_string(),
-                            },
-                            cached: built.cached,
+                            location: ready.location,
+                            cached: ready.cached,
                             build_seconds: started.elapsed().as_secs_f64(),
                             at,
                         })
@@ -120,6 +156,65 @@ impl ImageBuilder {
             }
         }
         Ok(())
+    }
+
+    /// The recipe's image: found in the registry, or built and pushed by BuildKit.
+    async fn ensure_image(&self, cluster: &Cluster, recipe: &Recipe) -> Result<Ready, Failure> {
+        let instance = recipe.name.rsplit('/').next().unwrap_or(&recipe.name);
+        let registry_failure = |e: crate::registry::RegistryError| Failure {
+            reason: ImageFailureReason::RegistryError,
+            message: e.to_string(),
+            log_tail: String::new(),
+        };
+        let reference = cluster.registry.reference(instance);
+        let pinned = |digest: String| EnvironmentLocation::OciImage {
+            reference: if digest.is_empty() {
+                reference.clone()
+            } else {
+                format!("{reference}@{digest}")
+            },
+        };
+        if let Some(digest) = cluster
+            .registry
+            .manifest_digest(instance)
+            .await
+            .map_err(registry_failure)?
+        {
+            return Ok(Ready {
+                location: pinned(digest),
+                cached: true,
+            });
+        }
+        let build_failure = |e: crate::buildkit::BuildKitError| Failure {
+            reason: ImageFailureReason::BuildError,
+            message: e.to_string(),
+            log_tail: String::new(),
+        };
+        let context = cluster.contexts.join(recipe.name.replace('/', "_"));
+        let _ = std::fs::remove_dir_all(&context);
+        cluster
+            .buildkit
+            .prepare(recipe, &self.recipes.pyenv_root, &context)
+            .map_err(build_failure)?;
+        cluster
+            .buildkit
+            .build(&context, &reference)
+            .await
+            .map_err(build_failure)?;
+        let digest = cluster
+            .registry
+            .manifest_digest(instance)
+            .await
+            .map_err(registry_failure)?
+            .ok_or_else(|| Failure {
+                reason: ImageFailureReason::RegistryError,
+                message: format!("BuildKit pushed {reference}, but the registry does not have it"),
+                log_tail: String::new(),
+            })?;
+        Ok(Ready {
+            location: pinned(digest),
+            cached: false,
+        })
     }
 
     /// The run's dataset location (Harbor task folders live under it).

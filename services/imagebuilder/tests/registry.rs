@@ -7,8 +7,22 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use std::path::Path;
+use std::sync::Arc;
+
+use arl_imagebuilder::buildkit::BuildKit;
+use arl_imagebuilder::local::{LocalBuilder, LocalConfig};
+use arl_imagebuilder::recipe::load_instances;
 use arl_imagebuilder::registry::{Credentials, Registry, RegistryError};
-use arl_testkit::{http, wait_for};
+use arl_imagebuilder::service::{Cluster, ImageBuilder, Recipes};
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, Metrics, Shutdown};
+use arl_schemas::events::{
+    EnvironmentLocation, EnvironmentRef, ImageFailedV1, ImageFailureReason, ImageReadyV1, Split,
+    TaskBatchV1, TaskKind, TaskRef,
+};
+use arl_schemas::{Domain, Event, RunId, TaskId};
+use arl_testkit::{NatsServer, http, test_namespace, wait_for};
 
 struct Running(Child);
 
@@ -206,4 +220,115 @@ async fn images_are_found_by_manifest_with_registry_auth() {
         down.manifest_digest("x").await,
         Err(RegistryError::Unreachable { .. })
     ));
+
+    // The service in cluster mode: the pushed image is ready (pinned by digest, nothing
+    // built); a missing one goes to BuildKit, which is not installed here: a clear failure.
+    let server = NatsServer::start().unwrap();
+    let bus = Bus::connect(
+        BusConfig::new(server.url(), test_namespace(), "test"),
+        Metrics::new(),
+    )
+    .await
+    .unwrap();
+    bus.provision().await.unwrap();
+    let swebench = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/swebench");
+    let mut recipes = Recipes {
+        swebench_dir: swebench.clone(),
+        pyenv_root: "/root/.pyenv".into(),
+        ..Recipes::default()
+    };
+    for instance in load_instances(&swebench.join("instances.json")).unwrap() {
+        recipes
+            .swebench
+            .insert(instance.instance_id.clone(), instance);
+    }
+    let local = Arc::new(LocalBuilder::new(LocalConfig {
+        root: dir.path().join("environments"),
+        pyenv_root: "/root/.pyenv".into(),
+        pip_cache: dir.path().join("pip"),
+        timeout: Duration::from_secs(60),
+    }));
+    let cluster = Cluster {
+        registry: registry.clone(),
+        buildkit: BuildKit {
+            addr: "tcp://127.0.0.1:1".into(),
+            buildctl: "/nonexistent/buildctl".into(),
+        },
+        contexts: dir.path().join("contexts"),
+    };
+    let shutdown = Shutdown::new();
+    ImageBuilder::new(bus.clone(), local, recipes)
+        .with_cluster(cluster)
+        .start(&shutdown);
+    let run = RunId::new("run-cluster").unwrap();
+    let task = |id: &str| TaskRef {
+        task_id: TaskId::new(id).unwrap(),
+        kind: TaskKind::Swebench,
+        dataset_digest: "sha256:test".into(),
+        environment: EnvironmentRef {
+            name: format!("swebench/{id}"),
+            digest: None,
+        },
+    };
+    bus.publish(&TaskBatchV1 {
+        run_id: run.clone(),
+        step: 1,
+        split: Split::Train,
+        samples_per_task: 2,
+        tasks: vec![task("django__django-11880"), task("django__django-9296")],
+    })
+    .await
+    .unwrap();
+    let last = |domain: Domain, event: &'static str| {
+        let bus = bus.clone();
+        let run = run.clone();
+        async move {
+            let stream = bus
+                .jetstream()
+                .get_stream(bus.namespace().stream(domain))
+                .await
+                .ok()?;
+            let message = stream
+                .get_last_raw_message_by_subject(
+                    &bus.namespace().event_subject(domain, &run, event),
+                )
+                .await
+                .ok()?;
+            Some(message.payload)
+        }
+    };
+    let ready = wait_for("image.ready", Duration::from_secs(30), || {
+        last(Domain::Image, "ready")
+    })
+    .await;
+    let ready = ImageReadyV1::decode(&ready).unwrap();
+    assert!(ready.cached);
+    assert_eq!(
+        ready.location,
+        EnvironmentLocation::OciImage {
+            reference: format!(
+                "127.0.0.1:{port}/{repository}:latest@{}",
+                sha256(manifest.as_bytes())
+            )
+        }
+    );
+    let failed = wait_for("image.failed", Duration::from_secs(30), || {
+        last(Domain::Image, "failed")
+    })
+    .await;
+    let failed = ImageFailedV1::decode(&failed).unwrap();
+    assert_eq!(failed.task_id.as_str(), "django__django-9296");
+    assert_eq!(failed.reason, ImageFailureReason::BuildError);
+    assert!(
+        failed.message.contains("install BuildKit"),
+        "{}",
+        failed.message
+    );
+    assert!(
+        dir.path()
+            .join("contexts/swebench_django__django-9296/Dockerfile")
+            .is_file()
+    );
+    shutdown.trigger();
+    shutdown.wait().await;
 }
