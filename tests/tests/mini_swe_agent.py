@@ -26,7 +26,7 @@ def main() -> None:
         "api_base": base_url,
         "api_key": "unused",
         "temperature": 0.0,
-        "max_tokens": 160,
+        "max_tokens": 64,
     }
     model = LitellmTextbasedModel(model_name="openai/policy", cost_tracking="ignore_errors", **model_config)
     env = LocalEnvironment(cwd=workdir, **config.get("environment", {}))

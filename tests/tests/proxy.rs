@@ -299,10 +299,12 @@ async fn mini_swe_agent_runs_through_the_proxy_and_every_step_is_recorded() {
         .arg("--setenv")
         .args(["HOME", work_dir])
         .arg(&python)
-        .arg(&script)
+        // The program comes on stdin: the checkout may be under /tmp, hidden in the jail.
+        .arg("-")
         .arg(&grant.base_url)
         .arg(work_dir)
         .arg(work.path().join("messages.json"))
+        .stdin(std::fs::File::open(&script).unwrap())
         .output()
         .await
         .unwrap();
