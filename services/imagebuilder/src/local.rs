@@ -87,6 +87,7 @@ impl LocalBuilder {
         let started = Instant::now();
         let dir = self.config.root.join(&recipe.name);
         if built_digest(&dir).as_deref() == Some(recipe.digest.as_str()) {
+            mark_used(&dir);
             return Ok(Built {
                 dir,
                 cached: true,
@@ -116,6 +117,7 @@ impl LocalBuilder {
             return Err(err);
         }
         publish(&staging, &dir).await?;
+        mark_used(&dir);
         Ok(Built {
             dir,
             cached: false,
@@ -305,6 +307,107 @@ async fn copy_repository(from: &Path, to: &Path) -> Result<(), BuildError> {
             .map_err(io("completing the repository copy"))?;
     }
     Ok(())
+}
+
+impl LocalBuilder {
+    /// Removes the least recently used environments until they take at most `limit_bytes`
+    /// (interpreter copies are shared and kept). Returns the names removed. An environment
+    /// being built or handed out again is simply rebuilt when asked for next.
+    pub async fn collect_garbage(&self, limit_bytes: u64) -> Result<Vec<String>, BuildError> {
+        let root = self.config.root.clone();
+        let mut environments = tokio::task::spawn_blocking(move || environments(&root))
+            .await
+            .map_err(|e| BuildError::Io(e.to_string()))?;
+        // Oldest use first.
+        environments.sort_by_key(|e| e.last_used);
+        let mut total: u64 = environments.iter().map(|e| e.bytes).sum();
+        let mut removed = Vec::new();
+        for env in environments {
+            if total <= limit_bytes {
+                break;
+            }
+            let lock = self
+                .building
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(env.name.clone())
+                .or_default()
+                .clone();
+            let _held = lock.lock().await;
+            tokio::fs::remove_dir_all(&env.dir)
+                .await
+                .map_err(io(format!("removing {}", env.dir.display())))?;
+            total = total.saturating_sub(env.bytes);
+            removed.push(env.name);
+        }
+        Ok(removed)
+    }
+}
+
+struct Stored {
+    name: String,
+    dir: PathBuf,
+    bytes: u64,
+    last_used: std::time::SystemTime,
+}
+
+/// Every complete environment under `root` (a folder with an `environment.json`).
+fn environments(root: &Path) -> Vec<Stored> {
+    let mut found = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = path
+                .strip_prefix(root)
+                .unwrap_or(&path)
+                .to_string_lossy()
+                .into_owned();
+            if !path.is_dir() || name.starts_with('.') || name == "python" {
+                continue;
+            }
+            if path.join("environment.json").is_file() {
+                let last_used = std::fs::metadata(path.join(".last_used"))
+                    .and_then(|m| m.modified())
+                    .unwrap_or(std::time::UNIX_EPOCH);
+                found.push(Stored {
+                    bytes: size_of(&path),
+                    name,
+                    dir: path,
+                    last_used,
+                });
+            } else {
+                stack.push(path);
+            }
+        }
+    }
+    found
+}
+
+fn size_of(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            match entry.metadata() {
+                Ok(m) if m.is_dir() => stack.push(entry.path()),
+                Ok(m) => total += m.len(),
+                Err(_) => {}
+            }
+        }
+    }
+    total
+}
+
+/// Records that an environment was handed out (garbage collection removes the oldest).
+fn mark_used(dir: &Path) {
+    let _ = std::fs::write(dir.join(".last_used"), b"");
 }
 
 /// Read-only system folders for a build (as in a sandbox).

@@ -59,6 +59,10 @@ struct Args {
     buildkit_addr: String,
     #[arg(long, default_value = "buildctl")]
     buildctl: PathBuf,
+
+    /// Local snapshots are garbage-collected (least recently used first) above this size.
+    #[arg(long, default_value_t = 50.0)]
+    cache_limit_gb: f64,
 }
 
 #[tokio::main]
@@ -102,7 +106,8 @@ async fn main() -> anyhow::Result<()> {
     shutdown.trigger_on_signals();
     let router = arl_runtime::http::ops_router("imagebuilder", bus.clone(), metrics);
     arl_runtime::http::serve(args.common.http_addr, router, &shutdown).await?;
-    let mut builder = ImageBuilder::new(bus, local, recipes);
+    let mut builder =
+        ImageBuilder::new(bus, local, recipes).with_cache_limit((args.cache_limit_gb * 1e9) as u64);
     if let Some(url) = &args.registry {
         let credentials = match (args.registry_user, args.registry_password) {
             (Some(username), Some(password)) => Some(Credentials { username, password }),

@@ -45,6 +45,8 @@ pub struct ImageBuilder {
     local: Arc<LocalBuilder>,
     recipes: Recipes,
     cluster: Option<Cluster>,
+    /// Local snapshots beyond this many bytes are collected, least recently used first.
+    cache_limit: Option<u64>,
 }
 
 /// A ready environment, local or in the registry.
@@ -67,7 +69,13 @@ impl ImageBuilder {
             local,
             recipes,
             cluster: None,
+            cache_limit: None,
         }
+    }
+
+    pub fn with_cache_limit(mut self, bytes: u64) -> Self {
+        self.cache_limit = Some(bytes);
+        self
     }
 
     /// Builds registry images instead of local snapshots.
@@ -153,6 +161,18 @@ impl ImageBuilder {
                         })
                         .await?;
                 }
+            }
+        }
+        if let (Some(limit), None) = (self.cache_limit, &self.cluster) {
+            match self.local.collect_garbage(limit).await {
+                Ok(removed) if !removed.is_empty() => {
+                    tracing::info!(
+                        ?removed,
+                        "environments collected to stay under the cache limit"
+                    );
+                }
+                Ok(_) => {}
+                Err(err) => tracing::warn!(error = %err, "garbage collection failed"),
             }
         }
         Ok(())

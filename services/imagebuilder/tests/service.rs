@@ -169,3 +169,41 @@ async fn harbor_batches_get_ready_or_failed_environments() {
     shutdown.trigger();
     shutdown.wait().await;
 }
+
+/// Concurrent requests for one environment build it once; garbage collection removes the
+/// least recently used environments down to the size limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_build_per_environment_and_garbage_collection_by_size() {
+    use arl_imagebuilder::recipe::Recipe;
+    let files = tempfile::tempdir().unwrap();
+    let builder = LocalBuilder::new(LocalConfig {
+        root: files.path().join("environments"),
+        pyenv_root: files.path().join("no-pyenv"),
+        pip_cache: files.path().join("pip"),
+        timeout: Duration::from_secs(60),
+    });
+    let mean = Recipe::from_harbor(&examples().join("fix-mean")).unwrap();
+    let fizz = Recipe::from_harbor(&examples().join("fix-fizzbuzz")).unwrap();
+    let (a, b) = tokio::join!(builder.ensure(&mean), builder.ensure(&mean));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(
+        (a.cached as u8) + (b.cached as u8),
+        1,
+        "exactly one of them built"
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    builder.ensure(&fizz).await.unwrap();
+    // Over the limit: the least recently used (fix-mean) goes first.
+    let removed = builder.collect_garbage(1).await.unwrap();
+    assert_eq!(
+        removed,
+        vec![
+            "harbor/fix-mean".to_owned(),
+            "harbor/fix-fizzbuzz".to_owned()
+        ]
+    );
+    assert!(!files.path().join("environments/harbor/fix-mean").exists());
+    // Under the limit nothing is removed; a removed environment is rebuilt on demand.
+    assert!(!builder.ensure(&mean).await.unwrap().cached);
+    assert!(builder.collect_garbage(u64::MAX).await.unwrap().is_empty());
+}
