@@ -207,3 +207,37 @@ async fn one_build_per_environment_and_garbage_collection_by_size() {
     assert!(!builder.ensure(&mean).await.unwrap().cached);
     assert!(builder.collect_garbage(u64::MAX).await.unwrap().is_empty());
 }
+
+/// A build past its time limit is stopped and reported as a timeout, with the log's tail,
+/// and nothing is published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_past_its_time_limit_is_a_timeout() {
+    use arl_imagebuilder::local::BuildError;
+    use arl_imagebuilder::recipe::{Recipe, Source};
+    let files = tempfile::tempdir().unwrap();
+    let builder = LocalBuilder::new(LocalConfig {
+        root: files.path().join("environments"),
+        pyenv_root: files.path().join("no-pyenv"),
+        pip_cache: files.path().join("pip"),
+        timeout: Duration::from_secs(2),
+    });
+    let slow = Recipe {
+        name: "harbor/slow".into(),
+        workdir: "/app".into(),
+        python: None,
+        source: Source::Folder(examples().join("fix-mean/environment/app")),
+        script: "echo installing a very large package; sleep 60".into(),
+        digest: "slow".into(),
+    };
+    let started = std::time::Instant::now();
+    let error = builder.ensure(&slow).await.unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(20));
+    assert!(matches!(error, BuildError::Timeout(..)), "{error}");
+    assert!(
+        error
+            .to_string()
+            .contains("installing a very large package"),
+        "{error}"
+    );
+    assert!(!files.path().join("environments/harbor/slow").exists());
+}
