@@ -87,7 +87,7 @@ impl BuildKit {
         std::fs::write(dir.join("Dockerfile"), dockerfile(recipe)?).map_err(context)?;
         std::fs::write(dir.join("setup.sh"), setup_script(recipe, pyenv_root)).map_err(context)?;
         let source = match &recipe.source {
-            Source::GitRepository(repo) | Source::Folder(repo) => repo,
+            Source::GitRepository(repo) | Source::Folder(repo) | Source::Tarball(repo) => repo,
         };
         let status = std::process::Command::new("cp")
             .arg("-a")

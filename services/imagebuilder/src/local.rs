@@ -181,6 +181,7 @@ impl LocalBuilder {
                 copy_repository(repo, &copy).await?;
                 (copy, recipe.script.clone())
             }
+            Source::Tarball(archive) => (archive.clone(), recipe.script.clone()),
             Source::Folder(folder) => (
                 folder.clone(),
                 format!("cp -a {SOURCE_REPO}/. \"$TESTBED\"/\n{}", recipe.script),

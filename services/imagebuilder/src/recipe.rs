@@ -40,6 +40,9 @@ pub enum Source {
     GitRepository(PathBuf),
     /// A folder whose contents become the work tree.
     Folder(PathBuf),
+    /// A tar archive (of the repository at its base commit), mounted read-only at
+    /// [`SOURCE_REPO`] for the script to unpack.
+    Tarball(PathBuf),
 }
 
 /// How to build one environment.
@@ -121,7 +124,14 @@ impl Recipe {
             name: format!("swebench/{}", instance.instance_id),
             workdir: TESTBED.into(),
             python: Some(instance.python.clone()),
-            source: Source::GitRepository(source_repo),
+            source: if instance.source_repo.ends_with(".tar")
+                || instance.source_repo.ends_with(".tar.gz")
+                || instance.source_repo.ends_with(".tgz")
+            {
+                Source::Tarball(source_repo)
+            } else {
+                Source::GitRepository(source_repo)
+            },
             script,
             digest,
         })

@@ -241,3 +241,36 @@ async fn a_build_past_its_time_limit_is_a_timeout() {
     );
     assert!(!files.path().join("environments/harbor/slow").exists());
 }
+
+/// A repository shipped as a tar archive is unpacked by the recipe's own commands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tarball_source_builds() {
+    use arl_imagebuilder::recipe::{Recipe, Source};
+    let files = tempfile::tempdir().unwrap();
+    let archive = files.path().join("repo.tar");
+    let status = std::process::Command::new("tar")
+        .arg("-cf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(examples().join("fix-mean/environment/app"))
+        .arg(".")
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let builder = LocalBuilder::new(LocalConfig {
+        root: files.path().join("environments"),
+        pyenv_root: files.path().join("no-pyenv"),
+        pip_cache: files.path().join("pip"),
+        timeout: Duration::from_secs(60),
+    });
+    let recipe = Recipe {
+        name: "swebench/from-tarball".into(),
+        workdir: "/testbed".into(),
+        python: None,
+        source: Source::Tarball(archive),
+        script: "tar -xf \"$SOURCE_REPO\" -C \"$TESTBED\"".into(),
+        digest: "tarball".into(),
+    };
+    let built = builder.ensure(&recipe).await.unwrap();
+    assert!(built.dir.join("tree/stats.py").is_file());
+}
