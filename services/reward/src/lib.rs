@@ -1,0 +1,7 @@
+//! Reward: grading a trial's result.
+//!
+//! - [`logparse`]: test logs → test statuses, with the SWE-bench harness's parsers;
+//! - [`grading`]: statuses against FAIL_TO_PASS / PASS_TO_PASS → resolved or not.
+
+pub mod grading;
+pub mod logparse;
