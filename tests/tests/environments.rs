@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use arl_imagebuilder::local::{BuildError, LocalBuilder, LocalConfig};
 use arl_imagebuilder::recipe::{Recipe, load_instances};
+use arl_reward::grading::{Resolution, grade};
+use arl_reward::swebench::eval_plan;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown};
 use arl_sandbox::config::SandboxConfig;
@@ -54,6 +56,27 @@ fn init_binary() -> PathBuf {
         path.display()
     );
     path
+}
+
+/// The dataset row of an instance: gold patch, test patch, FAIL_TO_PASS, PASS_TO_PASS.
+fn dataset_row(id: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(shared_swebench().join("verified_mini_50.jsonl")).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|r| r["instance_id"] == id)
+        .unwrap()
+}
+
+async fn write(grant: &LeaseGrantV1, path: &str, content: &str) {
+    let response = http(
+        &format!("{}/files?path={path}", grant.endpoint),
+        "PUT",
+        &[("authorization", &format!("Bearer {}", grant.token))],
+        content.as_bytes(),
+    )
+    .await
+    .unwrap();
+    assert!(response.status < 300, "{}", response.text());
 }
 
 async fn exec(grant: &LeaseGrantV1, command: &str) -> ExecResult {
@@ -174,6 +197,40 @@ async fn swebench_environments_build_once_and_their_tests_run_in_a_sandbox() {
             (output.contains("Ran ") && output.contains("OK")) || output.contains(" passed"),
             "{id}: {output}"
         );
+
+        // Grading in clean sandboxes: the gold patch resolves the instance, no patch does not.
+        let row = dataset_row(id);
+        let list = |field: &str| -> Vec<String> {
+            serde_json::from_str(row[field].as_str().unwrap()).unwrap()
+        };
+        let (f2p, p2p) = (list("FAIL_TO_PASS"), list("PASS_TO_PASS"));
+        for (candidate, expected) in [
+            (row["patch"].as_str().unwrap(), Resolution::ResolvedFull),
+            ("", Resolution::ResolvedNo),
+        ] {
+            let clean: LeaseGrantV1 = bus
+                .request(
+                    ns.sandbox_rpc("any", SandboxOp::Lease),
+                    &request,
+                    Duration::from_secs(120),
+                )
+                .await
+                .unwrap();
+            let plan = eval_plan(
+                candidate,
+                row["test_patch"].as_str().unwrap(),
+                &instance.eval_env,
+                &instance.test_command,
+            );
+            for (path, content) in &plan.files {
+                write(&clean, path, content).await;
+            }
+            let run = exec(&clean, &plan.command).await;
+            let log = format!("{}{}", run.stdout, run.stderr);
+            let report = grade(&instance.repo, &log, &f2p, &p2p)
+                .unwrap_or_else(|e| panic!("{id}: {e}\n{log}"));
+            assert_eq!(report.resolution, expected, "{id}: {report:?}\n{log}");
+        }
     }
     shutdown.trigger();
     shutdown.wait().await;

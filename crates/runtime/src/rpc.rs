@@ -44,9 +44,14 @@ impl Bus {
         })?;
         let mut headers = HeaderMap::new();
         crate::telemetry::inject_context(&mut headers);
-        let sent = self
-            .client()
-            .request_with_headers(subject.clone(), headers, body.into());
+        // The client's own request timeout (10 s by default) must not cut this one short.
+        let sent = self.client().send_request(
+            subject.clone(),
+            async_nats::Request::new()
+                .headers(headers)
+                .payload(body.into())
+                .timeout(Some(timeout)),
+        );
         let message = match tokio::time::timeout(timeout, sent).await {
             Err(_) => return Err(RequestError::TimedOut { subject, timeout }),
             Ok(Err(err)) => {

@@ -1,7 +1,9 @@
 //! Reward: grading a trial's result.
 //!
 //! - [`logparse`]: test logs → test statuses, with the SWE-bench harness's parsers;
-//! - [`grading`]: statuses against FAIL_TO_PASS / PASS_TO_PASS → resolved or not.
+//! - [`grading`]: statuses against FAIL_TO_PASS / PASS_TO_PASS → resolved or not;
+//! - [`swebench`]: how a patch is evaluated in a clean sandbox of its environment.
 
 pub mod grading;
 pub mod logparse;
+pub mod swebench;
