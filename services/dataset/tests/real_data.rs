@@ -1,0 +1,99 @@
+//! The loaders on the real data in `../shared/data/swebench` and the bundled examples.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+
+use arl_dataset::swebench::{Completeness, load};
+use arl_dataset::{harbor, math, split};
+
+fn data() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/swebench")
+}
+
+#[test]
+fn swebench_verified_splits_400_100_and_full_rows_load() {
+    let all = load(
+        &data().join("verified_500_partial.jsonl"),
+        Completeness::ProblemsOnly,
+    )
+    .unwrap()
+    .accept(false)
+    .unwrap();
+    assert_eq!(all.rows.len(), 500);
+    let ids: Vec<String> = all.rows.iter().map(|r| r.instance_id.clone()).collect();
+    let s = split::split(&ids, 42, 100, 0);
+    assert_eq!((s.train.len(), s.validation.len()), (400, 100));
+    assert_eq!(split::split(&ids, 42, 100, 0), s, "same seed, same split");
+
+    let mini = load(&data().join("verified_mini_50.jsonl"), Completeness::Full).unwrap();
+    assert!(mini.errors.is_empty(), "{:?}", mini.errors.first());
+    assert_eq!(mini.rows.len(), 50);
+    let row = mini
+        .rows
+        .iter()
+        .find(|r| r.instance_id == "django__django-11880")
+        .unwrap();
+    assert_eq!(row.fail_to_pass.len(), 1);
+    assert_eq!(row.pass_to_pass.len(), 114);
+    // The partial file lacks tests: as a full dataset every row is reported, none dropped.
+    let strict = load(
+        &data().join("verified_500_partial.jsonl"),
+        Completeness::Full,
+    )
+    .unwrap();
+    assert_eq!((strict.rows.len(), strict.errors.len()), (0, 500));
+    let error = strict.accept(false).unwrap_err().to_string();
+    assert!(
+        error.contains("500 invalid rows") && error.contains(":1: version: is missing"),
+        "{error}"
+    );
+}
+
+#[test]
+fn bad_rows_are_reported_with_file_row_field_and_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = std::fs::read_to_string(data().join("verified_mini_50.jsonl")).unwrap();
+    let first = good.lines().next().unwrap();
+    let mut bad: serde_json::Value = serde_json::from_str(first).unwrap();
+    bad["FAIL_TO_PASS"] = "not json".into();
+    let mut dup = serde_json::from_str::<serde_json::Value>(first).unwrap();
+    dup["base_commit"] = "abc".into();
+    let file = dir.path().join("rows.jsonl");
+    std::fs::write(&file, format!("{first}\n{bad}\n{{oops\n{dup}\n{first}\n")).unwrap();
+    let loaded = load(&file, Completeness::Full).unwrap();
+    assert_eq!(loaded.rows.len(), 1);
+    let described: Vec<String> = loaded
+        .errors
+        .iter()
+        .map(|e| format!("{}:{}", e.row, e.field))
+        .collect();
+    assert_eq!(
+        described,
+        ["2:FAIL_TO_PASS", "3:", "4:base_commit", "5:instance_id"]
+    );
+    assert!(loaded.errors[3].reason.contains("appears twice"));
+    assert_eq!(loaded.accept(true).unwrap().rows.len(), 1);
+}
+
+#[test]
+fn harbor_folders_and_math_problems_load() {
+    let tasks = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/tasks");
+    let harbor = harbor::load(&tasks).unwrap();
+    assert_eq!(harbor.rows.len(), 3);
+    assert!(harbor.errors.is_empty());
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("broken")).unwrap();
+    std::fs::write(dir.path().join("broken/task.toml"), "").unwrap();
+    let broken = harbor::load(dir.path()).unwrap();
+    assert_eq!(broken.errors[0].field, "instruction.md");
+
+    let file = dir.path().join("gsm.jsonl");
+    std::fs::write(
+        &file,
+        "{\"question\": \"2+2?\", \"answer\": \"2+2=4\\n#### 4\"}\n{\"question\": \"x\", \"answer\": \"no marker\"}\n",
+    )
+    .unwrap();
+    let loaded = math::load(&file).unwrap();
+    assert_eq!(loaded.rows[0].answer, "4");
+    assert_eq!(loaded.errors[0].field, "answer");
+}
