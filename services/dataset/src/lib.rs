@@ -69,17 +69,14 @@ pub(crate) fn read(path: &std::path::Path) -> Result<Vec<u8>, LoadError> {
     })
 }
 
+/// One row of a JSON dataset: its label and its object, or why it is not one.
+pub(crate) type JsonRow = (
+    String,
+    Result<serde_json::Map<String, serde_json::Value>, String>,
+);
+
 /// JSON objects of a JSONL file (one per line) or a JSON array, with their row labels.
-pub(crate) fn json_rows(
-    path: &std::path::Path,
-    bytes: &[u8],
-) -> Result<
-    Vec<(
-        String,
-        Result<serde_json::Map<String, serde_json::Value>, String>,
-    )>,
-    LoadError,
-> {
+pub(crate) fn json_rows(path: &std::path::Path, bytes: &[u8]) -> Result<Vec<JsonRow>, LoadError> {
     let file = path.display().to_string();
     let object = |v: serde_json::Value| match v {
         serde_json::Value::Object(map) => Ok(map),
