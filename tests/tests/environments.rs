@@ -1,8 +1,9 @@
-//! A real SWE-bench environment (django__django-11880 from `../shared/data/swebench`): the
-//! image builder builds it in bubblewrap with the instance's recorded setup commands (pip
-//! from PyPI, Python 3.6.15 from pyenv), reuses it the second time, and the sandbox service
-//! leases it and runs the instance's test command inside. Explicit failures for a missing
-//! interpreter and a missing commit. Needs `arl-sandbox-init` built (`cargo build --bins`).
+//! The six SWE-bench instances of `../shared/data/swebench`: the image builder builds each
+//! environment in bubblewrap with the instance's recorded setup commands (pip from PyPI,
+//! Python from pyenv) and reuses it the second time; the sandbox service leases it and the
+//! instance's test command passes inside; in clean sandboxes the gold patch grades resolved
+//! and the empty patch does not. Explicit failures for a missing interpreter and a missing
+//! commit. Needs `arl-sandbox-init` built (`cargo build --bins`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::os::unix::fs::PermissionsExt;
@@ -97,7 +98,7 @@ async fn exec(grant: &LeaseGrantV1, command: &str) -> ExecResult {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn swebench_environments_build_once_and_their_tests_run_in_a_sandbox() {
+async fn every_swebench_instance_builds_runs_its_tests_and_grades_gold_and_empty_patches() {
     let files = tempfile::Builder::new()
         .prefix("arl-env-")
         .tempdir()
@@ -132,13 +133,16 @@ async fn swebench_environments_build_once_and_their_tests_run_in_a_sandbox() {
     .await
     .unwrap();
 
-    // One django instance (a venv of Python 3.6) and the sphinx one (an interpreter copy
-    // of Python 3.9, run through tox): the two environment shapes of the data.
-    for (id, module, python) in [
-        ("django__django-11880", "django", "Python 3.6.15"),
-        ("sphinx-doc__sphinx-9367", "sphinx", "Python 3.9.18"),
-    ] {
-        let instance = instances.iter().find(|i| i.instance_id == id).unwrap();
+    // Every instance of the data: five django ones (venvs of Python 3.6) and the sphinx
+    // one (an interpreter copy of Python 3.9, run through tox).
+    assert_eq!(instances.len(), 6);
+    for instance in &instances {
+        let id = instance.instance_id.as_str();
+        let (module, python) = if instance.repo == "django/django" {
+            ("django", "Python 3.6.15")
+        } else {
+            ("sphinx", "Python 3.9.18")
+        };
         let recipe = Recipe::from_swe(instance, &shared_swebench(), &pyenv).unwrap();
         let built = match builder.ensure(&recipe).await {
             Ok(built) => built,
