@@ -67,7 +67,10 @@ pub struct LocalBuilder {
 }
 
 impl LocalBuilder {
+    /// A builder over `config.root`. Staging folders a crashed builder left behind are
+    /// removed (this builder owns the root; nothing else builds there).
     pub fn new(config: LocalConfig) -> Self {
+        let _ = std::fs::remove_dir_all(config.root.join(".build"));
         Self {
             config,
             building: Mutex::default(),

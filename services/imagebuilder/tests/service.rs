@@ -274,3 +274,27 @@ async fn a_tarball_source_builds() {
     let built = builder.ensure(&recipe).await.unwrap();
     assert!(built.dir.join("tree/stats.py").is_file());
 }
+
+/// A builder starting over a root where a crashed one left a half-built environment
+/// removes it; complete environments stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leftovers_of_a_crashed_build_are_removed_at_start() {
+    use arl_imagebuilder::recipe::Recipe;
+    let files = tempfile::tempdir().unwrap();
+    let config = LocalConfig {
+        root: files.path().join("environments"),
+        pyenv_root: files.path().join("no-pyenv"),
+        pip_cache: files.path().join("pip"),
+        timeout: Duration::from_secs(60),
+    };
+    let mean = Recipe::from_harbor(&examples().join("fix-mean")).unwrap();
+    LocalBuilder::new(config.clone())
+        .ensure(&mean)
+        .await
+        .unwrap();
+    let leftover = config.root.join(".build/harbor_half-built-1234");
+    std::fs::create_dir_all(leftover.join("tree")).unwrap();
+    let builder = LocalBuilder::new(config.clone());
+    assert!(!leftover.exists());
+    assert!(builder.ensure(&mean).await.unwrap().cached);
+}
