@@ -270,3 +270,109 @@ async fn every_swebench_instance_builds_runs_its_tests_and_grades_gold_and_empty
         "a failed build is not published"
     );
 }
+
+/// A Harbor task graded the same way: the reference solution, run by an "agent" in one
+/// sandbox, becomes a patch; in clean sandboxes that patch scores 1 and no patch scores 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_harbor_task_scores_its_solution_1_and_nothing_0() {
+    let files = tempfile::Builder::new()
+        .prefix("arl-harbor-")
+        .tempdir()
+        .unwrap();
+    std::fs::set_permissions(files.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let root = files.path().join("environments");
+    std::fs::create_dir_all(&root).unwrap();
+    let task = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tasks/fix-mean");
+    let recipe = Recipe::from_harbor(&task).unwrap();
+    builder(&root).ensure(&recipe).await.unwrap();
+
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = Bus::connect(
+        BusConfig::new(server.url(), ns.clone(), "test"),
+        Metrics::new(),
+    )
+    .await
+    .unwrap();
+    bus.provision().await.unwrap();
+    let shutdown = Shutdown::new();
+    let mut config = SandboxConfig::local(files.path().join("state"), root.clone(), init_binary());
+    config.pool_min_idle = 0;
+    SandboxService::start_local(
+        bus.clone(),
+        config,
+        "127.0.0.1:0".parse().unwrap(),
+        &shutdown,
+    )
+    .await
+    .unwrap();
+    let request = LeaseRequestV1 {
+        run_id: RunId::new("run-harbor").unwrap(),
+        trial_id: None,
+        environment: EnvironmentRef {
+            name: recipe.name.clone(),
+            digest: None,
+        },
+        ttl_s: 600,
+        limits: SandboxLimits::default(),
+    };
+    let lease = || async {
+        bus.request::<_, LeaseGrantV1>(
+            ns.sandbox_rpc("any", SandboxOp::Lease),
+            &request,
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap()
+    };
+    // The "agent": runs the reference solution, and its work becomes a patch.
+    let agent = lease().await;
+    let solve = std::fs::read_to_string(task.join("solution/solve.sh")).unwrap();
+    let body = serde_json::json!({"command": "bash -s", "stdin": solve, "timeout_s": 60});
+    let response = http(
+        &format!("{}/exec", agent.endpoint),
+        "POST",
+        &[
+            ("authorization", &format!("Bearer {}", agent.token)),
+            ("content-type", "application/json"),
+        ],
+        body.to_string().as_bytes(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(response.json::<ExecResult>().exit_code, 0);
+    let patch = http(
+        &format!("{}/diff", agent.endpoint),
+        "GET",
+        &[("authorization", &format!("Bearer {}", agent.token))],
+        b"",
+    )
+    .await
+    .unwrap()
+    .text();
+    assert!(patch.contains("stats.py"), "{patch}");
+
+    let tests: Vec<(String, String)> = ["test.sh", "test_outputs.py"]
+        .iter()
+        .map(|f| {
+            (
+                (*f).to_owned(),
+                std::fs::read_to_string(task.join("tests").join(f)).unwrap(),
+            )
+        })
+        .collect();
+    for (candidate, expected) in [(patch.as_str(), 1.0), ("", 0.0)] {
+        let clean = lease().await;
+        let plan = arl_reward::harbor::eval_plan(candidate, &tests, &clean.workdir);
+        for (path, content) in &plan.files {
+            write(&clean, path, content).await;
+        }
+        let run = exec(&clean, &plan.command).await;
+        let log = format!("{}{}", run.stdout, run.stderr);
+        let reward =
+            arl_reward::harbor::reward_from_log(&log).unwrap_or_else(|e| panic!("{e}\n{log}"));
+        assert_eq!(reward, expected, "{log}");
+    }
+    shutdown.trigger();
+    shutdown.wait().await;
+}

@@ -2,8 +2,10 @@
 //!
 //! - [`logparse`]: test logs → test statuses, with the SWE-bench harness's parsers;
 //! - [`grading`]: statuses against FAIL_TO_PASS / PASS_TO_PASS → resolved or not;
-//! - [`swebench`]: how a patch is evaluated in a clean sandbox of its environment.
+//! - [`swebench`]: how a patch is evaluated in a clean sandbox of its environment;
+//! - [`harbor`]: a Harbor task's hidden `tests/test.sh` run the same way, its reward read.
 
 pub mod grading;
+pub mod harbor;
 pub mod logparse;
 pub mod swebench;
