@@ -6,11 +6,13 @@
 //! - tracing logs and OTLP export, and the W3C `traceparent` on NATS headers
 //!   ([`telemetry`]);
 //! - `/health` and `/metrics` over HTTP ([`http`], [`metrics`]);
-//! - graceful shutdown on SIGINT/SIGTERM ([`shutdown`]).
+//! - graceful shutdown on SIGINT/SIGTERM ([`shutdown`]);
+//! - the SHA-256 form digests are exchanged in ([`digest`]).
 
 pub mod args;
 pub mod bus;
 pub mod consumer;
+pub mod digest;
 pub mod headers;
 pub mod http;
 pub mod metrics;

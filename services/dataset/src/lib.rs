@@ -54,13 +54,7 @@ impl<T> Loaded<T> {
     }
 }
 
-pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
-    ring::digest::digest(&ring::digest::SHA256, bytes)
-        .as_ref()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
+pub(crate) use arl_runtime::digest::sha256_hex;
 
 pub(crate) fn read(path: &std::path::Path) -> Result<Vec<u8>, LoadError> {
     std::fs::read(path).map_err(|e| LoadError::Read {

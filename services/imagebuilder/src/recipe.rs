@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
+use arl_runtime::digest::sha256_hex;
 use serde::Deserialize;
 
 /// The fields of one `instances.json` entry the builder uses.
@@ -229,14 +230,6 @@ fn folder_digest(folder: &Path) -> String {
     }
     entries.sort();
     sha256_hex(format!("{entries:?}").as_bytes())
-}
-
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    ring::digest::digest(&ring::digest::SHA256, bytes)
-        .as_ref()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 #[cfg(test)]

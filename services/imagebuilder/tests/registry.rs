@@ -34,15 +34,7 @@ impl Drop for Running {
 }
 
 fn sha256(bytes: &[u8]) -> String {
-    let digest = ring::digest::digest(&ring::digest::SHA256, bytes);
-    format!(
-        "sha256:{}",
-        digest
-            .as_ref()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    )
+    format!("sha256:{}", arl_runtime::digest::sha256_hex(bytes))
 }
 
 fn bcrypt(password: &str) -> String {

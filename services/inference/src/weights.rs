@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use arl_model::load::LoadedModel;
 use arl_runtime::consumer::run_consumer;
+use arl_runtime::digest::sha256_file;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::WeightsPublishedV1;
 use arl_schemas::{Domain, RunId};
@@ -77,7 +78,7 @@ fn local_path(uri: &str) -> Result<PathBuf, String> {
 
 fn load_checked(dir: &Path, sha256: &str) -> Result<LoadedModel, String> {
     let file = dir.join("model.safetensors");
-    let found = sha256_file(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let (found, _) = sha256_file(&file).map_err(|e| format!("{}: {e}", file.display()))?;
     if found != sha256 {
         return Err(format!(
             "{}: sha256 is {found}, the event says {sha256} (incomplete copy?)",
@@ -85,24 +86,4 @@ fn load_checked(dir: &Path, sha256: &str) -> Result<LoadedModel, String> {
         ));
     }
     LoadedModel::open(dir).map_err(|e| e.to_string())
-}
-
-fn sha256_file(path: &Path) -> std::io::Result<String> {
-    use std::io::Read;
-    let mut file = std::fs::File::open(path)?;
-    let mut context = ring::digest::Context::new(&ring::digest::SHA256);
-    let mut buffer = vec![0u8; 1 << 20];
-    loop {
-        let read = file.read(&mut buffer)?;
-        if read == 0 {
-            break;
-        }
-        context.update(&buffer[..read]);
-    }
-    Ok(context
-        .finish()
-        .as_ref()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
 }

@@ -404,12 +404,8 @@ async fn bad_requests_get_openai_errors() {
 /// Saves `loaded` as a published version; returns its event.
 fn publish_dir(loaded: &LoadedModel, dir: &Path, run: &RunId, version: u64) -> WeightsPublishedV1 {
     loaded.save_hf(dir).unwrap();
-    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
-    let sha256 = ring::digest::digest(&ring::digest::SHA256, &bytes)
-        .as_ref()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let (sha256, size_bytes) =
+        arl_runtime::digest::sha256_file(&dir.join("model.safetensors")).unwrap();
     WeightsPublishedV1 {
         run_id: run.clone(),
         policy_version: version,
@@ -417,7 +413,7 @@ fn publish_dir(loaded: &LoadedModel, dir: &Path, run: &RunId, version: u64) -> W
         uri: format!("file://{}", dir.display()),
         sha256,
         format: WeightsFormat::HfSafetensors,
-        size_bytes: bytes.len() as u64,
+        size_bytes,
         at: chrono::Utc::now(),
     }
 }

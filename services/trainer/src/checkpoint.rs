@@ -4,12 +4,12 @@
 //! checkpoint a restarted trainer resumes from. A folder is written under a temporary name
 //! and renamed into place, so a folder that exists is complete.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use arl_model::load::LoadedModel;
 use arl_model::train::AdamW;
 use arl_model::weights::Weights;
+use arl_runtime::digest::sha256_file;
 use serde::{Deserialize, Serialize};
 
 const STATE_FILE: &str = "trainer_state.json";
@@ -85,7 +85,8 @@ pub fn save(
     let state_path = tmp.join(STATE_FILE);
     let json = serde_json::to_vec_pretty(&state).unwrap_or_default();
     std::fs::write(&state_path, json).map_err(io(&state_path))?;
-    let (sha256, size_bytes) = sha256_file(&tmp.join(WEIGHTS_FILE))?;
+    let weights = tmp.join(WEIGHTS_FILE);
+    let (sha256, size_bytes) = sha256_file(&weights).map_err(io(&weights))?;
     if dir.exists() {
         // A step re-trained after a restart replaces what the crashed run left.
         std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
@@ -164,27 +165,4 @@ pub fn prune(run_dir: &Path, keep: usize) -> Result<(), CheckpointError> {
         }
     }
     Ok(())
-}
-
-/// Hex SHA-256 and size of a file.
-pub fn sha256_file(path: &Path) -> Result<(String, u64), CheckpointError> {
-    let mut file = std::fs::File::open(path).map_err(io(path))?;
-    let mut context = ring::digest::Context::new(&ring::digest::SHA256);
-    let mut buffer = vec![0u8; 1 << 20];
-    let mut size = 0u64;
-    loop {
-        let read = file.read(&mut buffer).map_err(io(path))?;
-        if read == 0 {
-            break;
-        }
-        context.update(&buffer[..read]);
-        size += read as u64;
-    }
-    let hex = context
-        .finish()
-        .as_ref()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    Ok((hex, size))
 }

@@ -254,7 +254,7 @@ async fn trains_steps_publishes_versions_and_resumes_after_a_restart() {
     let v1 = &events::<WeightsPublishedV1>(&bus, &run).await[0];
     assert_eq!((v1.policy_version, v1.step), (1, 1));
     let dir = PathBuf::from(v1.uri.strip_prefix("file://").unwrap());
-    let (sha, size) = checkpoint::sha256_file(&dir.join("model.safetensors")).unwrap();
+    let (sha, size) = arl_runtime::digest::sha256_file(&dir.join("model.safetensors")).unwrap();
     assert_eq!((sha.as_str(), size), (v1.sha256.as_str(), v1.size_bytes));
     let trained = LoadedModel::open(&dir).unwrap();
     let original = LoadedModel::open(&base).unwrap();
