@@ -2,7 +2,6 @@
 //! Build them first: `cargo build --bins` (`make test` does).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
@@ -11,20 +10,7 @@ use arl_runtime::{Bus, Metrics};
 use arl_schemas::events::{EvaluationCompletedV1, Example, TrainStepV1};
 use arl_schemas::state::{RunStateV1, RunStatus};
 use arl_schemas::{Bucket, Namespace, RunId};
-use arl_testkit::{NatsServer, test_namespace, wait_for};
-
-fn binary(name: &str) -> PathBuf {
-    // target/debug/deps/e2e-… → target/debug/<name>
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(Path::parent).unwrap();
-    let path = dir.join(name);
-    assert!(
-        path.exists(),
-        "{} is missing; run `cargo build --bins` first",
-        path.display()
-    );
-    path
-}
+use arl_testkit::{NatsServer, built_binary, test_namespace, wait_for};
 
 struct Deployment {
     server: NatsServer,
@@ -75,7 +61,7 @@ impl Deployment {
     }
 
     fn start_controller(&mut self) {
-        let mut command = Command::new(binary("arl-controller"));
+        let mut command = Command::new(built_binary("arl-controller"));
         self.env(&mut command);
         command.stdout(Stdio::null()).stderr(Stdio::inherit());
         self.controller = Some(command.spawn().unwrap());
@@ -89,7 +75,7 @@ impl Deployment {
     }
 
     fn arl(&self, args: &[&str]) -> Output {
-        let mut command = Command::new(binary("arl"));
+        let mut command = Command::new(built_binary("arl"));
         self.env(&mut command);
         command
             .args(args)
@@ -181,7 +167,7 @@ async fn the_cli_explains_what_is_wrong_with_exit_codes() {
     assert_eq!(unknown.status.code(), Some(4));
     assert!(text(&unknown.stderr).contains("arl run list"));
 
-    let mut command = Command::new(binary("arl"));
+    let mut command = Command::new(built_binary("arl"));
     let offline = command
         .args(["run", "list"])
         .env("NATS_URL", "nats://127.0.0.1:1")

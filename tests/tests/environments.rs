@@ -21,7 +21,7 @@ use arl_sandbox::service::SandboxService;
 use arl_schemas::RunId;
 use arl_schemas::events::EnvironmentRef;
 use arl_schemas::rpc::{ExecResult, LeaseGrantV1, LeaseRequestV1, SandboxLimits, SandboxOp};
-use arl_testkit::{NatsServer, http, test_namespace};
+use arl_testkit::{NatsServer, built_binary, http, test_namespace};
 
 fn shared_swebench() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/swebench")
@@ -42,21 +42,6 @@ fn builder(root: &Path) -> LocalBuilder {
             .unwrap_or(home().join(".cache/arl/pip")),
         timeout: Duration::from_secs(900),
     })
-}
-
-fn init_binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("arl-sandbox-init");
-    assert!(
-        path.exists(),
-        "{} is missing; run `cargo build --bins` first",
-        path.display()
-    );
-    path
 }
 
 /// The dataset row of an instance: gold patch, test patch, FAIL_TO_PASS, PASS_TO_PASS.
@@ -122,7 +107,11 @@ async fn every_swebench_instance_builds_runs_its_tests_and_grades_gold_and_empty
     .unwrap();
     bus.provision().await.unwrap();
     let shutdown = Shutdown::new();
-    let mut config = SandboxConfig::local(files.path().join("state"), root.clone(), init_binary());
+    let mut config = SandboxConfig::local(
+        files.path().join("state"),
+        root.clone(),
+        built_binary("arl-sandbox-init"),
+    );
     config.pool_min_idle = 0;
     SandboxService::start_local(
         bus.clone(),
@@ -296,7 +285,11 @@ async fn a_harbor_task_scores_its_solution_1_and_nothing_0() {
     .unwrap();
     bus.provision().await.unwrap();
     let shutdown = Shutdown::new();
-    let mut config = SandboxConfig::local(files.path().join("state"), root.clone(), init_binary());
+    let mut config = SandboxConfig::local(
+        files.path().join("state"),
+        root.clone(),
+        built_binary("arl-sandbox-init"),
+    );
     config.pool_min_idle = 0;
     SandboxService::start_local(
         bus.clone(),

@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use arl_model::load::LoadedModel;
@@ -14,19 +14,8 @@ use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics};
 use arl_schemas::events::LlmCallV1;
 use arl_schemas::rpc::{ProxyOp, TrialKeyGrantV1, TrialKeyRequestV1};
-use arl_schemas::{Domain, Event, RunId, TrialId};
-use arl_testkit::{NatsServer, http, test_namespace, wait_for};
-
-fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe.parent().and_then(Path::parent).unwrap().join(name);
-    assert!(
-        path.exists(),
-        "{} is missing; run `cargo build --bins` first",
-        path.display()
-    );
-    path
-}
+use arl_schemas::{Domain, Event, Namespace, RunId, TrialId};
+use arl_testkit::{Children, NatsServer, built_binary, free_port, http, test_namespace, wait_for};
 
 fn home_cache(rel: &str) -> PathBuf {
     PathBuf::from(std::env::var_os("HOME").unwrap())
@@ -34,96 +23,126 @@ fn home_cache(rel: &str) -> PathBuf {
         .join(rel)
 }
 
-struct Processes(Vec<Child>);
+/// A private nats-server with the real engine (SmolLM2) and the real proxy in front of it.
+struct Stack {
+    _children: Children,
+    ns: Namespace,
+    bus: Bus,
+    _server: NatsServer,
+}
 
-impl Drop for Processes {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
+impl Stack {
+    async fn start() -> Self {
+        let server = NatsServer::start().unwrap();
+        let ns = test_namespace();
+        let (engine_port, proxy_port) = (free_port().unwrap(), free_port().unwrap());
+        let spawn = |name: &str, args: &[String]| {
+            Command::new(built_binary(name))
+                .args(args)
+                .env("NATS_URL", server.url())
+                .env("ARL_PREFIX", ns.prefix().unwrap())
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap()
+        };
+        let children = Children(vec![
+            spawn(
+                "arl-inference",
+                &[
+                    "--model".into(),
+                    "smollm2-135m-instruct".into(),
+                    "--listen".into(),
+                    format!("127.0.0.1:{engine_port}"),
+                ],
+            ),
+            spawn(
+                "arl-proxy",
+                &[
+                    "--backend".into(),
+                    format!("arl=http://127.0.0.1:{engine_port}"),
+                    "--listen".into(),
+                    format!("127.0.0.1:{proxy_port}"),
+                ],
+            ),
+        ]);
+        wait_for("the engine", Duration::from_secs(60), || async {
+            let url = format!("http://127.0.0.1:{engine_port}/v1/models");
+            let r = http(&url, "GET", &[], b"").await.ok()?;
+            (r.status == 200).then_some(())
+        })
+        .await;
+        let bus = Bus::connect(
+            BusConfig::new(server.url(), ns.clone(), "test"),
+            Metrics::new(),
+        )
+        .await
+        .unwrap();
+        Self {
+            _children: children,
+            ns,
+            bus,
+            _server: server,
         }
+    }
+
+    /// A trial key from the proxy (waiting for it to answer).
+    async fn key(&self, run: &str, trial: &str) -> TrialKeyGrantV1 {
+        let request = TrialKeyRequestV1 {
+            run_id: RunId::new(run).unwrap(),
+            trial_id: TrialId::new(trial).unwrap(),
+            policy_version: 0,
+            max_staleness: None,
+        };
+        wait_for("the proxy", Duration::from_secs(30), || async {
+            self.bus
+                .request(
+                    self.ns.proxy_rpc("any", ProxyOp::Issue),
+                    &request,
+                    Duration::from_secs(2),
+                )
+                .await
+                .ok()
+        })
+        .await
+    }
+
+    /// The `llm.call` events, once there are `count` of them.
+    async fn recorded_calls(&self, count: usize) -> Vec<LlmCallV1> {
+        let stream = self
+            .bus
+            .jetstream()
+            .get_stream(self.ns.stream(Domain::Llm))
+            .await
+            .unwrap();
+        wait_for("the recorded calls", Duration::from_secs(10), || async {
+            let info = stream.clone().get_info().await.ok()?;
+            let mut calls = Vec::new();
+            for seq in info.state.first_sequence..=info.state.last_sequence {
+                if let Ok(m) = stream.get_raw_message(seq).await {
+                    calls.push(LlmCallV1::decode(&m.payload).ok()?);
+                }
+            }
+            (calls.len() == count).then_some(calls)
+        })
+        .await
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
+fn smollm2_tokenizer() -> arl_model::tokenizer::Tokenizer {
+    let model_dir = std::env::var_os("ARL_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or(home_cache("models"));
+    LoadedModel::open(&model_dir.join("SmolLM2-135M-Instruct.Q4_1.gguf"))
         .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+        .tokenizer
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_sdk_through_the_proxy_is_recorded_token_for_token() {
-    let server = NatsServer::start().unwrap();
-    let ns = test_namespace();
-    let (engine_port, proxy_port) = (free_port(), free_port());
-    let spawn = |name: &str, args: &[String]| {
-        Command::new(binary(name))
-            .args(args)
-            .env("NATS_URL", server.url())
-            .env("ARL_PREFIX", ns.prefix().unwrap())
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap()
-    };
-    let _processes = Processes(vec![
-        spawn(
-            "arl-inference",
-            &[
-                "--model".into(),
-                "smollm2-135m-instruct".into(),
-                "--listen".into(),
-                format!("127.0.0.1:{engine_port}"),
-            ],
-        ),
-        spawn(
-            "arl-proxy",
-            &[
-                "--backend".into(),
-                format!("arl=http://127.0.0.1:{engine_port}"),
-                "--listen".into(),
-                format!("127.0.0.1:{proxy_port}"),
-            ],
-        ),
-    ]);
-    wait_for("the engine", Duration::from_secs(60), || async {
-        let r = http(
-            &format!("http://127.0.0.1:{engine_port}/v1/models"),
-            "GET",
-            &[],
-            b"",
-        )
-        .await
-        .ok()?;
-        (r.status == 200).then_some(())
-    })
-    .await;
-
-    let bus = Bus::connect(
-        BusConfig::new(server.url(), ns.clone(), "test"),
-        Metrics::new(),
-    )
-    .await
-    .unwrap();
-    let request = TrialKeyRequestV1 {
-        run_id: RunId::new("run-sdk").unwrap(),
-        trial_id: TrialId::new("trial-sdk").unwrap(),
-        policy_version: 0,
-        max_staleness: None,
-    };
-    let grant: TrialKeyGrantV1 = wait_for("the proxy", Duration::from_secs(30), || async {
-        bus.request(
-            ns.proxy_rpc("any", ProxyOp::Issue),
-            &request,
-            Duration::from_secs(2),
-        )
-        .await
-        .ok()
-    })
-    .await;
+    let stack = Stack::start().await;
+    let grant = stack.key("run-sdk", "trial-sdk").await;
 
     let python = std::env::var_os("ARL_TOOLS_PYTHON")
         .map(PathBuf::from)
@@ -142,28 +161,8 @@ async fn the_openai_sdk_through_the_proxy_is_recorded_token_for_token() {
     );
     let seen: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
 
-    let stream = bus
-        .jetstream()
-        .get_stream(ns.stream(Domain::Llm))
-        .await
-        .unwrap();
-    let calls: Vec<LlmCallV1> = wait_for("two recorded calls", Duration::from_secs(10), || async {
-        let info = stream.clone().get_info().await.ok()?;
-        let mut calls = Vec::new();
-        for seq in info.state.first_sequence..=info.state.last_sequence {
-            if let Ok(m) = stream.get_raw_message(seq).await {
-                calls.push(LlmCallV1::decode(&m.payload).ok()?);
-            }
-        }
-        (calls.len() == 2).then_some(calls)
-    })
-    .await;
-    let model_dir = std::env::var_os("ARL_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or(home_cache("models"));
-    let tokenizer = LoadedModel::open(&model_dir.join("SmolLM2-135M-Instruct.Q4_1.gguf"))
-        .unwrap()
-        .tokenizer;
+    let calls = stack.recorded_calls(2).await;
+    let tokenizer = smollm2_tokenizer();
     for (turn, call) in calls.iter().enumerate() {
         assert_eq!(call.turn_index as usize, turn);
         assert_eq!(call.logprobs.len(), call.completion_token_ids.len());
@@ -186,74 +185,8 @@ async fn the_openai_sdk_through_the_proxy_is_recorded_token_for_token() {
 /// commands the model writes are executed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mini_swe_agent_runs_through_the_proxy_and_every_step_is_recorded() {
-    let server = NatsServer::start().unwrap();
-    let ns = test_namespace();
-    let (engine_port, proxy_port) = (free_port(), free_port());
-    let spawn = |name: &str, args: &[String]| {
-        Command::new(binary(name))
-            .args(args)
-            .env("NATS_URL", server.url())
-            .env("ARL_PREFIX", ns.prefix().unwrap())
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap()
-    };
-    let _processes = Processes(vec![
-        spawn(
-            "arl-inference",
-            &[
-                "--model".into(),
-                "smollm2-135m-instruct".into(),
-                "--listen".into(),
-                format!("127.0.0.1:{engine_port}"),
-            ],
-        ),
-        spawn(
-            "arl-proxy",
-            &[
-                "--backend".into(),
-                format!("arl=http://127.0.0.1:{engine_port}"),
-                "--listen".into(),
-                format!("127.0.0.1:{proxy_port}"),
-            ],
-        ),
-    ]);
-    wait_for("the engine", Duration::from_secs(60), || async {
-        let r = http(
-            &format!("http://127.0.0.1:{engine_port}/v1/models"),
-            "GET",
-            &[],
-            b"",
-        )
-        .await
-        .ok()?;
-        (r.status == 200).then_some(())
-    })
-    .await;
-    let bus = Bus::connect(
-        BusConfig::new(server.url(), ns.clone(), "test"),
-        Metrics::new(),
-    )
-    .await
-    .unwrap();
-    let request = TrialKeyRequestV1 {
-        run_id: RunId::new("run-msa").unwrap(),
-        trial_id: TrialId::new("trial-msa").unwrap(),
-        policy_version: 0,
-        max_staleness: None,
-    };
-    let grant: TrialKeyGrantV1 = wait_for("the proxy", Duration::from_secs(30), || async {
-        bus.request(
-            ns.proxy_rpc("any", ProxyOp::Issue),
-            &request,
-            Duration::from_secs(2),
-        )
-        .await
-        .ok()
-    })
-    .await;
+    let stack = Stack::start().await;
+    let grant = stack.key("run-msa", "trial-msa").await;
 
     let python = std::env::var_os("ARL_AGENTS_PYTHON")
         .map(PathBuf::from)
@@ -328,28 +261,8 @@ async fn mini_swe_agent_runs_through_the_proxy_and_every_step_is_recorded() {
         .collect();
     assert!(!assistant.is_empty(), "the agent made no LLM call");
 
-    let stream = bus
-        .jetstream()
-        .get_stream(ns.stream(Domain::Llm))
-        .await
-        .unwrap();
-    let calls: Vec<LlmCallV1> = wait_for("the agent's calls", Duration::from_secs(10), || async {
-        let info = stream.clone().get_info().await.ok()?;
-        let mut calls = Vec::new();
-        for seq in info.state.first_sequence..=info.state.last_sequence {
-            if let Ok(m) = stream.get_raw_message(seq).await {
-                calls.push(LlmCallV1::decode(&m.payload).ok()?);
-            }
-        }
-        (calls.len() == assistant.len()).then_some(calls)
-    })
-    .await;
-    let model_dir = std::env::var_os("ARL_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or(home_cache("models"));
-    let tokenizer = LoadedModel::open(&model_dir.join("SmolLM2-135M-Instruct.Q4_1.gguf"))
-        .unwrap()
-        .tokenizer;
+    let calls = stack.recorded_calls(assistant.len()).await;
+    let tokenizer = smollm2_tokenizer();
     for (call, text) in calls.iter().zip(&assistant) {
         assert_eq!(call.trial_id.as_str(), "trial-msa");
         assert_eq!(

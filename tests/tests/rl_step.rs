@@ -6,8 +6,8 @@
 //! (`cargo build --bins`; `make test` does).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use arl_runtime::bus::BusConfig;
@@ -17,31 +17,8 @@ use arl_schemas::events::{
 };
 use arl_schemas::state::RunStateV1;
 use arl_schemas::{Bucket, Event, RunId, TaskId, TrialId};
-use arl_testkit::{NatsServer, http, test_namespace, wait_for};
+use arl_testkit::{Children, NatsServer, built_binary, free_port, http, test_namespace, wait_for};
 use serde_json::{Value, json};
-
-fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe.parent().and_then(Path::parent).unwrap().join(name);
-    assert!(
-        path.exists(),
-        "{} is missing; run `cargo build --bins` first",
-        path.display()
-    );
-    path
-}
-
-/// Child processes killed when the test ends, however it ends.
-struct Processes(Vec<Child>);
-
-impl Drop for Processes {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
 
 async fn chat(base: &str, body: &Value) -> Value {
     let response = http(
@@ -73,14 +50,10 @@ async fn one_grpo_step_flows_from_engine_to_trainer_and_back() {
         ),
     )
     .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port().unwrap();
     let base = format!("http://127.0.0.1:{port}");
     let spawn = |name: &str, args: &[&str]| {
-        Command::new(binary(name))
+        Command::new(built_binary(name))
             .args(args)
             .env("NATS_URL", server.url())
             .env("ARL_PREFIX", &prefix)
@@ -91,7 +64,7 @@ async fn one_grpo_step_flows_from_engine_to_trainer_and_back() {
             .spawn()
             .unwrap()
     };
-    let _processes = Processes(vec![
+    let _processes = Children(vec![
         spawn("arl-controller", &[]),
         spawn("arl-trainer", &[]),
         spawn(
@@ -106,7 +79,7 @@ async fn one_grpo_step_flows_from_engine_to_trainer_and_back() {
     ]);
 
     // Submit the run; the controller admits it.
-    let submitted = Command::new(binary("arl"))
+    let submitted = Command::new(built_binary("arl"))
         .args(["run", "submit", spec.to_str().unwrap(), "--wait"])
         .env("NATS_URL", server.url())
         .env("ARL_PREFIX", &prefix)

@@ -4,6 +4,8 @@
 //!   stopped and cleaned up when dropped; it can be restarted on the same port and store.
 //! - [`test_namespace`]: a fresh subject/stream prefix per test.
 //! - [`wait_for`]: poll a condition with a deadline — tests never sleep blindly.
+//! - [`built_binary`], [`Children`], [`free_port`]: end-to-end tests start the real
+//!   binaries on free ports and never leave them running.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::{TcpListener, TcpStream};
@@ -185,8 +187,38 @@ fn server_version(binary: &Path) -> Option<(u32, u32)> {
     Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
 }
 
-fn free_port() -> anyhow::Result<u16> {
+/// A port nothing listens on right now.
+pub fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A workspace binary beside the running test (`target/<profile>/deps/t-…` →
+/// `target/<profile>/<name>`); `cargo build --bins` (`make test` does) must have built it.
+pub fn built_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the test's own path");
+    let path = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("tests run from target/<profile>/deps")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is missing; run `cargo build --bins` first",
+        path.display()
+    );
+    path
+}
+
+/// Child processes killed and reaped when dropped, however the test ends.
+pub struct Children(pub Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// A namespace no other test uses, so tests can share one server.

@@ -14,6 +14,7 @@ use arl_inference::api::{self, AppState, InferenceMetrics};
 use arl_inference::engine::{EngineConfig, EngineHandle, ServedModel};
 use arl_model::load::LoadedModel;
 use arl_runtime::{Metrics, Shutdown};
+use arl_testkit::Children;
 use serde_json::{Value, json};
 
 const CONCURRENCY: [usize; 3] = [1, 4, 16];
@@ -79,23 +80,7 @@ async fn drive(base: &str, prompts: &[Vec<u32>], concurrency: usize) -> anyhow::
     })
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
-/// llama.cpp's server in a child process; killed on drop.
-struct LlamaCpp(std::process::Child);
-
-impl Drop for LlamaCpp {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_llama_cpp(model: &Path, port: u16, threads: usize) -> anyhow::Result<LlamaCpp> {
+fn start_llama_cpp(model: &Path, port: u16, threads: usize) -> anyhow::Result<Children> {
     let python = std::env::var_os("ARL_TOOLS_PYTHON")
         .map(PathBuf::from)
         .unwrap_or(cache_dir().join("tools/bin/python"));
@@ -117,7 +102,7 @@ fn start_llama_cpp(model: &Path, port: u16, threads: usize) -> anyhow::Result<Ll
         line.starts_with("ready"),
         "llama.cpp server did not start: {line:?}"
     );
-    Ok(LlamaCpp(child))
+    Ok(Children(vec![child]))
 }
 
 #[tokio::main]
@@ -154,7 +139,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let arl =
         arl_runtime::http::serve("127.0.0.1:0".parse()?, api::router(state), &shutdown).await?;
-    let port = free_port()?;
+    let port = arl_testkit::free_port()?;
     let _llama = start_llama_cpp(&path, port, threads)?;
     let servers = [
         ("ARL", format!("http://{arl}")),

@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use std::path::Path;
@@ -22,16 +22,7 @@ use arl_schemas::events::{
     TaskBatchV1, TaskKind, TaskRef,
 };
 use arl_schemas::{Domain, Event, RunId, TaskId};
-use arl_testkit::{NatsServer, http, test_namespace, wait_for};
-
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use arl_testkit::{Children, NatsServer, free_port, http, test_namespace, wait_for};
 
 fn sha256(bytes: &[u8]) -> String {
     format!("sha256:{}", arl_runtime::digest::sha256_hex(bytes))
@@ -71,11 +62,7 @@ async fn images_are_found_by_manifest_with_registry_auth() {
         binary.display()
     );
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port().unwrap();
     std::fs::write(
         dir.path().join("htpasswd"),
         format!("arl:{}\n", bcrypt("s3cret")),
@@ -90,7 +77,7 @@ async fn images_are_found_by_manifest_with_registry_auth() {
         ),
     )
     .unwrap();
-    let _registry = Running(
+    let _registry = Children(vec![
         Command::new(&binary)
             .arg("serve")
             .arg(dir.path().join("config.yml"))
@@ -98,7 +85,7 @@ async fn images_are_found_by_manifest_with_registry_auth() {
             .stderr(Stdio::null())
             .spawn()
             .unwrap(),
-    );
+    ]);
     let base = format!("http://127.0.0.1:{port}");
     wait_for("the registry", Duration::from_secs(20), || async {
         http(&format!("{base}/v2/"), "GET", &[], b"")
