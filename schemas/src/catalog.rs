@@ -43,6 +43,7 @@ pub fn all_events() -> Vec<EventEntry> {
         entry::<events::RunCompletedV1>(),
         entry::<events::RunFailedV1>(),
         entry::<events::TaskBatchV1>(),
+        entry::<events::DatasetRegisteredV1>(),
         entry::<events::ImageReadyV1>(),
         entry::<events::ImageFailedV1>(),
         entry::<events::SandboxLeasedV1>(),
@@ -54,6 +55,7 @@ pub fn all_events() -> Vec<EventEntry> {
         entry::<events::LlmCallV1>(),
         entry::<events::TrajectoryV1>(),
         entry::<events::RewardScoredV1>(),
+        entry::<events::RewardScoredV2>(),
         entry::<events::TrainStepV1>(),
         entry::<events::WeightsPublishedV1>(),
         entry::<events::EvaluationCompletedV1>(),
@@ -64,6 +66,10 @@ pub fn all_events() -> Vec<EventEntry> {
 pub fn other_schemas() -> Vec<(&'static str, Schema)> {
     vec![
         ("run-spec", schemars::schema_for!(crate::spec::RunSpec)),
+        (
+            "dataset-manifest.v1",
+            schemars::schema_for!(crate::dataset::DatasetManifestV1),
+        ),
         (
             "run-state.v1",
             schemars::schema_for!(crate::state::RunStateV1),

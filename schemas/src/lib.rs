@@ -5,6 +5,7 @@
 //! never edited: a change adds `…V2` beside `…V1`, and readers upgrade old versions.
 
 pub mod catalog;
+pub mod dataset;
 pub mod event;
 pub mod events;
 pub mod ids;
@@ -15,4 +16,4 @@ pub mod state;
 
 pub use event::{DecodeError, Event, FieldError};
 pub use ids::{IdError, LeaseId, RunId, TaskId, TrialId};
-pub use namespace::{Bucket, Domain, Namespace, NamespaceError};
+pub use namespace::{Bucket, Domain, Namespace, NamespaceError, ObjectStore};

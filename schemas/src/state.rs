@@ -81,7 +81,12 @@ pub struct RunStateV1 {
     /// The dataset file or folder the spec resolved to on the controller.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dataset_path: Option<String>,
+    /// Digest of the run's registered dataset (`ARL_DATASETS` object store), once the
+    /// dataset service has registered it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dataset_digest: Option<String>,
     /// Why the run was rejected.
+
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub errors: Vec<FieldError>,
     pub total_steps: u32,

@@ -7,9 +7,10 @@
 
 use std::time::{Duration, Instant};
 
-use arl_schemas::{Bucket, Domain, Event, Namespace};
+use arl_schemas::{Bucket, Domain, Event, Namespace, ObjectStore};
 use async_nats::HeaderMap;
-use async_nats::jetstream::{self, kv, stream};
+use async_nats::jetstream::{self, kv, object_store, stream};
+use tokio::io::AsyncReadExt;
 use bytes::Bytes;
 
 use crate::headers;
@@ -43,6 +44,12 @@ pub enum BusError {
     Replay { filter: String, reason: String },
     #[error("key-value {bucket}: {reason}")]
     KeyValue { bucket: String, reason: String },
+    #[error("object store {store}, object {name}: {reason}")]
+    Object {
+        store: String,
+        name: String,
+        reason: String,
+    },
 }
 
 /// Where JetStream stored a published message.
@@ -159,7 +166,82 @@ impl Bus {
             self.provision_stream(domain).await?;
         }
         self.provision_bucket(Bucket::RunState).await?;
+        self.provision_bucket(Bucket::EvalState).await?;
+        self.provision_object_store(ObjectStore::Datasets).await?;
         Ok(())
+    }
+
+    async fn provision_object_store(&self, store: ObjectStore) -> Result<(), BusError> {
+        let name = self.namespace.object_store(store);
+        let config = object_store::Config {
+            bucket: name.clone(),
+            storage: stream::StorageType::File,
+            ..Default::default()
+        };
+        retry_provision(&name, || {
+            self.jetstream.create_object_store(config.clone())
+        })
+        .await?;
+        Ok(())
+    }
+
+    async fn object_store(&self, store: ObjectStore) -> Result<object_store::ObjectStore, BusError> {
+        let name = self.namespace.object_store(store);
+        retry_provision(&name, || self.jetstream.get_object_store(name.clone()))
+            .await
+    }
+
+    /// Stores `bytes` as object `name`, unless an object of that name is already there
+    /// (names are content digests, so an existing one holds the same bytes). Returns
+    /// true when this call stored it.
+    pub async fn put_object(
+        &self,
+        store: ObjectStore,
+        name: &str,
+        bytes: &[u8],
+    ) -> Result<bool, BusError> {
+        let objects = self.object_store(store).await?;
+        let error = |reason: String| BusError::Object {
+            store: self.namespace.object_store(store),
+            name: name.to_owned(),
+            reason,
+        };
+        match objects.info(name).await {
+            Ok(_) => return Ok(false),
+            Err(err) if err.kind() == object_store::InfoErrorKind::NotFound => {}
+            Err(err) => return Err(error(err.to_string())),
+        }
+        let mut reader = bytes;
+        objects
+            .put(name, &mut reader)
+            .await
+            .map_err(|e| error(e.to_string()))?;
+        Ok(true)
+    }
+
+    /// The bytes of object `name`, or `None` when there is no such object.
+    pub async fn get_object(
+        &self,
+        store: ObjectStore,
+        name: &str,
+    ) -> Result<Option<Vec<u8>>, BusError> {
+        let objects = self.object_store(store).await?;
+        let error = |reason: String| BusError::Object {
+            store: self.namespace.object_store(store),
+            name: name.to_owned(),
+            reason,
+        };
+        let mut object = match objects.get(name).await {
+            Ok(object) => object,
+            Err(err) if err.kind() == object_store::GetErrorKind::NotFound => return Ok(None),
+            Err(err) => return Err(error(err.to_string())),
+        };
+        let mut bytes = Vec::new();
+        object
+            .read_to_end(&mut bytes)
+            .await
+            .map_err(|e| error(e.to_string()))?;
+        Ok(Some(bytes))
     }
 
     async fn provision_stream(&self, domain: Domain) -> Result<(), BusError> {
@@ -204,6 +286,41 @@ impl Bus {
             .map_err(|err| BusError::KeyValue {
                 bucket: name.clone(),
                 reason: format!("{err}; has a service provisioned the namespace?"),
+            })
+    }
+
+    /// The controller's record of a run (`ARL_RUN_STATE`), if it has one.
+    pub async fn run_state(
+        &self,
+        run: &arl_schemas::RunId,
+    ) -> Result<Option<arl_schemas::state::RunStateV1>, BusError> {
+        let kv = self.bucket(Bucket::RunState).await?;
+        let error = |reason: String| BusError::KeyValue {
+            bucket: self.namespace.bucket(Bucket::RunState),
+            reason: format!("run {run}: {reason}"),
+        };
+        let Some(bytes) = kv.get(run.as_str()).await.map_err(|e| error(e.to_string()))? else {
+            return Ok(None);
+        };
+        arl_schemas::state::RunStateV1::decode(&bytes)
+            .map(Some)
+            .map_err(|e| error(format!("unreadable state: {e}")))
+    }
+
+    /// A registered dataset (`ARL_DATASETS`) by digest, if there is one.
+    pub async fn dataset_manifest(
+        &self,
+        digest: &str,
+    ) -> Result<Option<arl_schemas::dataset::DatasetManifestV1>, BusError> {
+        let Some(bytes) = self.get_object(ObjectStore::Datasets, digest).await? else {
+            return Ok(None);
+        };
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| BusError::Object {
+                store: self.namespace.object_store(ObjectStore::Datasets),
+                name: digest.to_owned(),
+                reason: format!("unreadable manifest: {e}"),
             })
     }
 

@@ -3,9 +3,11 @@
 
 pub mod common;
 pub mod v1;
+pub mod v2;
 
 pub use common::*;
 pub use v1::*;
+pub use v2::*;
 
 /// A complete, realistic instance of an event: the golden files and test fixtures start
 /// from these.

@@ -2,7 +2,7 @@
 //! the state, applies one event here, and writes it back with compare-and-set.
 
 use arl_schemas::events::{
-    EvaluationCompletedV1, FailureClass, RunCompletedV1, RunFailedV1, RunPhase, RunProgressV1,
+    DatasetRegisteredV1,     EvaluationCompletedV1, FailureClass, RunCompletedV1, RunFailedV1, RunPhase, RunProgressV1,
     TrainStepV1, WeightsPublishedV1,
 };
 use arl_schemas::state::{EvaluationSummary, RunStateV1, RunStatus, StepSummary};
@@ -47,6 +47,10 @@ pub fn apply_train_step(state: &mut RunStateV1, event: &TrainStepV1) {
     } else {
         RunPhase::Rollout
     };
+}
+
+pub fn apply_dataset(state: &mut RunStateV1, event: &DatasetRegisteredV1) {
+    state.dataset_digest = Some(event.digest.clone());
 }
 
 pub fn apply_evaluation(state: &mut RunStateV1, event: &EvaluationCompletedV1) {
@@ -144,6 +148,7 @@ mod tests {
             spec: None,
             model_path: None,
             dataset_path: None,
+            dataset_digest: None,
             errors: vec![],
             total_steps,
             step: 0,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
-    EvaluationCompletedV1, RunAcceptedV1, RunFailedV1, RunPhase, RunRejectedV1, TrainStepV1,
+    DatasetRegisteredV1, EvaluationCompletedV1, RunAcceptedV1, RunFailedV1, RunPhase, RunRejectedV1, TrainStepV1,
     TrialFailedV1, TrialFinishedV1, WeightsPublishedV1,
 };
 use arl_schemas::state::{RunStateV1, RunStatus};
@@ -97,6 +97,9 @@ impl Controller {
         });
         self.fold::<WeightsPublishedV1>(shutdown, Domain::Weights, "published", |state, event| {
             progress::apply_weights(state, event);
+        });
+        self.fold::<DatasetRegisteredV1>(shutdown, Domain::Task, "dataset", |state, event| {
+            progress::apply_dataset(state, event);
         });
         self.fold::<RunFailedV1>(shutdown, Domain::Run, "failed", |state, event| {
             progress::apply_run_failed(state, event);
@@ -334,6 +337,7 @@ fn initial_state(admission: Admission) -> RunStateV1 {
         dataset_path: resources
             .as_ref()
             .map(|r| r.dataset_path.display().to_string()),
+        dataset_digest: None,
         errors,
         step: 0,
         policy_version: 0,

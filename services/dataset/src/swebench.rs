@@ -1,4 +1,4 @@
-//! SWE-bench rows with the official field names. `FAIL_TO_PASS` and `PASS_TO_PASS` are
+//! SWE-bench rows with the official field names, from JSONL, JSON, Arrow IPC or Parquet. `FAIL_TO_PASS` and `PASS_TO_PASS` are
 //! JSON-encoded lists of test names (strings holding JSON), as in the dataset.
 
 use std::path::Path;
@@ -34,7 +34,11 @@ pub fn load(path: &Path, completeness: Completeness) -> Result<Loaded<SweRow>, L
     let mut rows = Vec::new();
     let mut errors = Vec::new();
     let mut seen = std::collections::HashSet::new();
-    for (row, parsed) in json_rows(path, &bytes)? {
+    let parsed_rows = match path.extension().and_then(|e| e.to_str()) {
+        Some("arrow" | "parquet") => crate::tabular::rows(path, &bytes)?,
+        _ => json_rows(path, &bytes)?,
+    };
+    for (row, parsed) in parsed_rows {
         let error = |field: &str, reason: String| RowError {
             file: file.clone(),
             row: row.clone(),

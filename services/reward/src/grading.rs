@@ -28,8 +28,17 @@ pub struct Report {
     pub resolution: Resolution,
     pub fail_to_pass: Counts,
     pub pass_to_pass: Counts,
-    /// The PASS_TO_PASS tests that failed (regressions).
-    pub pass_to_pass_failed: Vec<String>,
+    /// FAIL_TO_PASS tests by outcome (a skipped test is in neither list).
+    pub fail_to_pass_tests: Names,
+    /// PASS_TO_PASS tests by outcome; `failed` are the regressions.
+    pub pass_to_pass_tests: Names,
+}
+
+/// Test names by outcome.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Names {
+    pub passed: Vec<String>,
+    pub failed: Vec<String>,
 }
 
 impl Report {
@@ -78,24 +87,22 @@ pub fn report(
             None | Some(TestStatus::Failed | TestStatus::Error)
         )
     };
-    let mut f2p = Counts::default();
-    for test in fail_to_pass {
-        if passed(test) {
-            f2p.success += 1;
-        } else if failed(test) {
-            f2p.failure += 1;
+    let tally = |tests: &[String]| {
+        let mut counts = Counts::default();
+        let mut names = Names::default();
+        for test in tests {
+            if passed(test) {
+                counts.success += 1;
+                names.passed.push(test.clone());
+            } else if failed(test) {
+                counts.failure += 1;
+                names.failed.push(test.clone());
+            }
         }
-    }
-    let mut p2p = Counts::default();
-    let mut regressions = Vec::new();
-    for test in pass_to_pass {
-        if passed(test) {
-            p2p.success += 1;
-        } else if failed(test) {
-            p2p.failure += 1;
-            regressions.push(test.clone());
-        }
-    }
+        (counts, names)
+    };
+    let (f2p, f2p_names) = tally(fail_to_pass);
+    let (p2p, p2p_names) = tally(pass_to_pass);
     let rate = |c: &Counts| {
         let total = c.success + c.failure;
         if total == 0 {
@@ -113,6 +120,7 @@ pub fn report(
         resolution,
         fail_to_pass: f2p,
         pass_to_pass: p2p,
-        pass_to_pass_failed: regressions,
+        fail_to_pass_tests: f2p_names,
+        pass_to_pass_tests: p2p_names,
     }
 }

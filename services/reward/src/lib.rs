@@ -3,9 +3,11 @@
 //! - [`logparse`]: test logs → test statuses, with the SWE-bench harness's parsers;
 //! - [`grading`]: statuses against FAIL_TO_PASS / PASS_TO_PASS → resolved or not;
 //! - [`swebench`]: how a patch is evaluated in a clean sandbox of its environment;
-//! - [`harbor`]: a Harbor task's hidden `tests/test.sh` run the same way, its reward read.
+//! - [`harbor`]: a Harbor task's hidden `tests/test.sh` run the same way, its reward read;
+//! - [`service`]: the NATS service that grades every finished trial.
 
 pub mod grading;
 pub mod harbor;
 pub mod logparse;
+pub mod service;
 pub mod swebench;

@@ -55,3 +55,36 @@ impl Example for TaskBatchV1 {
         }
     }
 }
+
+/// A run's dataset was loaded, validated and registered in the `ARL_DATASETS` object
+/// store under `digest` (a [`crate::dataset::DatasetManifestV1`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct DatasetRegisteredV1 {
+    pub run_id: RunId,
+    pub digest: String,
+    pub source: String,
+    pub train_tasks: u32,
+    pub validation_tasks: u32,
+    /// Rows left out because they failed validation (the run allowed it).
+    pub invalid_rows: u32,
+    pub at: chrono::DateTime<chrono::Utc>,
+}
+event!(DatasetRegisteredV1, task, "dataset", 1, |e| format!(
+    "task.dataset:{}",
+    e.run_id
+));
+
+impl Example for DatasetRegisteredV1 {
+    fn example() -> Self {
+        Self {
+            run_id: example_run(),
+            digest: "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+                .into(),
+            source: "../shared/data/swebench/verified_mini_50.jsonl".into(),
+            train_tasks: 40,
+            validation_tasks: 10,
+            invalid_rows: 0,
+            at: super::example_time(),
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! A registered dataset: every task of a run's dataset with what the agent is told and
+//! what grading needs, and the split. The dataset service writes it to the `ARL_DATASETS`
+//! object store under its content digest; rollout, reward and evaluator read it from
+//! there by the digest a task batch names. Like an event, a published version is never
+//! edited.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::TaskId;
+use crate::events::{EnvironmentRef, TaskKind};
+
+/// One dataset row that failed validation: where it is and what is wrong with it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct InvalidRow {
+    pub file: String,
+    /// 1-based line (JSONL), index (JSON array, Arrow, Parquet) or task folder name.
+    pub row: String,
+    pub field: String,
+    pub reason: String,
+}
+
+impl std::fmt::Display for InvalidRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}:{}: field {}: {}",
+            self.file, self.row, self.field, self.reason
+        )
+    }
+}
+
+/// How a task is graded. Hidden from the agent: only rollout, reward and evaluator read
+/// the manifest, and the agent's sandbox never holds it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Grading {
+    /// SWE-bench: apply `test_patch`, run the instance's tests, compare with the lists.
+    Swebench {
+        repo: String,
+        base_commit: String,
+        test_patch: String,
+        fail_to_pass: Vec<String>,
+        pass_to_pass: Vec<String>,
+    },
+    /// Harbor: the task's hidden `tests/` files (path relative to `tests/`, content);
+    /// `tests/test.sh` writes the reward.
+    Harbor { tests: Vec<HarborFile> },
+    /// Math: exact match of the final answer.
+    Math { answer: String },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct HarborFile {
+    pub path: String,
+    pub content: String,
+}
+
+/// One task: what the agent is told, where it runs, how it is graded.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TaskRecord {
+    pub task_id: TaskId,
+    pub kind: TaskKind,
+    pub environment: EnvironmentRef,
+    /// The problem statement / instruction / question.
+    pub instruction: String,
+    pub grading: Grading,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct DatasetManifestV1 {
+    /// `sha256:<hex>` of the dataset's canonical content (its tasks, in order).
+    pub digest: String,
+    /// Where it was loaded from, for people.
+    pub source: String,
+    pub tasks: Vec<TaskRecord>,
+    /// Task ids of the training split, in split order.
+    pub train: Vec<TaskId>,
+    /// Task ids of the validation split.
+    pub validation: Vec<TaskId>,
+    /// Rows that failed validation and were left out (only when the run allowed it).
+    #[serde(default)]
+    pub invalid_rows: Vec<InvalidRow>,
+}
+
+impl DatasetManifestV1 {
+    pub fn task(&self, id: &TaskId) -> Option<&TaskRecord> {
+        self.tasks.iter().find(|t| &t.task_id == id)
+    }
+}
+
+/// The final answer of a GSM8K solution (`… #### 1,234` → `1234`).
+pub fn final_answer(solution: &str) -> Option<String> {
+    let (_, tail) = solution.rsplit_once("####")?;
+    let number = tail.trim().replace([',', '$'], "");
+    let valid = !number.is_empty()
+        && number
+            .trim_start_matches('-')
+            .chars()
+            .all(|c| c.is_ascii_digit() || c == '.')
+        && number.chars().filter(|c| *c == '.').count() <= 1;
+    valid.then(|| {
+        number
+            .strip_suffix(".0")
+            .map(str::to_owned)
+            .unwrap_or(number)
+    })
+}
+
+/// Whether a trial's answer to a math task matches the expected final answer: the
+/// answer is read from a `#### N` line if there is one, else the last line is taken as
+/// the answer; equal strings or equal numbers match (`12.0` = `12`).
+pub fn answer_matches(candidate: &str, expected: &str) -> bool {
+    let found = if candidate.contains("####") {
+        final_answer(candidate)
+    } else {
+        let last = candidate.trim().lines().last().unwrap_or_default();
+        final_answer(&format!("#### {}", last.trim().trim_end_matches('.')))
+    };
+    let Some(found) = found else {
+        return false;
+    };
+    found == expected
+        || matches!(
+            (found.parse::<f64>(), expected.parse::<f64>()),
+            (Ok(a), Ok(b)) if a == b
+        )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_match_by_final_line_or_number() {
+        assert!(answer_matches("so 5 + 7 = 12\n#### 12", "12"));
+        assert!(answer_matches("12", "12"));
+        assert!(answer_matches("The total is\n12.", "12"));
+        assert!(answer_matches("#### 1,234", "1234"));
+        assert!(answer_matches("#### 12.0", "12"));
+        assert!(answer_matches("#### 0.50", "0.5"));
+        assert!(!answer_matches("#### 13", "12"));
+        assert!(!answer_matches("twelve", "12"));
+        assert!(!answer_matches("", "12"));
+    }
+}

@@ -1,0 +1,6 @@
+//! Version 2 of the events that changed. Never edit a struct here once it has been
+//! published.
+
+mod reward;
+
+pub use reward::*;

@@ -1,0 +1,189 @@
+//! A run's dataset as the rest of the pipeline sees it: every valid task with what the
+//! agent is told, its environment and how it is graded, plus the split — a
+//! [`DatasetManifestV1`] whose digest names it in the object store.
+
+use std::path::Path;
+
+use arl_schemas::TaskId;
+use arl_schemas::dataset::{DatasetManifestV1, Grading, HarborFile, InvalidRow, TaskRecord};
+use arl_schemas::events::{EnvironmentRef, TaskKind};
+use arl_schemas::spec::{DataSource, DataSpec};
+
+use crate::swebench::Completeness;
+use crate::{LoadError, RowError, harbor, math, sha256_hex, split, swebench};
+
+/// The environment math tasks share: a plain sandbox, nothing to build.
+pub const MATH_ENVIRONMENT: &str = "math";
+
+/// Loads, validates and splits the dataset at `path` as `data` describes it.
+pub fn build(data: &DataSpec, path: &Path) -> Result<DatasetManifestV1, LoadError> {
+    let (tasks, errors) = match data.source {
+        DataSource::Swebench => {
+            let loaded = swebench::load(path, Completeness::Full)?.accept(data.allow_invalid_rows)?;
+            let tasks = loaded
+                .rows
+                .into_iter()
+                .map(|row| swebench_task(row, path))
+                .collect::<Result<_, _>>()?;
+            (tasks, loaded.errors)
+        }
+        DataSource::Harbor => {
+            let loaded = harbor::load(path)?.accept(data.allow_invalid_rows)?;
+            let mut tasks = Vec::new();
+            let mut errors = loaded.errors;
+            for task in loaded.rows {
+                match harbor_task(&task) {
+                    Ok(record) => tasks.push(record),
+                    Err(error) if data.allow_invalid_rows => errors.push(error),
+                    Err(first) => return Err(LoadError::Invalid { count: 1, first }),
+                }
+            }
+            (tasks, errors)
+        }
+        DataSource::Gsm8k => {
+            let loaded = math::load(path)?.accept(data.allow_invalid_rows)?;
+            let tasks = loaded.rows.into_iter().map(math_task).collect::<Result<_, _>>()?;
+            (tasks, loaded.errors)
+        }
+    };
+    let tasks: Vec<TaskRecord> = tasks;
+    if tasks.is_empty() {
+        return Err(LoadError::Read {
+            path: path.display().to_string(),
+            reason: "holds no valid task".into(),
+        });
+    }
+    let ids: Vec<String> = tasks.iter().map(|t| t.task_id.as_str().to_owned()).collect();
+    let parts = split::split(
+        &ids,
+        data.seed,
+        data.val_size as usize,
+        data.train_size as usize,
+    );
+    let to_ids = |names: Vec<String>| -> Result<Vec<TaskId>, LoadError> {
+        names
+            .into_iter()
+            .map(|n| task_id(&n, path))
+            .collect::<Result<_, _>>()
+    };
+    let mut manifest = DatasetManifestV1 {
+        digest: String::new(),
+        source: path.display().to_string(),
+        tasks,
+        train: to_ids(parts.train)?,
+        validation: to_ids(parts.validation)?,
+        invalid_rows: errors.into_iter().map(invalid_row).collect(),
+    };
+    manifest.digest = digest(&manifest);
+    Ok(manifest)
+}
+
+/// `sha256:<hex>` of the manifest's content (everything but the digest itself), so the
+/// same tasks and split always register under the same name.
+pub fn digest(manifest: &DatasetManifestV1) -> String {
+    let mut unnamed = manifest.clone();
+    unnamed.digest.clear();
+    let bytes = serde_json::to_vec(&unnamed).unwrap_or_default();
+    format!("sha256:{}", sha256_hex(&bytes))
+}
+
+fn task_id(name: &str, path: &Path) -> Result<TaskId, LoadError> {
+    TaskId::new(name).map_err(|e| LoadError::Read {
+        path: path.display().to_string(),
+        reason: format!("task id {name:?}: {e}"),
+    })
+}
+
+fn invalid_row(error: RowError) -> InvalidRow {
+    InvalidRow {
+        file: error.file,
+        row: error.row,
+        field: error.field,
+        reason: error.reason,
+    }
+}
+
+fn swebench_task(row: swebench::SweRow, path: &Path) -> Result<TaskRecord, LoadError> {
+    Ok(TaskRecord {
+        task_id: task_id(&row.instance_id, path)?,
+        kind: TaskKind::Swebench,
+        environment: EnvironmentRef {
+            name: format!("swebench/{}", row.instance_id),
+            digest: None,
+        },
+        instruction: row.problem_statement,
+        grading: Grading::Swebench {
+            repo: row.repo,
+            base_commit: row.base_commit,
+            test_patch: row.test_patch,
+            fail_to_pass: row.fail_to_pass,
+            pass_to_pass: row.pass_to_pass,
+        },
+    })
+}
+
+fn harbor_task(task: &harbor::HarborTask) -> Result<TaskRecord, RowError> {
+    let tests_dir = task.dir.join("tests");
+    let mut tests = Vec::new();
+    read_tree(&tests_dir, &tests_dir, &mut tests).map_err(|reason| RowError {
+        file: task.dir.display().to_string(),
+        row: task.name.clone(),
+        field: "tests".into(),
+        reason,
+    })?;
+    tests.sort_by(|a, b| a.path.cmp(&b.path));
+    let task_id = TaskId::new(task.name.clone()).map_err(|e| RowError {
+        file: task.dir.display().to_string(),
+        row: task.name.clone(),
+        field: "".into(),
+        reason: e.to_string(),
+    })?;
+    Ok(TaskRecord {
+        task_id,
+        kind: TaskKind::Harbor,
+        environment: EnvironmentRef {
+            name: format!("harbor/{}", task.name),
+            digest: None,
+        },
+        instruction: task.instruction.clone(),
+        grading: Grading::Harbor { tests },
+    })
+}
+
+fn read_tree(root: &Path, dir: &Path, out: &mut Vec<HarborFile>) -> Result<(), String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for entry in entries.filter_map(Result::ok) {
+        let path = entry.path();
+        if path.is_dir() {
+            read_tree(root, &path, out)?;
+            continue;
+        }
+        let content = std::fs::read_to_string(&path)
+            .map_err(|e| format!("{}: {e} (test files must be UTF-8 text)", path.display()))?;
+        let relative = path.strip_prefix(root).unwrap_or(&path);
+        out.push(HarborFile {
+            path: relative.to_string_lossy().into_owned(),
+            content,
+        });
+    }
+    Ok(())
+}
+
+fn math_task(task: math::MathTask) -> Result<TaskRecord, LoadError> {
+    let task_id = TaskId::new(task.id.clone()).map_err(|e| LoadError::Read {
+        path: task.id.clone(),
+        reason: e.to_string(),
+    })?;
+    Ok(TaskRecord {
+        task_id,
+        kind: TaskKind::Math,
+        environment: EnvironmentRef {
+            name: MATH_ENVIRONMENT.into(),
+            digest: None,
+        },
+        instruction: task.question,
+        grading: Grading::Math {
+            answer: task.answer,
+        },
+    })
+}

@@ -1,0 +1,420 @@
+//! The reward service: every `trial.finished` is graded in a clean sandbox of its task's
+//! environment (or, for math, by exact match) and answered with `reward.scored` — the
+//! reward and its breakdown — or with `trial.failed` of class `grading_error` (the
+//! grading could not be done: no test output, unknown task) or `infrastructure` (no
+//! sandbox after retries). Never a silent zero.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arl_runtime::consumer::run_consumer;
+use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
+use arl_sandbox_client::{SandboxClient, SandboxError};
+use arl_schemas::dataset::{Grading, TaskRecord, answer_matches};
+use arl_schemas::events::{
+    FailureClass, RewardBreakdown, RewardScoredV2, TestReport, TestSetOutcome, TrialFailedV1,
+    TrialFinishedV1,
+};
+use arl_schemas::rpc::{ExecRequest, LeaseRequestV1, SandboxLimits};
+use arl_schemas::spec::RunSpec;
+use arl_schemas::Domain;
+use serde::Deserialize;
+
+use crate::grading::{GradingError, grade};
+use crate::swebench::EvalPlan;
+
+const SERVICE: &str = "reward";
+/// Deliveries of one trial before a sandbox that cannot be had becomes an
+/// `infrastructure` failure (the consumer's own limit is higher, so this one decides).
+const SANDBOX_ATTEMPTS: i64 = 3;
+
+/// How a SWE-bench instance's tests are run (the `instances.json` form's fields).
+#[derive(Clone, Debug, Deserialize)]
+pub struct TestCommand {
+    pub instance_id: String,
+    #[serde(default)]
+    pub eval_env: Vec<String>,
+    pub test_command: String,
+}
+
+/// Reads test commands from an `instances.json` file.
+pub fn load_test_commands(path: &Path) -> Result<Vec<TestCommand>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+#[derive(Clone, Debug)]
+pub struct RewardConfig {
+    /// SWE-bench instances' test commands, by instance id.
+    pub test_commands: HashMap<String, TestCommand>,
+    /// Longest a test run may take.
+    pub test_timeout: Duration,
+    /// Longest to wait for a grading sandbox.
+    pub lease_timeout: Duration,
+}
+
+impl Default for RewardConfig {
+    fn default() -> Self {
+        Self {
+            test_commands: HashMap::new(),
+            test_timeout: Duration::from_secs(1800),
+            lease_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct RewardService {
+    bus: Bus,
+    sandboxes: SandboxClient,
+    config: Arc<RewardConfig>,
+}
+
+/// What grading found.
+#[derive(Debug)]
+struct Grade {
+    /// Share of the tests that passed, 0–1 (SWE-bench and math: 0 or 1).
+    score: f64,
+    resolved: bool,
+    tests: Option<TestReport>,
+}
+
+/// Why grading did not produce a grade.
+#[derive(Debug)]
+enum Failure {
+    Class(FailureClass, String),
+    /// The sandbox could not be had or reached: worth another delivery.
+    Sandbox(SandboxError),
+}
+
+impl RewardService {
+    pub fn new(bus: Bus, config: RewardConfig) -> Self {
+        Self {
+            sandboxes: SandboxClient::new(bus.clone()),
+            bus,
+            config: Arc::new(config),
+        }
+    }
+
+    pub fn start(&self, shutdown: &Shutdown, concurrency: usize) {
+        let ns = self.bus.namespace();
+        let mut spec = ConsumerSpec::new(
+            Domain::Trial,
+            SERVICE,
+            vec![ns.event_filter(Domain::Trial, "finished")],
+        );
+        spec.keep_alive = true;
+        spec.concurrency = concurrency.max(1);
+        spec.max_deliver = SANDBOX_ATTEMPTS + 2;
+        let service = self.clone();
+        shutdown.spawn(run_consumer(
+            self.bus.clone(),
+            spec,
+            move |delivery: Delivery| {
+                let service = service.clone();
+                async move { service.on_trial_finished(delivery).await }
+            },
+            shutdown.clone(),
+        ));
+    }
+
+    async fn on_trial_finished(&self, delivery: Delivery) -> Result<(), HandlerError> {
+        let trial: TrialFinishedV1 = delivery
+            .decode()
+            .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+        let state = self
+            .bus
+            .run_state(&trial.run_id)
+            .await?
+            .ok_or_else(|| HandlerError::Retry(format!("run {} has no state yet", trial.run_id)))?;
+        let spec = state.spec.clone().unwrap_or_default();
+        let task = match &state.dataset_digest {
+            None => {
+                return Err(HandlerError::Retry(format!(
+                    "run {} has no registered dataset yet",
+                    trial.run_id
+                )));
+            }
+            Some(digest) => self
+                .bus
+                .dataset_manifest(digest)
+                .await?
+                .and_then(|m| m.task(&trial.slot.task_id).cloned()),
+        };
+        let started = Instant::now();
+        let outcome = match &task {
+            Some(task) => self.grade(&trial, task).await,
+            None => Err(Failure::Class(
+                FailureClass::GradingError,
+                format!(
+                    "task {} is not in the run's registered dataset",
+                    trial.slot.task_id
+                ),
+            )),
+        };
+        match outcome {
+            Ok(grade) => {
+                let scored = scored(&trial, &spec, grade, started.elapsed());
+                tracing::info!(trial = %trial.trial_id, reward = scored.reward, resolved = scored.resolved, "graded");
+                self.bus.publish(&scored).await?;
+                Ok(())
+            }
+            Err(Failure::Sandbox(error)) if delivery.attempt < SANDBOX_ATTEMPTS => {
+                Err(HandlerError::Retry(error.to_string()))
+            }
+            Err(Failure::Sandbox(error)) => {
+                self.fail(&trial, FailureClass::Infrastructure, error.to_string())
+                    .await
+            }
+            Err(Failure::Class(class, message)) => self.fail(&trial, class, message).await,
+        }
+    }
+
+    async fn fail(
+        &self,
+        trial: &TrialFinishedV1,
+        class: FailureClass,
+        message: String,
+    ) -> Result<(), HandlerError> {
+        tracing::warn!(trial = %trial.trial_id, class = class.as_str(), %message, "grading failed");
+        self.bus
+            .publish(&TrialFailedV1 {
+                run_id: trial.run_id.clone(),
+                trial_id: trial.trial_id.clone(),
+                slot: trial.slot.clone(),
+                class,
+                message,
+                will_retry: false,
+                failed_at: chrono::Utc::now(),
+            })
+            .await?;
+        Ok(())
+    }
+
+    async fn grade(&self, trial: &TrialFinishedV1, task: &TaskRecord) -> Result<Grade, Failure> {
+        match &task.grading {
+            Grading::Math { answer } => {
+                let resolved = answer_matches(&trial.patch, answer);
+                Ok(Grade {
+                    score: if resolved { 1.0 } else { 0.0 },
+                    resolved,
+                    tests: None,
+                })
+            }
+            Grading::Swebench {
+                repo,
+                test_patch,
+                fail_to_pass,
+                pass_to_pass,
+                ..
+            } => {
+                let command = self
+                    .config
+                    .test_commands
+                    .get(task.task_id.as_str())
+                    .ok_or_else(|| {
+                        Failure::Class(
+                            FailureClass::GradingError,
+                            format!(
+                                "no test command for SWE-bench instance {}: give the reward service an instances file that has it (--swebench-recipes)",
+                                task.task_id
+                            ),
+                        )
+                    })?;
+                let plan = crate::swebench::eval_plan(
+                    &trial.patch,
+                    test_patch,
+                    &command.eval_env,
+                    &command.test_command,
+                );
+                let log = self.run_plan(trial, task, |_| plan).await?;
+                let report = grade(repo, &log, fail_to_pass, pass_to_pass)
+                    .map_err(|e| grading_failure(e, &log))?;
+                Ok(Grade {
+                    score: if report.resolved() { 1.0 } else { 0.0 },
+                    resolved: report.resolved(),
+                    tests: Some(TestReport {
+                        fail_to_pass: TestSetOutcome {
+                            passed: report.fail_to_pass_tests.passed,
+                            failed: report.fail_to_pass_tests.failed,
+                        },
+                        pass_to_pass: TestSetOutcome {
+                            passed: report.pass_to_pass_tests.passed,
+                            failed: report.pass_to_pass_tests.failed,
+                        },
+                    }),
+                })
+            }
+            Grading::Harbor { tests } => {
+                let files: Vec<(String, String)> = tests
+                    .iter()
+                    .map(|f| (f.path.clone(), f.content.clone()))
+                    .collect();
+                let log = self
+                    .run_plan(trial, task, |workdir| {
+                        crate::harbor::eval_plan(&trial.patch, &files, workdir)
+                    })
+                    .await?;
+                let score = crate::harbor::reward_from_log(&log)
+                    .map_err(|e| grading_failure(e, &log))?;
+                Ok(Grade {
+                    score: score.clamp(0.0, 1.0),
+                    resolved: score >= 1.0,
+                    tests: None,
+                })
+            }
+        }
+    }
+
+    /// Runs an evaluation plan in a fresh sandbox of the task's environment; the log.
+    async fn run_plan(
+        &self,
+        trial: &TrialFinishedV1,
+        task: &TaskRecord,
+        plan: impl FnOnce(&str) -> EvalPlan,
+    ) -> Result<String, Failure> {
+        let timeout_s = self.config.test_timeout.as_secs();
+        let request = LeaseRequestV1 {
+            run_id: trial.run_id.clone(),
+            // Under the trial's id: its sandbox events belong to the trial's trace.
+            trial_id: Some(trial.trial_id.clone()),
+            environment: task.environment.clone(),
+            ttl_s: timeout_s + 300,
+            limits: SandboxLimits::default(),
+        };
+        let lease = self
+            .sandboxes
+            .lease(&request, self.config.lease_timeout)
+            .await
+            .map_err(Failure::Sandbox)?;
+        let plan = plan(&lease.grant.workdir);
+        let result = async {
+            for (path, content) in &plan.files {
+                lease.write(path, content).await?;
+            }
+            lease
+                .exec(&ExecRequest {
+                    command: plan.command.clone(),
+                    timeout_s: timeout_s as f64,
+                    env: Default::default(),
+                    stdin: None,
+                })
+                .await
+        }
+        .await;
+        lease.release().await;
+        let run = result.map_err(Failure::Sandbox)?;
+        let mut log = run.stdout;
+        log.push_str(&run.stderr);
+        if run.timed_out {
+            return Err(Failure::Class(
+                FailureClass::GradingError,
+                format!(
+                    "the tests ran past {timeout_s} s and were stopped; log tail:\n{}",
+                    tail(&log)
+                ),
+            ));
+        }
+        Ok(log)
+    }
+}
+
+fn grading_failure(error: GradingError, log: &str) -> Failure {
+    Failure::Class(
+        FailureClass::GradingError,
+        format!("{error}; log tail:\n{}", tail(log)),
+    )
+}
+
+fn tail(log: &str) -> &str {
+    let start = log.len().saturating_sub(2000);
+    let start = (start..log.len())
+        .find(|i| log.is_char_boundary(*i))
+        .unwrap_or(log.len());
+    &log[start..]
+}
+
+/// Lines a patch adds or removes.
+pub fn changed_lines(patch: &str) -> usize {
+    patch
+        .lines()
+        .filter(|l| {
+            (l.starts_with('+') && !l.starts_with("+++"))
+                || (l.starts_with('-') && !l.starts_with("---"))
+        })
+        .count()
+}
+
+/// The reward of a grade under the run's reward spec: `pass` × score, and the bonuses
+/// only for a resolved trial.
+pub fn breakdown(
+    spec: &RunSpec,
+    resolved: bool,
+    score: f64,
+    patch: &str,
+    seconds: f64,
+) -> RewardBreakdown {
+    let short = resolved && changed_lines(patch) < 20;
+    let fast = resolved && seconds < f64::from(spec.rollout.timeout_s) / 4.0;
+    RewardBreakdown {
+        pass: spec.reward.pass * score,
+        short_patch_bonus: if short {
+            spec.reward.short_patch_bonus
+        } else {
+            0.0
+        },
+        fast_bonus: if fast { spec.reward.fast_bonus } else { 0.0 },
+    }
+}
+
+fn scored(
+    trial: &TrialFinishedV1,
+    spec: &RunSpec,
+    grade: Grade,
+    grading: Duration,
+) -> RewardScoredV2 {
+    let breakdown = breakdown(
+        spec,
+        grade.resolved,
+        grade.score,
+        &trial.patch,
+        trial.duration_seconds,
+    );
+    RewardScoredV2 {
+        run_id: trial.run_id.clone(),
+        trial_id: trial.trial_id.clone(),
+        slot: trial.slot.clone(),
+        reward: breakdown.pass + breakdown.short_patch_bonus + breakdown.fast_bonus,
+        breakdown,
+        resolved: grade.resolved,
+        tests: grade.tests,
+        grading_seconds: grading.as_secs_f64(),
+        at: chrono::Utc::now(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bonuses_go_only_to_resolved_short_or_fast_trials() {
+        let mut spec = RunSpec::default();
+        spec.reward.short_patch_bonus = 0.1;
+        spec.reward.fast_bonus = 0.05;
+        spec.rollout.timeout_s = 400;
+        let short = "--- a/x\n+++ b/x\n-old\n+new\n";
+        let long: String = (0..30).map(|i| format!("+line {i}\n")).collect();
+        let b = breakdown(&spec, true, 1.0, short, 50.0);
+        assert_eq!((b.pass, b.short_patch_bonus, b.fast_bonus), (1.0, 0.1, 0.05));
+        let b = breakdown(&spec, true, 1.0, &long, 150.0);
+        assert_eq!((b.pass, b.short_patch_bonus, b.fast_bonus), (1.0, 0.0, 0.0));
+        let b = breakdown(&spec, false, 0.0, short, 1.0);
+        assert_eq!((b.pass, b.short_patch_bonus, b.fast_bonus), (0.0, 0.0, 0.0));
+        let b = breakdown(&spec, false, 0.5, &long, 1.0);
+        assert_eq!(b.pass, 0.5, "a Harbor score below 1 is a partial pass reward");
+        assert_eq!(changed_lines(short), 2);
+    }
+}
