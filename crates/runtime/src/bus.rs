@@ -289,6 +289,64 @@ impl Bus {
             })
     }
 
+    /// Reads a JSON record of a bucket, lets `change` edit it (`None` = absent; return
+    /// false to leave it), and writes it back with compare-and-set, retrying when another
+    /// writer got there first. Returns the record as stored.
+    pub async fn modify_record<T>(
+        &self,
+        bucket: Bucket,
+        key: &str,
+        mut change: impl FnMut(&mut Option<T>) -> bool,
+    ) -> Result<Option<T>, BusError>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned,
+    {
+        let kv = self.bucket(bucket).await?;
+        let error = |reason: String| BusError::KeyValue {
+            bucket: self.namespace.bucket(bucket),
+            reason: format!("{key}: {reason}"),
+        };
+        for _ in 0..64 {
+            let entry = kv.entry(key).await.map_err(|e| error(e.to_string()))?;
+            let (mut record, revision) = match entry {
+                Some(entry) if entry.operation == kv::Operation::Put => (
+                    Some(
+                        serde_json::from_slice::<T>(&entry.value)
+                            .map_err(|e| error(format!("unreadable record: {e}")))?,
+                    ),
+                    entry.revision,
+                ),
+                Some(entry) => (None, entry.revision),
+                None => (None, 0),
+            };
+            if !change(&mut record) {
+                return Ok(record);
+            }
+            let Some(value) = &record else {
+                return Ok(None);
+            };
+            let body = serde_json::to_vec(value).map_err(|e| error(e.to_string()))?;
+            let written = if revision == 0 {
+                kv.create(key, body.into()).await.map(|_| ()).map_err(|e| {
+                    (e.kind() == kv::CreateErrorKind::AlreadyExists, e.to_string())
+                })
+            } else {
+                kv.update(key, body.into(), revision)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| {
+                        (e.kind() == kv::UpdateErrorKind::WrongLastRevision, e.to_string())
+                    })
+            };
+            match written {
+                Ok(()) => return Ok(record),
+                Err((true, _)) => continue,
+                Err((false, reason)) => return Err(error(reason)),
+            }
+        }
+        Err(error("too many concurrent writers".into()))
+    }
+
     /// The controller's record of a run (`ARL_RUN_STATE`), if it has one.
     pub async fn run_state(
         &self,

