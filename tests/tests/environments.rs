@@ -1,27 +1,35 @@
 //! The six SWE-bench instances of `../shared/data/swebench`: the image builder builds each
 //! environment in bubblewrap with the instance's recorded setup commands (pip from PyPI,
 //! Python from pyenv) and reuses it the second time; the sandbox service leases it and the
-//! instance's test command passes inside; in clean sandboxes the gold patch grades resolved
-//! and the empty patch does not. Explicit failures for a missing interpreter and a missing
-//! commit. Needs `arl-sandbox-init` built (`cargo build --bins`).
+//! instance's test command passes inside; then the reward service — fed by the real
+//! controller and dataset service — grades the gold patch resolved and the empty patch
+//! not, each in a clean sandbox. Explicit failures for a missing interpreter and a missing
+//! commit, and a grading error with its class for a Harbor task whose verifier writes no
+//! reward. Needs `arl-sandbox-init` built (`cargo build --bins`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use arl_controller::{Controller, ControllerConfig};
+use arl_dataset::service::DatasetService;
 use arl_imagebuilder::local::{BuildError, LocalBuilder, LocalConfig};
 use arl_imagebuilder::recipe::{Recipe, load_instances};
-use arl_reward::grading::{Resolution, grade};
-use arl_reward::swebench::eval_plan;
+use arl_reward::service::{RewardConfig, RewardService, load_test_commands};
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown};
 use arl_sandbox::config::SandboxConfig;
 use arl_sandbox::service::SandboxService;
-use arl_schemas::RunId;
-use arl_schemas::events::EnvironmentRef;
+use arl_schemas::events::{
+    AgentExit, EnvironmentRef, Example, FailureClass, RewardScoredV2, RunRequestedV1, Split,
+    TrialFailedV1, TrialFinishedV1, TrialSlot,
+};
 use arl_schemas::rpc::{ExecResult, LeaseGrantV1, LeaseRequestV1, SandboxLimits, SandboxOp};
-use arl_testkit::{NatsServer, built_binary, http, test_namespace};
+use arl_schemas::spec::{DataSource, RunSpec};
+use arl_schemas::{Domain, Namespace, RunId, TaskId, TrialId};
+use arl_testkit::{NatsServer, built_binary, http, test_namespace, wait_for};
 
 fn shared_swebench() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/swebench")
@@ -44,27 +52,6 @@ fn builder(root: &Path) -> LocalBuilder {
     })
 }
 
-/// The dataset row of an instance: gold patch, test patch, FAIL_TO_PASS, PASS_TO_PASS.
-fn dataset_row(id: &str) -> serde_json::Value {
-    let text = std::fs::read_to_string(shared_swebench().join("verified_mini_50.jsonl")).unwrap();
-    text.lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .find(|r| r["instance_id"] == id)
-        .unwrap()
-}
-
-async fn write(grant: &LeaseGrantV1, path: &str, content: &str) {
-    let response = http(
-        &format!("{}/files?path={path}", grant.endpoint),
-        "PUT",
-        &[("authorization", &format!("Bearer {}", grant.token))],
-        content.as_bytes(),
-    )
-    .await
-    .unwrap();
-    assert!(response.status < 300, "{}", response.text());
-}
-
 async fn exec(grant: &LeaseGrantV1, command: &str) -> ExecResult {
     let body = serde_json::json!({"command": command, "timeout_s": 600});
     let response = http(
@@ -80,6 +67,152 @@ async fn exec(grant: &LeaseGrantV1, command: &str) -> ExecResult {
     .unwrap();
     assert_eq!(response.status, 200, "{}", response.text());
     response.json()
+}
+
+/// The services a grading needs besides the sandbox: the controller (to admit the run),
+/// the dataset service (to register its tasks) and the reward service. The model is a
+/// GGUF header: admission only checks that it is there.
+struct Grading {
+    bus: Bus,
+    ns: Namespace,
+    _models: tempfile::TempDir,
+}
+
+impl Grading {
+    async fn start(bus: &Bus, ns: &Namespace, shutdown: &Shutdown) -> Self {
+        let models = tempfile::tempdir().unwrap();
+        std::fs::write(
+            models.path().join("SmolLM2-135M-Instruct.Q4_1.gguf"),
+            b"GGUF\x03\0\0\0",
+        )
+        .unwrap();
+        Controller::new(
+            bus.clone(),
+            ControllerConfig {
+                model_dir: models.path().to_path_buf(),
+                admission_concurrency: 2,
+            },
+        )
+        .await
+        .unwrap()
+        .start(shutdown);
+        DatasetService::new(bus.clone()).start(shutdown);
+        let mut config = RewardConfig::default();
+        for command in load_test_commands(&shared_swebench().join("instances.json")).unwrap() {
+            config
+                .test_commands
+                .insert(command.instance_id.clone(), command);
+        }
+        RewardService::new(bus.clone(), config).start(shutdown, 2);
+        Self {
+            bus: bus.clone(),
+            ns: ns.clone(),
+            _models: models,
+        }
+    }
+
+    /// Submits a run over `spec`'s dataset and waits until the dataset is registered.
+    async fn run(&self, spec: RunSpec) -> RunId {
+        let run = RunId::generate();
+        self.bus
+            .publish(&RunRequestedV1 {
+                run_id: run.clone(),
+                spec,
+                ..RunRequestedV1::example()
+            })
+            .await
+            .unwrap();
+        wait_for(
+            "the registered dataset",
+            Duration::from_secs(60),
+            || async {
+                self.bus
+                    .run_state(&run)
+                    .await
+                    .unwrap()
+                    .filter(|s| s.dataset_digest.is_some())
+            },
+        )
+        .await;
+        run
+    }
+
+    /// Publishes a finished trial of `task` with `patch`; returns its trial id.
+    async fn finish(&self, run: &RunId, task: &str, sample: u32, patch: &str) -> TrialId {
+        let trial_id = TrialId::new(format!("{run}-t{sample}-{}", task.replace('.', "_"))).unwrap();
+        self.bus
+            .publish(&TrialFinishedV1 {
+                run_id: run.clone(),
+                trial_id: trial_id.clone(),
+                slot: TrialSlot {
+                    task_id: TaskId::new(task).unwrap(),
+                    step: 1,
+                    split: Split::Train,
+                    sample_index: sample,
+                    attempt: 0,
+                },
+                exit: AgentExit::Submitted,
+                num_turns: 3,
+                patch: patch.to_owned(),
+                duration_seconds: 30.0,
+                finished_at: chrono::Utc::now(),
+            })
+            .await
+            .unwrap();
+        trial_id
+    }
+
+    /// Every grade and grading failure of the run so far, by trial id.
+    async fn outcomes(
+        &self,
+        run: &RunId,
+    ) -> (
+        HashMap<TrialId, RewardScoredV2>,
+        HashMap<TrialId, TrialFailedV1>,
+    ) {
+        let scored = self
+            .bus
+            .replay::<RewardScoredV2>(
+                Domain::Reward,
+                self.ns.event_subject(Domain::Reward, run, "scored"),
+            )
+            .await
+            .unwrap();
+        let failed = self
+            .bus
+            .replay::<TrialFailedV1>(
+                Domain::Trial,
+                self.ns.event_subject(Domain::Trial, run, "failed"),
+            )
+            .await
+            .unwrap();
+        (
+            scored
+                .into_iter()
+                .map(|e| (e.trial_id.clone(), e))
+                .collect(),
+            failed
+                .into_iter()
+                .map(|e| (e.trial_id.clone(), e))
+                .collect(),
+        )
+    }
+
+    async fn wait_outcomes(
+        &self,
+        run: &RunId,
+        count: usize,
+        timeout: Duration,
+    ) -> (
+        HashMap<TrialId, RewardScoredV2>,
+        HashMap<TrialId, TrialFailedV1>,
+    ) {
+        wait_for("the grades", timeout, || async {
+            let (scored, failed) = self.outcomes(run).await;
+            (scored.len() + failed.len() >= count).then_some((scored, failed))
+        })
+        .await
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -190,39 +323,78 @@ async fn every_swebench_instance_builds_runs_its_tests_and_grades_gold_and_empty
             (output.contains("Ran ") && output.contains("OK")) || output.contains(" passed"),
             "{id}: {output}"
         );
+    }
 
-        // Grading in clean sandboxes: the gold patch resolves the instance, no patch does not.
-        let row = dataset_row(id);
-        let list = |field: &str| -> Vec<String> {
-            serde_json::from_str(row[field].as_str().unwrap()).unwrap()
-        };
-        let (f2p, p2p) = (list("FAIL_TO_PASS"), list("PASS_TO_PASS"));
-        for (candidate, expected) in [
-            (row["patch"].as_str().unwrap(), Resolution::ResolvedFull),
-            ("", Resolution::ResolvedNo),
-        ] {
-            let clean: LeaseGrantV1 = bus
-                .request(
-                    ns.sandbox_rpc("any", SandboxOp::Lease),
-                    &request,
-                    Duration::from_secs(120),
-                )
-                .await
-                .unwrap();
-            let plan = eval_plan(
-                candidate,
-                row["test_patch"].as_str().unwrap(),
-                &instance.eval_env,
-                &instance.test_command,
+    // Grading through the services, each in a clean sandbox: the gold patch resolves
+    // every instance, no patch resolves none.
+    let rows: Vec<serde_json::Value> =
+        std::fs::read_to_string(shared_swebench().join("verified_mini_50.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|r| {
+                instances
+                    .iter()
+                    .any(|i| r["instance_id"] == i.instance_id.as_str())
+            })
+            .collect();
+    assert_eq!(rows.len(), 6);
+    let dataset = files.path().join("six.jsonl");
+    let lines: Vec<String> = rows.iter().map(|r| r.to_string()).collect();
+    std::fs::write(&dataset, lines.join("\n")).unwrap();
+    let grading = Grading::start(&bus, &ns, &shutdown).await;
+    let mut spec = RunSpec::default();
+    spec.data.source = DataSource::Swebench;
+    spec.data.dataset = dataset.display().to_string();
+    spec.data.val_size = 0;
+    spec.reward.short_patch_bonus = 0.1;
+    let run = grading.run(spec).await;
+    let mut expected = HashMap::new();
+    for row in &rows {
+        let id = row["instance_id"].as_str().unwrap();
+        let gold = grading
+            .finish(&run, id, 0, row["patch"].as_str().unwrap())
+            .await;
+        let empty = grading.finish(&run, id, 1, "").await;
+        expected.insert(
+            gold,
+            (
+                id.to_owned(),
+                true,
+                row["patch"].as_str().unwrap().to_owned(),
+            ),
+        );
+        expected.insert(empty, (id.to_owned(), false, String::new()));
+    }
+    let (scored, failed) = grading
+        .wait_outcomes(&run, 12, Duration::from_secs(1200))
+        .await;
+    assert!(failed.is_empty(), "{failed:?}");
+    for (trial, (id, resolved, patch)) in &expected {
+        let grade = &scored[trial];
+        assert_eq!(grade.resolved, *resolved, "{id}: {grade:?}");
+        assert_eq!(grade.slot.task_id.as_str(), id);
+        let tests = grade.tests.as_ref().unwrap();
+        if *resolved {
+            assert!(tests.fail_to_pass.failed.is_empty() && tests.pass_to_pass.failed.is_empty());
+            assert!(!tests.fail_to_pass.passed.is_empty(), "{id}: {tests:?}");
+            let short = patch
+                .lines()
+                .filter(|l| {
+                    (l.starts_with('+') && !l.starts_with("+++"))
+                        || (l.starts_with('-') && !l.starts_with("---"))
+                })
+                .count()
+                < 20;
+            let bonus = if short { 0.1 } else { 0.0 };
+            assert_eq!(grade.breakdown.short_patch_bonus, bonus, "{id}");
+            assert!(
+                (grade.reward - (1.0 + bonus)).abs() < 1e-12,
+                "{id}: {grade:?}"
             );
-            for (path, content) in &plan.files {
-                write(&clean, path, content).await;
-            }
-            let run = exec(&clean, &plan.command).await;
-            let log = format!("{}{}", run.stdout, run.stderr);
-            let report = grade(&instance.repo, &log, &f2p, &p2p)
-                .unwrap_or_else(|e| panic!("{id}: {e}\n{log}"));
-            assert_eq!(report.resolution, expected, "{id}: {report:?}\n{log}");
+        } else {
+            assert!(!tests.fail_to_pass.failed.is_empty(), "{id}: {tests:?}");
+            assert_eq!(grade.reward, 0.0);
         }
     }
     shutdown.trigger();
@@ -260,10 +432,12 @@ async fn every_swebench_instance_builds_runs_its_tests_and_grades_gold_and_empty
     );
 }
 
-/// A Harbor task graded the same way: the reference solution, run by an "agent" in one
-/// sandbox, becomes a patch; in clean sandboxes that patch scores 1 and no patch scores 0.
+/// Harbor and math tasks through the same services: the reference solution of fix-mean,
+/// run by an "agent" in one sandbox, becomes a patch that scores 1 (plus the short-patch
+/// bonus) and no patch scores 0; a task whose verifier writes no reward is a
+/// `grading_error` failure, not a zero; a math answer is graded by exact match.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_harbor_task_scores_its_solution_1_and_nothing_0() {
+async fn harbor_and_math_tasks_are_graded_by_the_reward_service() {
     let files = tempfile::Builder::new()
         .prefix("arl-harbor-")
         .tempdir()
@@ -271,9 +445,20 @@ async fn a_harbor_task_scores_its_solution_1_and_nothing_0() {
     std::fs::set_permissions(files.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let root = files.path().join("environments");
     std::fs::create_dir_all(&root).unwrap();
-    let task = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tasks/fix-mean");
-    let recipe = Recipe::from_harbor(&task).unwrap();
-    builder(&root).ensure(&recipe).await.unwrap();
+    // A dataset of two Harbor tasks: fix-mean, and a copy whose verifier writes nothing.
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tasks");
+    let tasks = files.path().join("tasks");
+    copy_tree(&examples.join("fix-mean"), &tasks.join("fix-mean"));
+    copy_tree(&examples.join("fix-mean"), &tasks.join("silent-verifier"));
+    std::fs::write(
+        tasks.join("silent-verifier/tests/test.sh"),
+        "#!/bin/bash\nexit 0\n",
+    )
+    .unwrap();
+    for name in ["fix-mean", "silent-verifier"] {
+        let recipe = Recipe::from_harbor(&tasks.join(name)).unwrap();
+        builder(&root).ensure(&recipe).await.unwrap();
+    }
 
     let server = NatsServer::start().unwrap();
     let ns = test_namespace();
@@ -303,24 +488,22 @@ async fn a_harbor_task_scores_its_solution_1_and_nothing_0() {
         run_id: RunId::new("run-harbor").unwrap(),
         trial_id: None,
         environment: EnvironmentRef {
-            name: recipe.name.clone(),
+            name: "harbor/fix-mean".into(),
             digest: None,
         },
         ttl_s: 600,
         limits: SandboxLimits::default(),
     };
-    let lease = || async {
-        bus.request::<_, LeaseGrantV1>(
+    // The "agent": runs the reference solution, and its work becomes a patch.
+    let agent: LeaseGrantV1 = bus
+        .request(
             ns.sandbox_rpc("any", SandboxOp::Lease),
             &request,
             Duration::from_secs(60),
         )
         .await
-        .unwrap()
-    };
-    // The "agent": runs the reference solution, and its work becomes a patch.
-    let agent = lease().await;
-    let solve = std::fs::read_to_string(task.join("solution/solve.sh")).unwrap();
+        .unwrap();
+    let solve = std::fs::read_to_string(tasks.join("fix-mean/solution/solve.sh")).unwrap();
     let body = serde_json::json!({"command": "bash -s", "stdin": solve, "timeout_s": 60});
     let response = http(
         &format!("{}/exec", agent.endpoint),
@@ -345,27 +528,77 @@ async fn a_harbor_task_scores_its_solution_1_and_nothing_0() {
     .text();
     assert!(patch.contains("stats.py"), "{patch}");
 
-    let tests: Vec<(String, String)> = ["test.sh", "test_outputs.py"]
-        .iter()
-        .map(|f| {
-            (
-                (*f).to_owned(),
-                std::fs::read_to_string(task.join("tests").join(f)).unwrap(),
-            )
-        })
-        .collect();
-    for (candidate, expected) in [(patch.as_str(), 1.0), ("", 0.0)] {
-        let clean = lease().await;
-        let plan = arl_reward::harbor::eval_plan(candidate, &tests, &clean.workdir);
-        for (path, content) in &plan.files {
-            write(&clean, path, content).await;
-        }
-        let run = exec(&clean, &plan.command).await;
-        let log = format!("{}{}", run.stdout, run.stderr);
-        let reward =
-            arl_reward::harbor::reward_from_log(&log).unwrap_or_else(|e| panic!("{e}\n{log}"));
-        assert_eq!(reward, expected, "{log}");
-    }
+    let grading = Grading::start(&bus, &ns, &shutdown).await;
+    let mut spec = RunSpec::default();
+    spec.data.dataset = tasks.display().to_string();
+    spec.data.val_size = 0;
+    spec.reward.short_patch_bonus = 0.1;
+    let run = grading.run(spec).await;
+    let solved = grading.finish(&run, "fix-mean", 0, &patch).await;
+    let unsolved = grading.finish(&run, "fix-mean", 1, "").await;
+    let silent = grading.finish(&run, "silent-verifier", 0, &patch).await;
+    let (scored, failed) = grading
+        .wait_outcomes(&run, 3, Duration::from_secs(300))
+        .await;
+    let grade = &scored[&solved];
+    assert!(grade.resolved, "{grade:?}");
+    assert_eq!(
+        (
+            grade.breakdown.pass,
+            grade.breakdown.short_patch_bonus,
+            grade.reward
+        ),
+        (1.0, 0.1, 1.1)
+    );
+    assert!(!scored[&unsolved].resolved);
+    assert_eq!(scored[&unsolved].reward, 0.0);
+    let failure = &failed[&silent];
+    assert_eq!(failure.class, FailureClass::GradingError);
+    assert!(!failure.will_retry);
+    assert!(
+        failure.message.contains("no test output"),
+        "{}",
+        failure.message
+    );
+    assert!(
+        !scored.contains_key(&silent),
+        "a grading error is never a zero"
+    );
+
+    // Math: exact match of the final answer, no sandbox needed.
+    let math = files.path().join("math.jsonl");
+    std::fs::write(
+        &math,
+        "{\"id\": \"m1\", \"question\": \"What is 5 + 7?\", \"answer\": \"5 + 7 = 12\\n#### 12\"}\n\
+         {\"id\": \"m2\", \"question\": \"What is 2 * 3?\", \"answer\": \"#### 6\"}\n",
+    )
+    .unwrap();
+    let mut spec = RunSpec::default();
+    spec.data.source = DataSource::Gsm8k;
+    spec.data.dataset = math.display().to_string();
+    spec.data.val_size = 0;
+    let run = grading.run(spec).await;
+    let right = grading.finish(&run, "m1", 0, "5 and 7 make\n#### 12").await;
+    let wrong = grading.finish(&run, "m2", 0, "#### 5").await;
+    let (scored, failed) = grading
+        .wait_outcomes(&run, 2, Duration::from_secs(60))
+        .await;
+    assert!(failed.is_empty(), "{failed:?}");
+    assert!(scored[&right].resolved && scored[&right].reward == 1.0);
+    assert!(!scored[&wrong].resolved && scored[&wrong].reward == 0.0);
     shutdown.trigger();
     shutdown.wait().await;
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
 }

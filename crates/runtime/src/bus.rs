@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use arl_schemas::{Bucket, Domain, Event, Namespace, ObjectStore};
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, kv, object_store, stream};
-use tokio::io::AsyncReadExt;
 use bytes::Bytes;
+use tokio::io::AsyncReadExt;
 
 use crate::headers;
 use crate::metrics::{EventTypeLabel, Metrics};
@@ -178,17 +178,16 @@ impl Bus {
             storage: stream::StorageType::File,
             ..Default::default()
         };
-        retry_provision(&name, || {
-            self.jetstream.create_object_store(config.clone())
-        })
-        .await?;
+        retry_provision(&name, || self.jetstream.create_object_store(config.clone())).await?;
         Ok(())
     }
 
-    async fn object_store(&self, store: ObjectStore) -> Result<object_store::ObjectStore, BusError> {
+    async fn object_store(
+        &self,
+        store: ObjectStore,
+    ) -> Result<object_store::ObjectStore, BusError> {
         let name = self.namespace.object_store(store);
-        retry_provision(&name, || self.jetstream.get_object_store(name.clone()))
-            .await
+        retry_provision(&name, || self.jetstream.get_object_store(name.clone())).await
     }
 
     /// Stores `bytes` as object `name`, unless an object of that name is already there
@@ -328,14 +327,20 @@ impl Bus {
             let body = serde_json::to_vec(value).map_err(|e| error(e.to_string()))?;
             let written = if revision == 0 {
                 kv.create(key, body.into()).await.map(|_| ()).map_err(|e| {
-                    (e.kind() == kv::CreateErrorKind::AlreadyExists, e.to_string())
+                    (
+                        e.kind() == kv::CreateErrorKind::AlreadyExists,
+                        e.to_string(),
+                    )
                 })
             } else {
                 kv.update(key, body.into(), revision)
                     .await
                     .map(|_| ())
                     .map_err(|e| {
-                        (e.kind() == kv::UpdateErrorKind::WrongLastRevision, e.to_string())
+                        (
+                            e.kind() == kv::UpdateErrorKind::WrongLastRevision,
+                            e.to_string(),
+                        )
                     })
             };
             match written {
@@ -357,7 +362,11 @@ impl Bus {
             bucket: self.namespace.bucket(Bucket::RunState),
             reason: format!("run {run}: {reason}"),
         };
-        let Some(bytes) = kv.get(run.as_str()).await.map_err(|e| error(e.to_string()))? else {
+        let Some(bytes) = kv
+            .get(run.as_str())
+            .await
+            .map_err(|e| error(e.to_string()))?
+        else {
             return Ok(None);
         };
         arl_schemas::state::RunStateV1::decode(&bytes)

@@ -8,8 +8,7 @@ use std::time::Duration;
 use arl_runtime::Bus;
 use arl_runtime::rpc::RequestError;
 use arl_schemas::rpc::{
-    ExecRequest, ExecResult, LeaseGrantV1, LeaseRequestV1, ReleaseRequestV1, ReleasedV1,
-    SandboxOp,
+    ExecRequest, ExecResult, LeaseGrantV1, LeaseRequestV1, ReleaseRequestV1, ReleasedV1, SandboxOp,
 };
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -82,9 +81,14 @@ impl Lease {
     /// Writes a file (path relative to the work tree), creating its folders.
     pub async fn write(&self, path: &str, content: &str) -> Result<(), SandboxError> {
         let url = format!("{}/files?path={}", self.grant.endpoint, encode_query(path));
-        self.call("write", hyper::Method::PUT, &url, Bytes::from(content.to_owned()))
-            .await
-            .map(|_| ())
+        self.call(
+            "write",
+            hyper::Method::PUT,
+            &url,
+            Bytes::from(content.to_owned()),
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Runs `command` with `/bin/sh -c` in the work tree.

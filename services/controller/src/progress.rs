@@ -2,8 +2,8 @@
 //! the state, applies one event here, and writes it back with compare-and-set.
 
 use arl_schemas::events::{
-    DatasetRegisteredV1,     EvaluationCompletedV1, FailureClass, RunCompletedV1, RunFailedV1, RunPhase, RunProgressV1,
-    TrainStepV1, WeightsPublishedV1,
+    DatasetRegisteredV1, EvaluationCompletedV1, FailureClass, RunCompletedV1, RunFailedV1,
+    RunPhase, RunProgressV1, TrainStepV1, WeightsPublishedV1,
 };
 use arl_schemas::state::{EvaluationSummary, RunStateV1, RunStatus, StepSummary};
 use chrono::Utc;

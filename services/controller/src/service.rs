@@ -7,8 +7,8 @@ use std::sync::Arc;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
-    DatasetRegisteredV1, EvaluationCompletedV1, RunAcceptedV1, RunFailedV1, RunPhase, RunRejectedV1, TrainStepV1,
-    TrialFailedV1, TrialFinishedV1, WeightsPublishedV1,
+    DatasetRegisteredV1, EvaluationCompletedV1, RunAcceptedV1, RunFailedV1, RunPhase,
+    RunRejectedV1, TrainStepV1, TrialFailedV1, TrialFinishedV1, WeightsPublishedV1,
 };
 use arl_schemas::state::{RunStateV1, RunStatus};
 use arl_schemas::{Domain, Event, RunId};

@@ -7,8 +7,8 @@
 
 pub mod harbor;
 pub mod manifest;
-pub mod service;
 pub mod math;
+pub mod service;
 pub mod split;
 pub mod swebench;
 mod tabular;

@@ -8,7 +8,11 @@ use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use clap::Parser;
 
 #[derive(Debug, Parser)]
-#[command(name = "arl-dataset", version, about = "ARL dataset service: datasets and task batches")]
+#[command(
+    name = "arl-dataset",
+    version,
+    about = "ARL dataset service: datasets and task batches"
+)]
 struct Args {
     #[command(flatten)]
     common: CommonArgs,
@@ -20,7 +24,11 @@ async fn main() -> anyhow::Result<()> {
     let telemetry = telemetry::init("arl-dataset", telemetry::otlp_endpoint_from_env())?;
     let metrics = Metrics::new();
     let bus = Bus::connect(
-        BusConfig::new(&args.common.nats_url, args.common.namespace()?, "arl-dataset"),
+        BusConfig::new(
+            &args.common.nats_url,
+            args.common.namespace()?,
+            "arl-dataset",
+        ),
         metrics.clone(),
     )
     .await?;

@@ -19,7 +19,8 @@ pub const MATH_ENVIRONMENT: &str = "math";
 pub fn build(data: &DataSpec, path: &Path) -> Result<DatasetManifestV1, LoadError> {
     let (tasks, errors) = match data.source {
         DataSource::Swebench => {
-            let loaded = swebench::load(path, Completeness::Full)?.accept(data.allow_invalid_rows)?;
+            let loaded =
+                swebench::load(path, Completeness::Full)?.accept(data.allow_invalid_rows)?;
             let tasks = loaded
                 .rows
                 .into_iter()
@@ -42,7 +43,11 @@ pub fn build(data: &DataSpec, path: &Path) -> Result<DatasetManifestV1, LoadErro
         }
         DataSource::Gsm8k => {
             let loaded = math::load(path)?.accept(data.allow_invalid_rows)?;
-            let tasks = loaded.rows.into_iter().map(math_task).collect::<Result<_, _>>()?;
+            let tasks = loaded
+                .rows
+                .into_iter()
+                .map(math_task)
+                .collect::<Result<_, _>>()?;
             (tasks, loaded.errors)
         }
     };
@@ -53,7 +58,10 @@ pub fn build(data: &DataSpec, path: &Path) -> Result<DatasetManifestV1, LoadErro
             reason: "holds no valid task".into(),
         });
     }
-    let ids: Vec<String> = tasks.iter().map(|t| t.task_id.as_str().to_owned()).collect();
+    let ids: Vec<String> = tasks
+        .iter()
+        .map(|t| t.task_id.as_str().to_owned())
+        .collect();
     let parts = split::split(
         &ids,
         data.seed,

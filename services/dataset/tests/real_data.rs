@@ -158,7 +158,11 @@ fn gsm_symbolic_templates_load_as_math_tasks() {
             PathBuf::from(std::env::var_os("HOME").unwrap())
                 .join(".cache/arl/data/gsm-symbolic-0.5.5")
         });
-    assert!(dir.is_dir(), "{} is missing: run `make data`", dir.display());
+    assert!(
+        dir.is_dir(),
+        "{} is missing: run `make data`",
+        dir.display()
+    );
     let loaded = math::load(&dir).unwrap();
     assert_eq!(loaded.rows.len(), 100, "{:?}", loaded.errors.first());
     assert!(loaded.errors.is_empty());

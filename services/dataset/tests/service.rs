@@ -134,13 +134,17 @@ async fn a_harbor_run_is_registered_and_served_one_batch_per_step() {
     let digest = registered[0].digest.clone();
     assert!(digest.starts_with("sha256:"));
     // The controller records the digest; the manifest is in the object store.
-    let state = wait_for("the digest in the run state", Duration::from_secs(30), || async {
-        h.bus
-            .run_state(&run)
-            .await
-            .unwrap()
-            .filter(|s| s.dataset_digest.is_some())
-    })
+    let state = wait_for(
+        "the digest in the run state",
+        Duration::from_secs(30),
+        || async {
+            h.bus
+                .run_state(&run)
+                .await
+                .unwrap()
+                .filter(|s| s.dataset_digest.is_some())
+        },
+    )
     .await;
     assert_eq!(state.dataset_digest.as_deref(), Some(digest.as_str()));
     let manifest = h.bus.dataset_manifest(&digest).await.unwrap().unwrap();
@@ -165,7 +169,10 @@ async fn a_harbor_run_is_registered_and_served_one_batch_per_step() {
         .await;
     assert_eq!(batches.len(), 1);
     let first = &batches[0];
-    assert_eq!((first.step, first.split, first.samples_per_task), (1, Split::Train, 4));
+    assert_eq!(
+        (first.step, first.split, first.samples_per_task),
+        (1, Split::Train, 4)
+    );
     let mut ids: Vec<&str> = first.tasks.iter().map(|t| t.task_id.as_str()).collect();
     ids.sort();
     let mut train: Vec<&str> = manifest.train.iter().map(|t| t.as_str()).collect();
@@ -191,7 +198,9 @@ async fn a_harbor_run_is_registered_and_served_one_batch_per_step() {
     assert_eq!(batches[1].step, 2);
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
-        h.events::<TaskBatchV1>(Domain::Task, &run, "batch").await.len(),
+        h.events::<TaskBatchV1>(Domain::Task, &run, "batch")
+            .await
+            .len(),
         2,
         "no batch past total_steps"
     );
@@ -232,7 +241,11 @@ async fn bad_rows_fail_the_run_unless_it_allows_them() {
             .filter(|s| s.status == RunStatus::Failed)
     })
     .await;
-    assert!(h.events::<TaskBatchV1>(Domain::Task, &strict, "batch").await.is_empty());
+    assert!(
+        h.events::<TaskBatchV1>(Domain::Task, &strict, "batch")
+            .await
+            .is_empty()
+    );
 
     spec.data.allow_invalid_rows = true;
     let lenient = h.submit(spec).await;
@@ -240,7 +253,11 @@ async fn bad_rows_fail_the_run_unless_it_allows_them() {
         .wait_events::<DatasetRegisteredV1>(Domain::Task, &lenient, "dataset", 1)
         .await;
     assert_eq!(
-        (registered[0].train_tasks, registered[0].validation_tasks, registered[0].invalid_rows),
+        (
+            registered[0].train_tasks,
+            registered[0].validation_tasks,
+            registered[0].invalid_rows
+        ),
         (3, 1, 1)
     );
     let manifest = h
@@ -251,7 +268,10 @@ async fn bad_rows_fail_the_run_unless_it_allows_them() {
         .unwrap();
     assert_eq!(manifest.invalid_rows.len(), 1);
     assert_eq!(
-        (manifest.invalid_rows[0].row.as_str(), manifest.invalid_rows[0].field.as_str()),
+        (
+            manifest.invalid_rows[0].row.as_str(),
+            manifest.invalid_rows[0].field.as_str()
+        ),
         ("3", "FAIL_TO_PASS")
     );
     let batches = h

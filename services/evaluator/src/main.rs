@@ -7,7 +7,11 @@ use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use clap::Parser;
 
 #[derive(Debug, Parser)]
-#[command(name = "arl-evaluator", version, about = "ARL evaluator: validation resolution rate")]
+#[command(
+    name = "arl-evaluator",
+    version,
+    about = "ARL evaluator: validation resolution rate"
+)]
 struct Args {
     #[command(flatten)]
     common: CommonArgs,
@@ -19,7 +23,11 @@ async fn main() -> anyhow::Result<()> {
     let telemetry = telemetry::init("arl-evaluator", telemetry::otlp_endpoint_from_env())?;
     let metrics = Metrics::new();
     let bus = Bus::connect(
-        BusConfig::new(&args.common.nats_url, args.common.namespace()?, "arl-evaluator"),
+        BusConfig::new(
+            &args.common.nats_url,
+            args.common.namespace()?,
+            "arl-evaluator",
+        ),
         metrics.clone(),
     )
     .await?;

@@ -185,17 +185,19 @@ impl Evaluator {
     }
 
     async fn on_train_step(&self, trained: TrainStepV1) -> Result<(), HandlerError> {
-        let state = self
-            .bus
-            .run_state(&trained.run_id)
-            .await?
-            .ok_or_else(|| HandlerError::Retry(format!("run {} has no state", trained.run_id)))?;
+        let state =
+            self.bus.run_state(&trained.run_id).await?.ok_or_else(|| {
+                HandlerError::Retry(format!("run {} has no state", trained.run_id))
+            })?;
         let spec = state.spec.clone().unwrap_or_default();
         if !is_eval_step(trained.step, spec.trainer.eval_every, state.total_steps) {
             return Ok(());
         }
         let digest = state.dataset_digest.clone().ok_or_else(|| {
-            HandlerError::Retry(format!("run {} has no registered dataset yet", trained.run_id))
+            HandlerError::Retry(format!(
+                "run {} has no registered dataset yet",
+                trained.run_id
+            ))
         })?;
         let manifest = self.bus.dataset_manifest(&digest).await?.ok_or_else(|| {
             HandlerError::DeadLetter(format!("dataset {digest} is not registered"))
@@ -211,13 +213,17 @@ impl Evaluator {
         // The tally exists before the batch, so no outcome can arrive without one.
         let stored = self
             .bus
-            .modify_record::<Tally>(Bucket::EvalState, &Tally::key(&tally.run_id, tally.step), |t| {
-                if t.is_some() {
-                    return false;
-                }
-                *t = Some(tally.clone());
-                true
-            })
+            .modify_record::<Tally>(
+                Bucket::EvalState,
+                &Tally::key(&tally.run_id, tally.step),
+                |t| {
+                    if t.is_some() {
+                        return false;
+                    }
+                    *t = Some(tally.clone());
+                    true
+                },
+            )
             .await?;
         let tasks: Vec<TaskRef> = manifest
             .validation
@@ -304,16 +310,16 @@ mod tests {
             run_id: RunId::new("run-x").unwrap(),
             step: 2,
             policy_version: 2,
-            tasks: vec![
-                TaskId::new("a").unwrap(),
-                TaskId::new("b").unwrap(),
-            ],
+            tasks: vec![TaskId::new("a").unwrap(), TaskId::new("b").unwrap()],
             samples_per_task: 2,
             results: BTreeMap::new(),
         };
         assert!(tally.record(&slot("a", 0, 0), false));
         assert!(tally.record(&slot("a", 0, 1), true), "a retry replaces");
-        assert!(!tally.record(&slot("a", 0, 0), false), "an older attempt does not");
+        assert!(
+            !tally.record(&slot("a", 0, 0), false),
+            "an older attempt does not"
+        );
         assert!(tally.record(&slot("a", 1, 0), false));
         assert!(tally.record(&slot("b", 0, 0), true));
         assert!(tally.summary().is_none());

@@ -40,7 +40,10 @@ mod tests {
     fn wilson_matches_reference_values() {
         // statsmodels proportion_confint(8, 10, method="wilson"): (0.4902, 0.9433).
         let (lo, hi) = wilson95(8, 10);
-        assert!((lo - 0.4902).abs() < 1e-4 && (hi - 0.9433).abs() < 1e-4, "{lo} {hi}");
+        assert!(
+            (lo - 0.4902).abs() < 1e-4 && (hi - 0.9433).abs() < 1e-4,
+            "{lo} {hi}"
+        );
         // (0, 20): (0, 0.1611).
         let (lo, hi) = wilson95(0, 20);
         assert!(lo == 0.0 && (hi - 0.1611).abs() < 1e-4, "{hi}");

@@ -9,7 +9,11 @@ use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use clap::Parser;
 
 #[derive(Debug, Parser)]
-#[command(name = "arl-reward", version, about = "ARL reward service: grades trials")]
+#[command(
+    name = "arl-reward",
+    version,
+    about = "ARL reward service: grades trials"
+)]
 struct Args {
     #[command(flatten)]
     common: CommonArgs,
@@ -44,7 +48,11 @@ async fn main() -> anyhow::Result<()> {
     }
     let metrics = Metrics::new();
     let bus = Bus::connect(
-        BusConfig::new(&args.common.nats_url, args.common.namespace()?, "arl-reward"),
+        BusConfig::new(
+            &args.common.nats_url,
+            args.common.namespace()?,
+            "arl-reward",
+        ),
         metrics.clone(),
     )
     .await?;

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_sandbox_client::{SandboxClient, SandboxError};
+use arl_schemas::Domain;
 use arl_schemas::dataset::{Grading, TaskRecord, answer_matches};
 use arl_schemas::events::{
     FailureClass, RewardBreakdown, RewardScoredV2, TestReport, TestSetOutcome, TrialFailedV1,
@@ -19,7 +20,6 @@ use arl_schemas::events::{
 };
 use arl_schemas::rpc::{ExecRequest, LeaseRequestV1, SandboxLimits};
 use arl_schemas::spec::RunSpec;
-use arl_schemas::Domain;
 use serde::Deserialize;
 
 use crate::grading::{GradingError, grade};
@@ -124,11 +124,10 @@ impl RewardService {
         let trial: TrialFinishedV1 = delivery
             .decode()
             .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
-        let state = self
-            .bus
-            .run_state(&trial.run_id)
-            .await?
-            .ok_or_else(|| HandlerError::Retry(format!("run {} has no state yet", trial.run_id)))?;
+        let state =
+            self.bus.run_state(&trial.run_id).await?.ok_or_else(|| {
+                HandlerError::Retry(format!("run {} has no state yet", trial.run_id))
+            })?;
         let spec = state.spec.clone().unwrap_or_default();
         let task = match &state.dataset_digest {
             None => {
@@ -257,8 +256,8 @@ impl RewardService {
                         crate::harbor::eval_plan(&trial.patch, &files, workdir)
                     })
                     .await?;
-                let score = crate::harbor::reward_from_log(&log)
-                    .map_err(|e| grading_failure(e, &log))?;
+                let score =
+                    crate::harbor::reward_from_log(&log).map_err(|e| grading_failure(e, &log))?;
                 Ok(Grade {
                     score: score.clamp(0.0, 1.0),
                     resolved: score >= 1.0,
@@ -408,13 +407,19 @@ mod tests {
         let short = "--- a/x\n+++ b/x\n-old\n+new\n";
         let long: String = (0..30).map(|i| format!("+line {i}\n")).collect();
         let b = breakdown(&spec, true, 1.0, short, 50.0);
-        assert_eq!((b.pass, b.short_patch_bonus, b.fast_bonus), (1.0, 0.1, 0.05));
+        assert_eq!(
+            (b.pass, b.short_patch_bonus, b.fast_bonus),
+            (1.0, 0.1, 0.05)
+        );
         let b = breakdown(&spec, true, 1.0, &long, 150.0);
         assert_eq!((b.pass, b.short_patch_bonus, b.fast_bonus), (1.0, 0.0, 0.0));
         let b = breakdown(&spec, false, 0.0, short, 1.0);
         assert_eq!((b.pass, b.short_patch_bonus, b.fast_bonus), (0.0, 0.0, 0.0));
         let b = breakdown(&spec, false, 0.5, &long, 1.0);
-        assert_eq!(b.pass, 0.5, "a Harbor score below 1 is a partial pass reward");
+        assert_eq!(
+            b.pass, 0.5,
+            "a Harbor score below 1 is a partial pass reward"
+        );
         assert_eq!(changed_lines(short), 2);
     }
 }
