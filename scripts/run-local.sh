@@ -24,13 +24,22 @@ if [ -z "${NATS_URL:-}" ]; then
     echo "nats-server (JetStream) on $NATS_URL, store in $work"
 fi
 
-"$bin/arl-controller" 2>"$work/controller.log" &
-pids+=($!)
+for service in controller dataset evaluator; do
+    "$bin/arl-$service" 2>"$work/$service.log" &
+    pids+=($!)
+done
 
 run_id="$("$bin/arl" run submit "$spec" --wait)"
+# The dataset service registers the run's tasks a moment after admission.
+for _ in $(seq 50); do
+    "$bin/arl" run status "$run_id" | grep -q '^registered' && break
+    sleep 0.2
+done
+"$bin/arl" run status "$run_id" || true
 cat <<MSG
 
-The controller admitted run $run_id. The rollout, reward, trainer and evaluator
-services are not built yet (see ARCHITECTURE.md); once they are, this script follows
-the run to the end with \`arl run watch $run_id\`.
+The controller admitted run $run_id and the dataset service registered its tasks and
+published its first batch. The rollout service is not built yet (see ARCHITECTURE.md);
+once it is, this script starts it with the sandbox, proxy, engine, reward and trainer
+services and follows the run to the end with \`arl run watch $run_id\`.
 MSG

@@ -361,6 +361,9 @@ pub fn render_status(state: &RunStateV1) -> String {
     if let Some(dataset) = &state.dataset_path {
         out.push(format!("dataset     {dataset}"));
     }
+    if let Some(digest) = &state.dataset_digest {
+        out.push(format!("registered  {digest}"));
+    }
     if let Some(uri) = &state.checkpoint_uri {
         out.push(format!("checkpoint  {uri}"));
     }

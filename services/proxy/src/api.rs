@@ -403,14 +403,25 @@ struct Record {
 }
 
 impl Record {
-    /// Takes in a response body or one chunk (choice 0 only: the proxy allows n = 1).
+    /// Takes in a response body or one chunk (choice 0 only: the proxy allows n = 1), in
+    /// any dialect: ARL and vLLM put the prompt's ids at the top and each choice's ids in
+    /// the choice (streamed as deltas); SGLang's text completions put both in the choice,
+    /// and its chat answers carry them once, whole, in `sglext`.
     fn absorb(&mut self, v: &Value) {
         if let Some(ids) = v.get("prompt_token_ids").and_then(Value::as_array) {
-            self.prompt_token_ids = ids
-                .iter()
-                .filter_map(|i| i.as_u64())
-                .map(|i| i as u32)
-                .collect();
+            self.prompt_token_ids = token_ids(ids);
+        }
+        if let Some(ext) = v.get("sglext") {
+            if let Some(ids) = ext.get("input_ids").and_then(Value::as_array) {
+                self.prompt_token_ids = token_ids(ids);
+            }
+            if let Some(ids) = ext
+                .get("output_ids")
+                .and_then(|o| o.get(0))
+                .and_then(Value::as_array)
+            {
+                self.completion_token_ids = token_ids(ids);
+            }
         }
         if let Some(version) = v.get("policy_version").and_then(Value::as_u64) {
             self.policy_version = Some(version);
@@ -421,6 +432,9 @@ impl Record {
         let Some(choice) = v.get("choices").and_then(|c| c.get(0)) else {
             return;
         };
+        if let Some(ids) = choice.get("prompt_token_ids").and_then(Value::as_array) {
+            self.prompt_token_ids = token_ids(ids);
+        }
         if let Some(ids) = choice.get("token_ids").and_then(Value::as_array) {
             self.completion_token_ids
                 .extend(ids.iter().filter_map(|i| i.as_u64()).map(|i| i as u32));
@@ -447,6 +461,14 @@ impl Record {
             self.finish_reason = Some(reason.to_owned());
         }
     }
+}
+
+fn token_ids(values: &[Value]) -> Vec<u32> {
+    values
+        .iter()
+        .filter_map(Value::as_u64)
+        .map(|i| i as u32)
+        .collect()
 }
 
 struct Recorder {

@@ -20,6 +20,11 @@ pub enum Dialect {
     Arl,
     /// vLLM's OpenAI server: `return_token_ids` plus logprobs.
     Vllm,
+    /// SGLang's OpenAI server: chat asks for `return_input_ids` / `return_output_ids`
+    /// (the ids come back once per response in `sglext`, streaming or not); text
+    /// completions ask for `return_token_ids` (per-choice `prompt_token_ids` and
+    /// `token_ids`).
+    Sglang,
 }
 
 impl Dialect {
@@ -30,8 +35,18 @@ impl Dialect {
         } else if !body.get("logprobs").is_some_and(Value::is_u64) {
             body.insert("logprobs".into(), json!(0));
         }
-        if self == Dialect::Vllm {
-            body.insert("return_token_ids".into(), json!(true));
+        match self {
+            Dialect::Arl => {}
+            Dialect::Vllm => {
+                body.insert("return_token_ids".into(), json!(true));
+            }
+            Dialect::Sglang if chat => {
+                body.insert("return_input_ids".into(), json!(true));
+                body.insert("return_output_ids".into(), json!(true));
+            }
+            Dialect::Sglang => {
+                body.insert("return_token_ids".into(), json!(true));
+            }
         }
     }
 }
@@ -51,11 +66,12 @@ impl Backend {
     }
 }
 
-/// Parses `dialect=url` (dialect `arl` or `vllm`; a bare URL means `arl`).
+/// Parses `dialect=url` (dialect `arl`, `vllm` or `sglang`; a bare URL means `arl`).
 pub fn parse_backend(spec: &str) -> Result<(Dialect, String), String> {
     let (dialect, url) = match spec.split_once('=') {
         Some(("arl", url)) => (Dialect::Arl, url),
         Some(("vllm", url)) => (Dialect::Vllm, url),
+        Some(("sglang", url)) => (Dialect::Sglang, url),
         Some((other, _)) => {
             return Err(format!(
                 "backend dialect {other:?} is unknown; use arl=URL or vllm=URL"

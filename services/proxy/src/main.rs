@@ -30,7 +30,8 @@ struct Args {
     #[arg(long)]
     public_url: Option<String>,
 
-    /// A backend: `arl=http://host:port` (the embedded engine) or `vllm=http://host:port`.
+    /// A backend: `arl=http://host:port` (the embedded engine), `vllm=http://host:port` or
+    /// `sglang=http://host:port`.
     /// Repeat for several.
     #[arg(long = "backend", required = true)]
     backends: Vec<String>,

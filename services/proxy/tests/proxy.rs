@@ -24,9 +24,39 @@ use serde_json::{Value, json};
 
 type Seen = Arc<Mutex<Vec<Value>>>;
 
-/// A stand-in engine: answers `[7, 8]` after a `[1, 2, 3]` prompt, streaming or not;
-/// "slow" in a message makes it wait a second.
-async fn fake_backend(shutdown: &Shutdown) -> (SocketAddr, Seen) {
+/// SGLang's shapes of the same answers: chat ids once per response in `sglext` (in the
+/// last streamed chunk, which has no choices), text-completion ids in the choice.
+fn sglang_answer(body: &Value, chat: bool) -> axum::response::Response {
+    let ext = json!({"input_ids": [1, 2, 3], "output_ids": [[7, 8]]});
+    match (chat, body["stream"] == true) {
+        (true, true) => {
+            let chunks = [
+                json!({"choices": [{"index": 0, "delta": {"content": "h"}, "logprobs": {"content": [{"logprob": -0.1}]}, "finish_reason": null}]}),
+                json!({"choices": [{"index": 0, "delta": {"content": "i"}, "logprobs": {"content": [{"logprob": -0.2}]}, "finish_reason": "stop"}]}),
+                json!({"choices": [], "sglext": ext}),
+            ];
+            let mut text = String::new();
+            for c in chunks {
+                text.push_str(&format!("data: {c}\n\n"));
+            }
+            text.push_str("data: [DONE]\n\n");
+            ([("content-type", "text/event-stream")], text).into_response()
+        }
+        (true, false) => Json(json!({"model": "policy", "sglext": ext,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                         "logprobs": {"content": [{"logprob": -0.1}, {"logprob": -0.2}]},
+                         "finish_reason": "stop"}]}))
+        .into_response(),
+        (false, _) => Json(json!({"model": "policy",
+            "choices": [{"index": 0, "text": "hi", "prompt_token_ids": [1, 2, 3], "token_ids": [7, 8],
+                         "logprobs": {"token_logprobs": [-0.1, -0.2]}, "finish_reason": "stop"}]}))
+        .into_response(),
+    }
+}
+
+/// A stand-in engine: answers `[7, 8]` after a `[1, 2, 3]` prompt, streaming or not, in
+/// vLLM's shape (or SGLang's); "slow" in a message makes it wait a second.
+async fn fake_backend_in(shutdown: &Shutdown, dialect: Dialect) -> (SocketAddr, Seen) {
     let seen: Seen = Arc::default();
     let record = seen.clone();
     let router = axum::Router::new()
@@ -37,6 +67,9 @@ async fn fake_backend(shutdown: &Shutdown) -> (SocketAddr, Seen) {
                 let record = record.clone();
                 async move {
                     record.lock().unwrap().push(body.clone());
+                    if dialect == Dialect::Sglang {
+                        return sglang_answer(&body, true);
+                    }
                     if body.to_string().contains("slow") {
                         tokio::time::sleep(Duration::from_secs(1)).await;
                     }
@@ -61,6 +94,17 @@ async fn fake_backend(shutdown: &Shutdown) -> (SocketAddr, Seen) {
                 }
             }),
         );
+    let record = seen.clone();
+    let router = router.route(
+        "/v1/completions",
+        axum::routing::post(move |Json(body): Json<Value>| {
+            let record = record.clone();
+            async move {
+                record.lock().unwrap().push(body.clone());
+                sglang_answer(&body, false)
+            }
+        }),
+    );
     let addr = arl_runtime::http::serve("127.0.0.1:0".parse().unwrap(), router, shutdown)
         .await
         .unwrap();
@@ -76,6 +120,10 @@ struct Setup {
 }
 
 async fn setup(config: ProxyConfig, dead_backend_first: bool) -> Setup {
+    setup_with(config, dead_backend_first, Dialect::Vllm).await
+}
+
+async fn setup_with(config: ProxyConfig, dead_backend_first: bool, dialect: Dialect) -> Setup {
     let server = NatsServer::start().unwrap();
     let ns = test_namespace();
     let mut bus_config = BusConfig::new(server.url(), ns, "proxy-test");
@@ -84,7 +132,7 @@ async fn setup(config: ProxyConfig, dead_backend_first: bool) -> Setup {
     let bus = Bus::connect(bus_config, Metrics::new()).await.unwrap();
     bus.provision().await.unwrap();
     let shutdown = Shutdown::new();
-    let (backend, seen) = fake_backend(&shutdown).await;
+    let (backend, seen) = fake_backend_in(&shutdown, dialect).await;
     let mut specs = Vec::new();
     if dead_backend_first {
         let closed = std::net::TcpListener::bind("127.0.0.1:0")
@@ -93,7 +141,7 @@ async fn setup(config: ProxyConfig, dead_backend_first: bool) -> Setup {
             .unwrap();
         specs.push((Dialect::Arl, format!("http://{closed}")));
     }
-    specs.push((Dialect::Vllm, format!("http://{backend}")));
+    specs.push((dialect, format!("http://{backend}")));
     let keys = Arc::new(Keys::default());
     let proxy = Proxy::new(
         bus.clone(),
@@ -341,5 +389,66 @@ async fn a_trial_past_its_staleness_limit_is_held_back() {
     assert_eq!(status, 429, "{body}");
     assert!(body.contains("stale"));
     assert!(headers.iter().any(|(k, _)| k == "retry-after"));
+    s.shutdown.trigger();
+}
+
+/// An SGLang backend is asked in its dialect and its answers are recorded from where it
+/// puts the ids: `sglext` for chat (whole, once per response, also when streaming), the
+/// choice for text completions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_answers_are_recorded_from_its_own_fields() {
+    let s = setup_with(ProxyConfig::default(), false, Dialect::Sglang).await;
+    let grant = s.key("trial-sgl", None).await;
+    let (status, body, _) = s
+        .post(
+            &format!("{}/chat/completions", grant.base_url),
+            &[],
+            &chat("hello"),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let mut streamed = chat("again");
+    streamed["stream"] = json!(true);
+    let (status, text, _) = s
+        .post(
+            &format!("{}/chat/completions", grant.base_url),
+            &[],
+            &streamed,
+        )
+        .await;
+    assert_eq!(status, 200);
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let completion = json!({"model": "policy", "prompt": "say hi"});
+    let (status, body, _) = s
+        .post(&format!("{}/completions", grant.base_url), &[], &completion)
+        .await;
+    assert_eq!(status, 200, "{body}");
+
+    let sent = s.seen.lock().unwrap().clone();
+    assert_eq!(
+        (
+            &sent[0]["return_input_ids"],
+            &sent[0]["return_output_ids"],
+            &sent[0]["logprobs"]
+        ),
+        (&json!(true), &json!(true), &json!(true))
+    );
+    assert!(sent[0].get("return_token_ids").is_none());
+    assert_eq!(sent[2]["return_token_ids"], json!(true));
+
+    let calls = wait_for("three records", Duration::from_secs(10), || async {
+        let calls = s.calls().await;
+        (calls.len() == 3).then_some(calls)
+    })
+    .await;
+    for call in &calls {
+        assert_eq!(call.prompt_token_ids, [1, 2, 3], "{call:?}");
+        assert_eq!(call.completion_token_ids, [7, 8], "{call:?}");
+        assert_eq!(call.logprobs, [-0.1, -0.2], "{call:?}");
+        assert_eq!(
+            call.policy_version, 0,
+            "SGLang names no version: the trial's"
+        );
+    }
     s.shutdown.trigger();
 }
