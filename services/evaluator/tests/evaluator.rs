@@ -221,6 +221,19 @@ async fn validation_runs_after_evaluation_steps_and_its_rate_reaches_the_run() {
     assert_eq!(state.evaluations[0].step, 2);
     assert_eq!(state.evaluations[0].resolution_rate, 0.5);
     assert_eq!(state.evaluations[0].pass_at_k.get(&2), Some(&1.0));
+    // … and `arl run status` shows it (the real CLI; `cargo build --bins` first).
+    let status = std::process::Command::new(arl_testkit::built_binary("arl"))
+        .args(["run", "status", run.as_str(), "--nats-url", &server.url()])
+        .args(["--prefix", ns.prefix().unwrap()])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&status.stdout);
+    assert!(status.status.success(), "{shown}");
+    assert!(
+        shown.contains("50.0%  [ 15.0%,  85.0%]  @1=0.500 @2=1.000"),
+        "{shown}"
+    );
+    assert!(shown.contains("registered  sha256:"), "{shown}");
 
     // The last step is always evaluated.
     bus.publish(&TrainStepV1 {
