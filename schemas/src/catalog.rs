@@ -49,6 +49,7 @@ pub fn all_events() -> Vec<EventEntry> {
         entry::<events::SandboxLeasedV1>(),
         entry::<events::SandboxReleasedV1>(),
         entry::<events::SandboxFailedV1>(),
+        entry::<events::TrialRequestedV1>(),
         entry::<events::TrialStartedV1>(),
         entry::<events::TrialFinishedV1>(),
         entry::<events::TrialFailedV1>(),

@@ -82,6 +82,9 @@ pub enum Bucket {
     RunState,
     /// The evaluator's tally of each evaluation, keyed `<run_id>.<step>`.
     EvalState,
+    /// The rollout service's record of each trial (attempt, phase), keyed by trial id, and
+    /// failed groups, keyed `group.<run_id>.<step>.<split>.<task index>`.
+    Trials,
 }
 
 /// JetStream object stores.
@@ -104,6 +107,7 @@ impl Bucket {
         match self {
             Bucket::RunState => "ARL_RUN_STATE",
             Bucket::EvalState => "ARL_EVAL_STATE",
+            Bucket::Trials => "ARL_TRIALS",
         }
     }
 }

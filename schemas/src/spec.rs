@@ -113,6 +113,62 @@ pub struct RolloutSpec {
     /// Samples per validation task at each evaluation (VeRL `val_kwargs.n`); pass@k is
     /// reported for every k up to it.
     pub val_n: u32,
+    /// What a failed trial becomes, per failure class.
+    pub on_failure: FailurePolicy,
+    /// Attempts of one trial under the `retry` action; the last failure is masked.
+    pub max_attempts: u32,
+    /// Characters of a command's output shown to the agent (head and tail kept).
+    pub max_observation_chars: u32,
+}
+
+/// What happens to a trial that failed with a class.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureAction {
+    /// Run it again with a fresh sandbox (up to `rollout.max_attempts`).
+    Retry,
+    /// Keep it out of the loss (the group trains on the others).
+    Mask,
+    /// Keep the whole group of the task out of the step.
+    FailGroup,
+    /// Train on it with reward 0.
+    ScoreZero,
+}
+
+/// The action for each failure class.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct FailurePolicy {
+    pub infrastructure: FailureAction,
+    pub agent_error: FailureAction,
+    pub timeout: FailureAction,
+    pub context_overflow: FailureAction,
+    pub grading_error: FailureAction,
+}
+
+impl Default for FailurePolicy {
+    fn default() -> Self {
+        Self {
+            infrastructure: FailureAction::Retry,
+            agent_error: FailureAction::ScoreZero,
+            timeout: FailureAction::ScoreZero,
+            context_overflow: FailureAction::Mask,
+            grading_error: FailureAction::Mask,
+        }
+    }
+}
+
+impl FailurePolicy {
+    pub fn action(&self, class: crate::events::FailureClass) -> FailureAction {
+        use crate::events::FailureClass as C;
+        match class {
+            C::Infrastructure => self.infrastructure,
+            C::AgentError => self.agent_error,
+            C::Timeout => self.timeout,
+            C::ContextOverflow => self.context_overflow,
+            C::GradingError => self.grading_error,
+        }
+    }
 }
 
 impl Default for RolloutSpec {
@@ -126,6 +182,9 @@ impl Default for RolloutSpec {
             agent: AgentKind::SweText,
             timeout_s: 600,
             val_n: 1,
+            on_failure: FailurePolicy::default(),
+            max_attempts: 3,
+            max_observation_chars: 4000,
         }
     }
 }
@@ -392,6 +451,18 @@ impl RunSpec {
         }
         if r.max_turns == 0 {
             fail("rollout.max_turns", "must be at least 1, got 0".into());
+        }
+        if !(1..=10).contains(&r.max_attempts) {
+            fail(
+                "rollout.max_attempts",
+                format!("must be in [1, 10], got {}", r.max_attempts),
+            );
+        }
+        if r.max_observation_chars < 200 {
+            fail(
+                "rollout.max_observation_chars",
+                format!("must be at least 200, got {}", r.max_observation_chars),
+            );
         }
         if !(1..=64).contains(&r.val_n) {
             fail(

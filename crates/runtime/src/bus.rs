@@ -167,6 +167,7 @@ impl Bus {
         }
         self.provision_bucket(Bucket::RunState).await?;
         self.provision_bucket(Bucket::EvalState).await?;
+        self.provision_bucket(Bucket::Trials).await?;
         self.provision_object_store(ObjectStore::Datasets).await?;
         Ok(())
     }
@@ -422,6 +423,17 @@ impl Bus {
         domain: Domain,
         filter: String,
     ) -> Result<Vec<E>, BusError> {
+        self.replay_since(domain, filter, None).await
+    }
+
+    /// Like [`Bus::replay`], from the first message stored at or after `since` — a trial
+    /// reads its own records without scanning the run's whole history.
+    pub async fn replay_since<E: Event>(
+        &self,
+        domain: Domain,
+        filter: String,
+        since: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> Result<Vec<E>, BusError> {
         use async_nats::jetstream::consumer::{self, pull};
         use futures::StreamExt;
         let fail = |reason: String| BusError::Replay {
@@ -431,7 +443,15 @@ impl Bus {
         let config = pull::Config {
             filter_subject: filter.clone(),
             ack_policy: consumer::AckPolicy::None,
-            deliver_policy: consumer::DeliverPolicy::All,
+            deliver_policy: match since {
+                None => consumer::DeliverPolicy::All,
+                Some(at) => consumer::DeliverPolicy::ByStartTime {
+                    start_time: time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(
+                        at.timestamp_nanos_opt().unwrap_or(0),
+                    ))
+                    .unwrap_or(time::OffsetDateTime::UNIX_EPOCH),
+                },
+            },
             inactive_threshold: Duration::from_secs(30),
             ..Default::default()
         };

@@ -91,6 +91,16 @@ impl Lease {
         .map(|_| ())
     }
 
+    /// Reads a file (path relative to the work tree) as text.
+    pub async fn read(&self, path: &str) -> Result<String, SandboxError> {
+        let url = format!("{}/files?path={}", self.grant.endpoint, encode_query(path));
+        let bytes = self
+            .call("read", hyper::Method::GET, &url, Bytes::new())
+            .await?;
+        String::from_utf8(bytes.to_vec())
+            .map_err(|_| self.error("read", format!("{path} is not UTF-8 text")))
+    }
+
     /// Runs `command` with `/bin/sh -c` in the work tree.
     pub async fn exec(&self, request: &ExecRequest) -> Result<ExecResult, SandboxError> {
         let body = serde_json::to_vec(request).map_err(|e| self.error("exec", e.to_string()))?;

@@ -19,6 +19,20 @@ pub struct TrialSlot {
     pub attempt: u32,
 }
 
+/// One trial to run: a work item of the rollout replicas (a durable consumer they share).
+/// A retry is a new request with the same trial id and the next attempt.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TrialRequestedV1 {
+    pub run_id: RunId,
+    pub trial_id: TrialId,
+    pub slot: TrialSlot,
+    pub task: crate::events::TaskRef,
+}
+event!(TrialRequestedV1, trial, "requested", 1, |e| format!(
+    "trial.requested:{}:{}",
+    e.trial_id, e.slot.attempt
+));
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct TrialStartedV1 {
     pub run_id: RunId,
@@ -85,6 +99,26 @@ fn example_slot() -> TrialSlot {
         split: Split::Train,
         sample_index: 2,
         attempt: 0,
+    }
+}
+
+impl Example for TrialRequestedV1 {
+    fn example() -> Self {
+        Self {
+            run_id: example_run(),
+            trial_id: example_trial(),
+            slot: example_slot(),
+            task: crate::events::TaskRef {
+                task_id: example_task(),
+                kind: crate::events::TaskKind::Swebench,
+                dataset_digest:
+                    "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08".into(),
+                environment: crate::events::EnvironmentRef {
+                    name: "swebench/django__django-11880".into(),
+                    digest: None,
+                },
+            },
+        }
     }
 }
 

@@ -1,0 +1,362 @@
+//! The built-in agents. `swe` speaks OpenAI tool calling (run a shell command, view a
+//! file, edit it by exact string replacement, submit); `swe-text` is the same loop for
+//! models without tool calling — one fenced shell block per turn, `submit` to finish (the
+//! way mini-swe-agent's text mode works). Math tasks get one question and one answer.
+//! Every LLM call goes through the token proxy; every command runs in the trial's sandbox.
+
+use std::time::{Duration, Instant};
+
+use arl_sandbox_client::Lease;
+use arl_schemas::events::{AgentExit, FailureClass};
+use arl_schemas::rpc::ExecRequest;
+use serde_json::{Value, json};
+
+use crate::llm::{LlmClient, Sampling, TrialError};
+
+/// How the agent loop ended, and what it produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AgentOutcome {
+    pub exit: AgentExit,
+    pub turns: u32,
+    /// Replies that broke the action protocol (no block, a malformed tool call).
+    pub parse_failures: u32,
+    /// Math: the answer text (code tasks' output is the sandbox's diff).
+    pub answer: Option<String>,
+}
+
+/// What an agent needs to run one trial.
+pub struct AgentContext<'a> {
+    pub llm: &'a LlmClient,
+    pub base_url: &'a str,
+    pub instruction: &'a str,
+    pub sampling: Sampling,
+    pub max_turns: u32,
+    pub max_observation_chars: usize,
+    pub deadline: Instant,
+}
+
+const TEXT_SYSTEM: &str = "You are a careful software engineer working in a repository. \
+Each turn, write one short thought and then exactly one shell command in a fenced block:\n\
+```bash\n<command>\n```\n\
+The command runs in the repository's root and you will see its output. Inspect the code, \
+make the change the task asks for, and check it. When you are done, reply with a block \
+that holds only the word submit.";
+
+const TOOL_SYSTEM: &str = "You are a careful software engineer working in a repository. \
+Use the tools to inspect the code, make the change the task asks for, and check it. Call \
+submit when you are done.";
+
+const MATH_SYSTEM: &str = "Solve the problem step by step. End your answer with a line \
+`#### <number>` holding only the final number.";
+
+/// The tool definitions of the `swe` agent.
+pub fn tools() -> Value {
+    let function = |name: &str, description: &str, properties: Value, required: &[&str]| {
+        json!({"type": "function", "function": {
+            "name": name, "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": required}}})
+    };
+    json!([
+        function(
+            "run_shell",
+            "Run a shell command in the repository's root; returns its exit code and output.",
+            json!({"command": {"type": "string"}}),
+            &["command"]
+        ),
+        function(
+            "view_file",
+            "Show a file with line numbers.",
+            json!({"path": {"type": "string"}}),
+            &["path"]
+        ),
+        function(
+            "edit_file",
+            "Replace the one occurrence of old_text in the file with new_text.",
+            json!({"path": {"type": "string"}, "old_text": {"type": "string"}, "new_text": {"type": "string"}}),
+            &["path", "old_text", "new_text"]
+        ),
+        function("submit", "Finish the task.", json!({}), &[]),
+    ])
+}
+
+fn user(text: String) -> Value {
+    json!({"role": "user", "content": text})
+}
+
+/// The `swe-text` loop.
+pub async fn run_text(ctx: &AgentContext<'_>, lease: &Lease) -> Result<AgentOutcome, TrialError> {
+    let mut messages = vec![
+        json!({"role": "system", "content": TEXT_SYSTEM}),
+        user(ctx.instruction.to_owned()),
+    ];
+    let mut outcome = AgentOutcome {
+        exit: AgentExit::TurnLimit,
+        turns: 0,
+        parse_failures: 0,
+        answer: None,
+    };
+    while outcome.turns < ctx.max_turns {
+        let answer = ctx
+            .llm
+            .chat(ctx.base_url, &messages, None, &ctx.sampling, ctx.deadline)
+            .await?;
+        outcome.turns += 1;
+        let text = answer.message["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        messages.push(json!({"role": "assistant", "content": text}));
+        let observation = match shell_block(&text) {
+            None => {
+                outcome.parse_failures += 1;
+                "Your reply had no command. Reply with exactly one ```bash block, or a block \
+                 holding only submit."
+                    .to_owned()
+            }
+            Some(command) if command.trim() == "submit" => {
+                outcome.exit = AgentExit::Submitted;
+                return Ok(outcome);
+            }
+            Some(command) => run_shell(ctx, lease, &command).await?,
+        };
+        messages.push(user(observation));
+    }
+    Ok(outcome)
+}
+
+/// The `swe` (tool-calling) loop.
+pub async fn run_tools(ctx: &AgentContext<'_>, lease: &Lease) -> Result<AgentOutcome, TrialError> {
+    let tools = tools();
+    let mut messages = vec![
+        json!({"role": "system", "content": TOOL_SYSTEM}),
+        user(ctx.instruction.to_owned()),
+    ];
+    let mut outcome = AgentOutcome {
+        exit: AgentExit::TurnLimit,
+        turns: 0,
+        parse_failures: 0,
+        answer: None,
+    };
+    while outcome.turns < ctx.max_turns {
+        let answer = ctx
+            .llm
+            .chat(
+                ctx.base_url,
+                &messages,
+                Some(&tools),
+                &ctx.sampling,
+                ctx.deadline,
+            )
+            .await?;
+        outcome.turns += 1;
+        let calls = answer.message["tool_calls"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let mut assistant =
+            json!({"role": "assistant", "content": answer.message["content"].clone()});
+        if !calls.is_empty() {
+            assistant["tool_calls"] = Value::Array(calls.clone());
+        }
+        messages.push(assistant);
+        if calls.is_empty() {
+            outcome.parse_failures += 1;
+            messages.push(user(
+                "Use the tools (run_shell, view_file, edit_file); call submit when you are done."
+                    .into(),
+            ));
+            continue;
+        }
+        for call in &calls {
+            let name = call["function"]["name"].as_str().unwrap_or_default();
+            if name == "submit" {
+                outcome.exit = AgentExit::Submitted;
+                return Ok(outcome);
+            }
+            let arguments: Value = call["function"]["arguments"]
+                .as_str()
+                .and_then(|a| serde_json::from_str(a).ok())
+                .unwrap_or(Value::Null);
+            let result = match tool(ctx, lease, name, &arguments).await? {
+                Some(result) => result,
+                None => {
+                    outcome.parse_failures += 1;
+                    format!("unknown tool {name:?} or bad arguments {arguments}")
+                }
+            };
+            messages.push(
+                json!({"role": "tool", "tool_call_id": call["id"].clone(), "content": result}),
+            );
+        }
+    }
+    Ok(outcome)
+}
+
+/// One question, one answer.
+pub async fn run_math(ctx: &AgentContext<'_>) -> Result<AgentOutcome, TrialError> {
+    let messages = vec![
+        json!({"role": "system", "content": MATH_SYSTEM}),
+        user(ctx.instruction.to_owned()),
+    ];
+    let answer = ctx
+        .llm
+        .chat(ctx.base_url, &messages, None, &ctx.sampling, ctx.deadline)
+        .await?;
+    Ok(AgentOutcome {
+        exit: AgentExit::Submitted,
+        turns: 1,
+        parse_failures: 0,
+        answer: Some(
+            answer.message["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+        ),
+    })
+}
+
+async fn tool(
+    ctx: &AgentContext<'_>,
+    lease: &Lease,
+    name: &str,
+    arguments: &Value,
+) -> Result<Option<String>, TrialError> {
+    let text = |field: &str| arguments[field].as_str().map(str::to_owned);
+    Ok(match name {
+        "run_shell" => match text("command") {
+            Some(command) => Some(run_shell(ctx, lease, &command).await?),
+            None => None,
+        },
+        "view_file" => match text("path") {
+            Some(path) => Some(match lease.read(&path).await {
+                Ok(content) => truncate(
+                    &content
+                        .lines()
+                        .enumerate()
+                        .map(|(i, l)| format!("{:>5}  {l}\n", i + 1))
+                        .collect::<String>(),
+                    ctx.max_observation_chars,
+                ),
+                Err(err) => format!("cannot read {path}: {err}"),
+            }),
+            None => None,
+        },
+        "edit_file" => match (text("path"), text("old_text"), text("new_text")) {
+            (Some(path), Some(old), Some(new)) => Some(edit(lease, &path, &old, &new).await),
+            _ => None,
+        },
+        _ => None,
+    })
+}
+
+/// Exact string replacement: exactly one occurrence, or the agent is told why not.
+async fn edit(lease: &Lease, path: &str, old: &str, new: &str) -> String {
+    let content = match lease.read(path).await {
+        Ok(content) => content,
+        Err(err) => return format!("cannot read {path}: {err}"),
+    };
+    match content.matches(old).count() {
+        0 => format!("old_text does not occur in {path}; nothing changed"),
+        1 => match lease.write(path, &content.replacen(old, new, 1)).await {
+            Ok(()) => format!("edited {path}"),
+            Err(err) => format!("cannot write {path}: {err}"),
+        },
+        n => format!("old_text occurs {n} times in {path}; give more context so it is unique"),
+    }
+}
+
+async fn run_shell(
+    ctx: &AgentContext<'_>,
+    lease: &Lease,
+    command: &str,
+) -> Result<String, TrialError> {
+    let left = ctx.deadline.saturating_duration_since(Instant::now());
+    if left < Duration::from_secs(1) {
+        return Err(TrialError::new(
+            FailureClass::Timeout,
+            "the trial's budget ran out",
+        ));
+    }
+    let result = lease
+        .exec(&ExecRequest {
+            command: command.to_owned(),
+            timeout_s: left.as_secs_f64().min(120.0),
+            env: Default::default(),
+            stdin: None,
+        })
+        .await
+        .map_err(|e| TrialError::new(FailureClass::Infrastructure, e.to_string()))?;
+    let mut output = result.stdout;
+    output.push_str(&result.stderr);
+    let status = if result.timed_out {
+        "the command timed out".to_owned()
+    } else {
+        format!("exit code {}", result.exit_code)
+    };
+    Ok(format!(
+        "{status}\n{}",
+        truncate(&output, ctx.max_observation_chars)
+    ))
+}
+
+/// The first fenced code block's body (```bash, ```sh or plain ```).
+pub fn shell_block(text: &str) -> Option<String> {
+    let start = text.find("```")?;
+    let rest = &text[start + 3..];
+    let body_start = rest.find('\n')? + 1;
+    let header = rest[..body_start].trim();
+    if !(header.is_empty() || header == "bash" || header == "sh" || header == "shell") {
+        return None;
+    }
+    let body = &rest[body_start..];
+    let end = body.find("```")?;
+    let command = body[..end].trim();
+    (!command.is_empty()).then(|| command.to_owned())
+}
+
+/// Keeps the head and the tail of long output.
+pub fn truncate(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let half = max / 2;
+    let head_end = (0..=half)
+        .rev()
+        .find(|i| text.is_char_boundary(*i))
+        .unwrap_or(0);
+    let tail_start = (text.len() - half..text.len())
+        .find(|i| text.is_char_boundary(*i))
+        .unwrap_or(text.len());
+    format!(
+        "{}\n[… {} characters left out …]\n{}",
+        &text[..head_end],
+        tail_start - head_end,
+        &text[tail_start..]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shell_blocks_are_found_or_refused() {
+        assert_eq!(
+            shell_block("look:\n```bash\nls -la\n```\n").as_deref(),
+            Some("ls -la")
+        );
+        assert_eq!(shell_block("```\nsubmit\n```").as_deref(), Some("submit"));
+        assert_eq!(shell_block("```python\nprint(1)\n```"), None);
+        assert_eq!(shell_block("no block"), None);
+        assert_eq!(shell_block("```bash\n\n```"), None);
+    }
+
+    #[test]
+    fn long_output_keeps_head_and_tail() {
+        let text = "a".repeat(1000) + &"b".repeat(1000);
+        let short = truncate(&text, 200);
+        assert!(short.starts_with(&"a".repeat(100)) && short.ends_with(&"b".repeat(100)));
+        assert!(short.contains("1800 characters left out"));
+        assert_eq!(truncate("short", 200), "short");
+    }
+}

@@ -1,0 +1,11 @@
+//! Rollout: trials at scale, with token truth and explicit failures.
+//!
+//! - [`service`]: the work queue of trials, each one's life, and the failure policy;
+//! - [`agent`]: the built-in agents (tool calling, text protocol, math);
+//! - [`llm`]: their OpenAI client through the token proxy, failures classified;
+//! - [`trajectory`]: the training sample from the proxy's records (token truth).
+
+pub mod agent;
+pub mod llm;
+pub mod service;
+pub mod trajectory;
