@@ -21,6 +21,10 @@ struct Args {
     /// Longest a trial waits for its environment or for fresh enough weights.
     #[arg(long, default_value_t = 1800)]
     wait_limit_s: u64,
+
+    /// A trial whose replica stops signalling (it died) is taken over after this long.
+    #[arg(long, default_value_t = 60)]
+    ack_wait_s: u64,
 }
 
 #[tokio::main]
@@ -45,6 +49,7 @@ async fn main() -> anyhow::Result<()> {
     let config = RolloutConfig {
         concurrency: args.concurrency,
         wait_limit: Duration::from_secs(args.wait_limit_s),
+        ack_wait: Duration::from_secs(args.ack_wait_s.max(1)),
         ..RolloutConfig::default()
     };
     Rollout::new(bus, config).start(&shutdown);

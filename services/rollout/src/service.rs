@@ -49,6 +49,8 @@ pub struct RolloutConfig {
     pub wait_limit: Duration,
     /// How long a finished trial waits for its grade.
     pub grading_timeout: Duration,
+    /// How soon a trial held by a replica that stopped signalling comes back.
+    pub ack_wait: Duration,
 }
 
 impl Default for RolloutConfig {
@@ -57,6 +59,7 @@ impl Default for RolloutConfig {
             concurrency: 8,
             wait_limit: Duration::from_secs(1800),
             grading_timeout: Duration::from_secs(3600),
+            ack_wait: Duration::from_secs(60),
         }
     }
 }
@@ -138,7 +141,7 @@ impl Rollout {
         .held(self.config.concurrency.max(1));
         // A replica that dies mid-trial stops the in-progress signal: the trial comes
         // back within a minute; the record tells the next replica what happened.
-        trials.ack_wait = Duration::from_secs(60);
+        trials.ack_wait = self.config.ack_wait;
         trials.max_deliver = 10;
         let this = Arc::new(self.clone());
         let on_batch = this.clone();

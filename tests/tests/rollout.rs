@@ -1,0 +1,336 @@
+//! Trials for real: the real engine (SmolLM2) behind the real proxy (both binaries), the
+//! controller, dataset service, image builder, sandbox service and reward service
+//! in-process, and `arl-rollout` replicas as processes. A run over the bundled Harbor
+//! tasks: every trial leases a sandbox, talks to the model through the proxy, is graded,
+//! and becomes a trajectory built from the proxy's records token for token. A replica
+//! killed mid-trial: the trial is failed once as `infrastructure` and retried once by
+//! another replica — never lost, never counted twice. Build the binaries first
+//! (`cargo build --bins`; `make test` does).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arl_controller::{Controller, ControllerConfig};
+use arl_dataset::service::DatasetService;
+use arl_imagebuilder::local::{LocalBuilder, LocalConfig};
+use arl_imagebuilder::service::{ImageBuilder, Recipes};
+use arl_reward::service::{RewardConfig, RewardService};
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, Metrics, Shutdown};
+use arl_sandbox::config::SandboxConfig;
+use arl_sandbox::service::SandboxService;
+use arl_schemas::events::{
+    Example, FailureClass, LlmCallV1, RewardScoredV2, RunRequestedV1, SampleStatus, TrajectoryV1,
+    TrialFailedV1, TrialFinishedV1, TrialStartedV1,
+};
+use arl_schemas::spec::RunSpec;
+use arl_schemas::{Domain, Event, Namespace, RunId};
+use arl_testkit::{Children, NatsServer, built_binary, free_port, http, test_namespace, wait_for};
+
+fn home() -> PathBuf {
+    PathBuf::from(std::env::var_os("HOME").unwrap())
+}
+
+fn model_dir() -> PathBuf {
+    std::env::var_os("ARL_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or(home().join(".cache/arl/models"))
+}
+
+struct Stack {
+    server: NatsServer,
+    ns: Namespace,
+    bus: Bus,
+    _children: Children,
+    shutdown: Shutdown,
+    _files: tempfile::TempDir,
+}
+
+impl Stack {
+    async fn start() -> Self {
+        let files = tempfile::Builder::new()
+            .prefix("arl-rollout-")
+            .tempdir()
+            .unwrap();
+        std::fs::set_permissions(files.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let root = files.path().join("environments");
+        std::fs::create_dir_all(&root).unwrap();
+        let server = NatsServer::start().unwrap();
+        let ns = test_namespace();
+        let (engine_port, proxy_port) = (free_port().unwrap(), free_port().unwrap());
+        let children = Children(vec![
+            spawn(
+                &server,
+                &ns,
+                "arl-inference",
+                &[
+                    "--model",
+                    "smollm2-135m-instruct",
+                    "--listen",
+                    &format!("127.0.0.1:{engine_port}"),
+                ],
+            ),
+            spawn(
+                &server,
+                &ns,
+                "arl-proxy",
+                &[
+                    "--backend",
+                    &format!("arl=http://127.0.0.1:{engine_port}"),
+                    "--listen",
+                    &format!("127.0.0.1:{proxy_port}"),
+                ],
+            ),
+        ]);
+        wait_for("the engine", Duration::from_secs(60), || async {
+            let url = format!("http://127.0.0.1:{engine_port}/v1/models");
+            let r = http(&url, "GET", &[], b"").await.ok()?;
+            (r.status == 200).then_some(())
+        })
+        .await;
+        let bus = Bus::connect(
+            BusConfig::new(server.url(), ns.clone(), "test"),
+            Metrics::new(),
+        )
+        .await
+        .unwrap();
+        bus.provision().await.unwrap();
+        let shutdown = Shutdown::new();
+        Controller::new(
+            bus.clone(),
+            ControllerConfig {
+                model_dir: model_dir(),
+                admission_concurrency: 2,
+            },
+        )
+        .await
+        .unwrap()
+        .start(&shutdown);
+        DatasetService::new(bus.clone()).start(&shutdown);
+        let builder = LocalBuilder::new(LocalConfig {
+            root: root.clone(),
+            pyenv_root: home().join(".pyenv"),
+            pip_cache: home().join(".cache/arl/pip"),
+            timeout: Duration::from_secs(300),
+        });
+        ImageBuilder::new(bus.clone(), Arc::new(builder), Recipes::default()).start(&shutdown);
+        let mut config = SandboxConfig::local(
+            files.path().join("state"),
+            root,
+            built_binary("arl-sandbox-init"),
+        );
+        config.pool_min_idle = 0;
+        SandboxService::start_local(
+            bus.clone(),
+            config,
+            "127.0.0.1:0".parse().unwrap(),
+            &shutdown,
+        )
+        .await
+        .unwrap();
+        RewardService::new(bus.clone(), RewardConfig::default()).start(&shutdown, 2);
+        Self {
+            server,
+            ns,
+            bus,
+            _children: children,
+            shutdown,
+            _files: files,
+        }
+    }
+
+    fn rollout(&self) -> Child {
+        spawn(
+            &self.server,
+            &self.ns,
+            "arl-rollout",
+            &["--concurrency", "2", "--ack-wait-s", "3"],
+        )
+    }
+
+    async fn submit(&self, n: u32) -> RunId {
+        let mut spec = RunSpec::default();
+        spec.data.dataset = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../examples/tasks")
+            .display()
+            .to_string();
+        spec.data.val_size = 1;
+        spec.data.train_batch_size = 1;
+        spec.rollout.n = n;
+        spec.rollout.max_turns = 2;
+        spec.rollout.max_response_tokens = 48;
+        spec.rollout.timeout_s = 300;
+        spec.trainer.total_steps = 1;
+        let run = RunId::generate();
+        self.bus
+            .publish(&RunRequestedV1 {
+                run_id: run.clone(),
+                spec,
+                ..RunRequestedV1::example()
+            })
+            .await
+            .unwrap();
+        run
+    }
+
+    async fn events<E: Event>(&self, run: &RunId, domain: Domain, event: &str) -> Vec<E> {
+        self.bus
+            .replay::<E>(domain, self.ns.event_subject(domain, run, event))
+            .await
+            .unwrap()
+    }
+}
+
+fn spawn(server: &NatsServer, ns: &Namespace, name: &str, args: &[&str]) -> Child {
+    Command::new(built_binary(name))
+        .args(args)
+        .env("NATS_URL", server.url())
+        .env("ARL_PREFIX", ns.prefix().unwrap())
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
+}
+
+/// Every branch token comes from a recorded call: completions where the mask is 1 are
+/// exactly the engine's completion ids, with its logprobs.
+fn check_token_truth(trajectory: &TrajectoryV1, calls: &[LlmCallV1]) {
+    assert_eq!(trajectory.calls.len(), calls.len());
+    for span in &trajectory.calls {
+        let call = calls
+            .iter()
+            .find(|c| c.turn_index == span.turn_index)
+            .unwrap();
+        let branch = &trajectory.branches[span.branch as usize];
+        let (start, len) = (span.completion_start as usize, span.completion_len as usize);
+        assert_eq!(
+            &branch.token_ids[start..start + len],
+            call.completion_token_ids.as_slice()
+        );
+        assert!(branch.loss_mask[start..start + len].iter().all(|m| *m == 1));
+        assert_eq!(
+            &branch.logprobs[start..start + len],
+            call.logprobs.as_slice()
+        );
+        assert!(branch.token_ids[..start].starts_with(&[]));
+        assert!(
+            call.prompt_token_ids
+                .starts_with(&branch.token_ids[..call.prompt_token_ids.len().min(start)])
+        );
+    }
+    for branch in &trajectory.branches {
+        assert_eq!(branch.token_ids.len(), branch.loss_mask.len());
+        assert_eq!(branch.token_ids.len(), branch.logprobs.len());
+    }
+    let trained: usize = trajectory
+        .branches
+        .iter()
+        .map(|b| b.loss_mask.iter().filter(|m| **m == 1).count())
+        .sum();
+    let sampled: usize = calls.iter().map(|c| c.completion_token_ids.len()).sum();
+    assert_eq!(
+        trained, sampled,
+        "every sampled token is trained on, nothing else"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trials_on_bundled_tasks_become_graded_token_true_trajectories() {
+    let stack = Stack::start().await;
+    let _rollout = Children(vec![stack.rollout()]);
+    let run = stack.submit(2).await;
+    let trajectories = wait_for("two trajectories", Duration::from_secs(240), || async {
+        let t: Vec<TrajectoryV1> = stack.events(&run, Domain::Trajectory, "ready").await;
+        (t.len() >= 2).then_some(t)
+    })
+    .await;
+    assert_eq!(trajectories.len(), 2);
+    let started: Vec<TrialStartedV1> = stack.events(&run, Domain::Trial, "started").await;
+    let finished: Vec<TrialFinishedV1> = stack.events(&run, Domain::Trial, "finished").await;
+    let scored: Vec<RewardScoredV2> = stack.events(&run, Domain::Reward, "scored").await;
+    let calls: Vec<LlmCallV1> = stack.events(&run, Domain::Llm, "call").await;
+    assert_eq!((started.len(), finished.len(), scored.len()), (2, 2, 2));
+    let mut samples: Vec<u32> = trajectories.iter().map(|t| t.slot.sample_index).collect();
+    samples.sort();
+    assert_eq!(samples, [0, 1]);
+    for trajectory in &trajectories {
+        assert_eq!(trajectory.status, SampleStatus::Scored, "{trajectory:?}");
+        assert!(trajectory.num_turns >= 1 && trajectory.num_turns <= 2);
+        let grade = scored
+            .iter()
+            .find(|s| s.trial_id == trajectory.trial_id)
+            .unwrap();
+        assert_eq!(trajectory.reward, grade.reward);
+        let mine: Vec<LlmCallV1> = calls
+            .iter()
+            .filter(|c| c.trial_id == trajectory.trial_id)
+            .cloned()
+            .collect();
+        assert_eq!(mine.len() as u32, trajectory.num_turns);
+        assert!(mine.iter().all(|c| c.policy_version == 0));
+        check_token_truth(trajectory, &mine);
+    }
+    stack.shutdown.trigger();
+    stack.shutdown.wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_mid_trial_fails_it_once_and_another_retries_it() {
+    let stack = Stack::start().await;
+    let mut first = stack.rollout();
+    let run = stack.submit(2).await;
+    wait_for("a trial to start", Duration::from_secs(120), || async {
+        let s: Vec<TrialStartedV1> = stack.events(&run, Domain::Trial, "started").await;
+        (!s.is_empty()).then_some(())
+    })
+    .await;
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let _second = Children(vec![stack.rollout()]);
+    wait_for("both trajectories", Duration::from_secs(300), || async {
+        let t: Vec<TrajectoryV1> = stack.events(&run, Domain::Trajectory, "ready").await;
+        (t.len() >= 2).then_some(())
+    })
+    .await;
+    // Give a duplicate the chance to show up before counting.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let trajectories: Vec<TrajectoryV1> = stack.events(&run, Domain::Trajectory, "ready").await;
+    let failed: Vec<TrialFailedV1> = stack.events(&run, Domain::Trial, "failed").await;
+    let lost: Vec<&TrialFailedV1> = failed
+        .iter()
+        .filter(|f| f.message.contains("replica"))
+        .collect();
+    assert!(
+        !lost.is_empty(),
+        "the killed replica's trials are failed: {failed:?}"
+    );
+    for f in &lost {
+        assert_eq!(
+            (f.class, f.will_retry, f.slot.attempt),
+            (FailureClass::Infrastructure, true, 0)
+        );
+    }
+    // One failure per lost attempt, one trajectory per slot, from the retry.
+    let mut lost_ids: Vec<_> = lost.iter().map(|f| f.trial_id.clone()).collect();
+    lost_ids.dedup();
+    assert_eq!(lost_ids.len(), lost.len(), "failed twice: {lost:?}");
+    assert_eq!(trajectories.len(), 2, "{trajectories:?}");
+    let mut samples: Vec<u32> = trajectories.iter().map(|t| t.slot.sample_index).collect();
+    samples.sort();
+    assert_eq!(samples, [0, 1]);
+    for f in &lost {
+        let retried = trajectories
+            .iter()
+            .find(|t| t.trial_id == f.trial_id)
+            .unwrap();
+        assert_eq!(retried.slot.attempt, 1);
+        assert_eq!(retried.status, SampleStatus::Scored);
+    }
+    stack.shutdown.trigger();
+    stack.shutdown.wait().await;
+}
