@@ -66,10 +66,13 @@ $(TOOLS_STAMP):
 	$(ARL_NATS_SERVER) --version
 	touch $@
 
+# The agents venv is built on the system's Python (/usr/bin/python3 when there is one):
+# sandboxes see /usr, so a copy of the venv runs inside them (`arl-sandbox --agents-dir`).
+SYSTEM_PYTHON := $(shell [ -x /usr/bin/python3 ] && echo /usr/bin/python3 || echo python3)
 $(AGENTS_STAMP):
-	@command -v python3 >/dev/null || { echo "python3 is required (apt-get install python3 python3-venv)"; exit 1; }
+	@command -v $(SYSTEM_PYTHON) >/dev/null || { echo "python3 is required (apt-get install python3 python3-venv)"; exit 1; }
 	rm -rf $(AGENTS)
-	python3 -m venv $(AGENTS)
+	$(SYSTEM_PYTHON) -m venv $(AGENTS)
 	$(AGENTS)/bin/pip install --quiet --disable-pip-version-check -r tools/agents-requirements.txt
 	touch $@
 

@@ -52,6 +52,12 @@ struct Stack {
 
 impl Stack {
     async fn start() -> Self {
+        Self::start_with(false).await
+    }
+
+    /// `agents`: the proxy also listens on a Unix socket that every sandbox relays to, and
+    /// sandboxes get a copy of the agents venv (mini-swe-agent) at /opt/arl-agents.
+    async fn start_with(agents: bool) -> Self {
         let files = tempfile::Builder::new()
             .prefix("arl-rollout-")
             .tempdir()
@@ -62,6 +68,22 @@ impl Stack {
         let server = NatsServer::start().unwrap();
         let ns = test_namespace();
         let (engine_port, proxy_port) = (free_port().unwrap(), free_port().unwrap());
+        let socket = files.path().join("proxy.sock");
+        let agents_dir = files.path().join("agents");
+        if agents {
+            copy_agents_venv(&agents_dir);
+        }
+        let unix = socket.display().to_string();
+        let mut proxy_args = vec![
+            "--backend".to_owned(),
+            format!("arl=http://127.0.0.1:{engine_port}"),
+            "--listen".to_owned(),
+            format!("127.0.0.1:{proxy_port}"),
+        ];
+        if agents {
+            proxy_args.extend(["--listen-unix".to_owned(), unix]);
+        }
+        let proxy_args: Vec<&str> = proxy_args.iter().map(String::as_str).collect();
         let children = Children(vec![
             spawn(
                 &server,
@@ -74,17 +96,7 @@ impl Stack {
                     &format!("127.0.0.1:{engine_port}"),
                 ],
             ),
-            spawn(
-                &server,
-                &ns,
-                "arl-proxy",
-                &[
-                    "--backend",
-                    &format!("arl=http://127.0.0.1:{engine_port}"),
-                    "--listen",
-                    &format!("127.0.0.1:{proxy_port}"),
-                ],
-            ),
+            spawn(&server, &ns, "arl-proxy", &proxy_args),
         ]);
         wait_for("the engine", Duration::from_secs(60), || async {
             let url = format!("http://127.0.0.1:{engine_port}/v1/models");
@@ -124,6 +136,10 @@ impl Stack {
             built_binary("arl-sandbox-init"),
         );
         config.pool_min_idle = 0;
+        if agents {
+            config.proxy_socket = Some(socket);
+            config.agents_dir = Some(agents_dir);
+        }
         SandboxService::start_local(
             bus.clone(),
             config,
@@ -153,6 +169,10 @@ impl Stack {
     }
 
     async fn submit(&self, n: u32) -> RunId {
+        self.submit_with(n, |_| {}).await
+    }
+
+    async fn submit_with(&self, n: u32, change: impl FnOnce(&mut RunSpec)) -> RunId {
         let mut spec = RunSpec::default();
         spec.data.dataset = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../examples/tasks")
@@ -165,6 +185,7 @@ impl Stack {
         spec.rollout.max_response_tokens = 48;
         spec.rollout.timeout_s = 300;
         spec.trainer.total_steps = 1;
+        change(&mut spec);
         let run = RunId::generate();
         self.bus
             .publish(&RunRequestedV1 {
@@ -182,6 +203,38 @@ impl Stack {
             .replay::<E>(domain, self.ns.event_subject(domain, run, event))
             .await
             .unwrap()
+    }
+}
+
+/// A copy of the agents venv (`make deps`, built on /usr/bin/python3) where the sandbox
+/// user can read it: hard links, so it costs no space.
+fn copy_agents_venv(to: &Path) {
+    let python = std::env::var_os("ARL_AGENTS_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or(home().join(".cache/arl/agents/bin/python"));
+    let venv = python.parent().and_then(Path::parent).unwrap();
+    assert!(
+        venv.is_dir(),
+        "{} is missing: run `make deps`",
+        venv.display()
+    );
+    let linked = Command::new("cp")
+        .arg("-al")
+        .arg(venv)
+        .arg(to)
+        .status()
+        .unwrap();
+    if !linked.success() {
+        let _ = std::fs::remove_dir_all(to);
+        assert!(
+            Command::new("cp")
+                .arg("-a")
+                .arg(venv)
+                .arg(to)
+                .status()
+                .unwrap()
+                .success()
+        );
     }
 }
 
@@ -330,6 +383,45 @@ async fn a_replica_killed_mid_trial_fails_it_once_and_another_retries_it() {
             .unwrap();
         assert_eq!(retried.slot.attempt, 1);
         assert_eq!(retried.status, SampleStatus::Scored);
+    }
+    stack.shutdown.trigger();
+    stack.shutdown.wait().await;
+}
+
+/// The command agent: mini-swe-agent, unchanged, runs inside the trial's sandbox and
+/// reaches the model through the sandbox's relay to the proxy with the trial's key; its
+/// calls are recorded and become the trajectory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mini_swe_agent_trial_runs_in_the_sandbox_through_the_proxy() {
+    let stack = Stack::start_with(true).await;
+    let _rollout = Children(vec![stack.rollout()]);
+    let run = stack
+        .submit_with(2, |spec| {
+            spec.rollout.agent = arl_schemas::spec::AgentKind::MiniSweAgent;
+            spec.rollout.max_turns = 2;
+        })
+        .await;
+    let trajectories = wait_for("the trajectories", Duration::from_secs(300), || async {
+        let t: Vec<TrajectoryV1> = stack.events(&run, Domain::Trajectory, "ready").await;
+        (t.len() >= 2).then_some(t)
+    })
+    .await;
+    let failed: Vec<TrialFailedV1> = stack.events(&run, Domain::Trial, "failed").await;
+    assert!(failed.is_empty(), "{failed:?}");
+    let calls: Vec<LlmCallV1> = stack.events(&run, Domain::Llm, "call").await;
+    for trajectory in &trajectories {
+        assert_eq!(trajectory.status, SampleStatus::Scored, "{trajectory:?}");
+        let mine: Vec<LlmCallV1> = calls
+            .iter()
+            .filter(|c| c.trial_id == trajectory.trial_id)
+            .cloned()
+            .collect();
+        assert!(
+            !mine.is_empty(),
+            "mini-swe-agent made no call through the proxy"
+        );
+        assert_eq!(trajectory.num_turns as usize, mine.len());
+        check_token_truth(trajectory, &mine);
     }
     stack.shutdown.trigger();
     stack.shutdown.wait().await;

@@ -85,3 +85,29 @@ pub fn serve_listener(
     tracing::info!(%bound, "serving HTTP");
     Ok(bound)
 }
+
+/// Serves `router` on a Unix socket at `path` (replacing a stale one) until shutdown. The
+/// socket is made connectable by every local user: sandboxes reach the token proxy
+/// through it as an unprivileged user, and their access is what the proxy's trial keys
+/// check.
+pub fn serve_unix(
+    path: &std::path::Path,
+    router: Router,
+    shutdown: &Shutdown,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::remove_file(path);
+    let listener = tokio::net::UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
+    let token = shutdown.token();
+    shutdown.spawn(async move {
+        let served = axum::serve(listener, router)
+            .with_graceful_shutdown(async move { token.cancelled().await })
+            .await;
+        if let Err(err) = served {
+            tracing::error!(%err, "HTTP server on a Unix socket stopped");
+        }
+    });
+    tracing::info!(socket = %path.display(), "serving HTTP");
+    Ok(())
+}

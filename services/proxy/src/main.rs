@@ -26,6 +26,10 @@ struct Args {
     #[arg(long, env = "ARL_PROXY_ADDR", default_value = "127.0.0.1:8200")]
     listen: SocketAddr,
 
+    /// Also serve on this Unix socket: sandboxes reach the proxy through it
+    /// (`arl-sandbox --proxy-socket`).
+    #[arg(long, env = "ARL_PROXY_SOCKET")]
+    listen_unix: Option<std::path::PathBuf>,
     /// The base URL agents reach this proxy at (for issued keys); default http://<listen>.
     #[arg(long)]
     public_url: Option<String>,
@@ -86,6 +90,10 @@ async fn main() -> anyhow::Result<()> {
     );
     backends.watch_health(proxy.client.clone(), Duration::from_secs(2), &shutdown);
     let router = api::router(proxy).merge(arl_runtime::http::ops_router("proxy", bus, metrics));
+    if let Some(path) = &args.listen_unix {
+        arl_runtime::http::serve_unix(path, router.clone(), &shutdown)
+            .with_context(|| format!("--listen-unix {}", path.display()))?;
+    }
     let addr = arl_runtime::http::serve(args.listen, router, &shutdown).await?;
     tracing::info!(%addr, "proxy serving");
     shutdown.triggered().await;

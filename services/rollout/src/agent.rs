@@ -192,6 +192,76 @@ pub async fn run_tools(ctx: &AgentContext<'_>, lease: &Lease) -> Result<AgentOut
     Ok(outcome)
 }
 
+/// The command agent: mini-swe-agent, unchanged, inside the sandbox, its LLM calls going
+/// to the token proxy through the sandbox's relay with the trial's key.
+pub async fn run_mini_swe_agent(
+    ctx: &AgentContext<'_>,
+    lease: &Lease,
+    trial_key: &str,
+) -> Result<AgentOutcome, TrialError> {
+    let Some(proxy) = &lease.grant.proxy_url else {
+        return Err(TrialError::new(
+            FailureClass::Infrastructure,
+            "the sandbox has no relay to the token proxy: start arl-sandbox with --proxy-socket",
+        ));
+    };
+    let base = proxy.trim_end_matches("/v1");
+    let left = ctx.deadline.saturating_duration_since(Instant::now());
+    let env = [
+        ("OPENAI_BASE_URL", format!("{base}/{trial_key}/v1")),
+        ("OPENAI_API_KEY", trial_key.to_owned()),
+        ("AGENT_TASK", ctx.instruction.to_owned()),
+        ("AGENT_STEP_LIMIT", ctx.max_turns.to_string()),
+        ("AGENT_MAX_TOKENS", ctx.sampling.max_tokens.to_string()),
+        ("AGENT_TEMPERATURE", ctx.sampling.temperature.to_string()),
+    ];
+    let result = lease
+        .exec(&ExecRequest {
+            command: format!("{MINI_SWE_AGENT_PYTHON} -"),
+            timeout_s: left.as_secs_f64().clamp(1.0, 3600.0),
+            env: env.into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
+            stdin: Some(MINI_SWE_AGENT_RUNNER.to_owned()),
+        })
+        .await
+        .map_err(|e| TrialError::new(FailureClass::Infrastructure, e.to_string()))?;
+    if result.timed_out {
+        return Err(TrialError::new(
+            FailureClass::Timeout,
+            "mini-swe-agent ran past the trial's budget",
+        ));
+    }
+    let summary: Option<Value> = result
+        .stdout
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok());
+    let Some(summary) = summary.filter(|_| result.exit_code == 0) else {
+        return Err(TrialError::new(
+            FailureClass::AgentError,
+            format!(
+                "mini-swe-agent exited with {}: {}",
+                result.exit_code,
+                truncate(&result.stderr, 2000)
+            ),
+        ));
+    };
+    let status = summary["exit_status"].as_str().unwrap_or_default();
+    Ok(AgentOutcome {
+        exit: match status {
+            "Submitted" => AgentExit::Submitted,
+            s if s.contains("Limit") => AgentExit::TurnLimit,
+            _ => AgentExit::NoAction,
+        },
+        turns: summary["steps"].as_u64().map_or(0, |n| n as u32),
+        parse_failures: 0,
+        answer: None,
+    })
+}
+
+/// The interpreter of the agents venv mounted in every sandbox (`arl-sandbox --agents-dir`).
+pub const MINI_SWE_AGENT_PYTHON: &str = "/opt/arl-agents/bin/python";
+const MINI_SWE_AGENT_RUNNER: &str = include_str!("mini_swe_agent.py");
+
 /// One question, one answer.
 pub async fn run_math(ctx: &AgentContext<'_>) -> Result<AgentOutcome, TrialError> {
     let messages = vec![

@@ -36,6 +36,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::agent::{self, AgentContext, AgentOutcome};
 use crate::llm::{LlmClient, Sampling, TrialError};
+use crate::metrics::RolloutMetrics;
 use crate::trajectory::{Assembled, assemble};
 
 const SERVICE: &str = "rollout";
@@ -77,6 +78,7 @@ pub struct Rollout {
     sandboxes: SandboxClient,
     llm: LlmClient,
     config: Arc<RolloutConfig>,
+    metrics: RolloutMetrics,
 }
 
 /// The trial id of a slot: stable, so a retry keeps it.
@@ -121,6 +123,7 @@ impl Rollout {
         Self {
             sandboxes: SandboxClient::new(bus.clone()),
             llm: LlmClient::default(),
+            metrics: RolloutMetrics::register(bus.metrics()),
             bus,
             config: Arc::new(config),
         }
@@ -295,7 +298,11 @@ impl Rollout {
             deadline,
         };
         let budget = deadline.saturating_duration_since(Instant::now());
-        let agent = tokio::time::timeout(budget, self.agent(&ctx, spec, lease.as_ref())).await;
+        let agent = tokio::time::timeout(
+            budget,
+            self.agent(&ctx, spec, lease.as_ref(), &key.trial_key),
+        )
+        .await;
         let outcome = match agent {
             Ok(result) => result,
             Err(_) => Err(TrialError::new(
@@ -326,6 +333,9 @@ impl Rollout {
             Ok(outcome) => outcome,
             Err(error) => return Err((error, Some(calls))),
         };
+        // A turn is an LLM call, as the proxy recorded it (a command agent's own count
+        // leaves out replies it rejected).
+        outcome.turns = u32::try_from(calls.len()).unwrap_or(u32::MAX);
         let patch = match patch {
             Ok(patch) => patch,
             Err(error) => return Err((error, Some(calls))),
@@ -349,6 +359,7 @@ impl Rollout {
         ctx: &AgentContext<'_>,
         spec: &RunSpec,
         lease: Option<&Lease>,
+        trial_key: &str,
     ) -> Result<AgentOutcome, TrialError> {
         let Some(lease) = lease else {
             return agent::run_math(ctx).await;
@@ -356,11 +367,7 @@ impl Rollout {
         match spec.rollout.agent {
             AgentKind::SweText => agent::run_text(ctx, lease).await,
             AgentKind::Swe => agent::run_tools(ctx, lease).await,
-            AgentKind::MiniSweAgent => Err(TrialError::new(
-                FailureClass::AgentError,
-                "the mini-swe-agent command agent is not available in this rollout service; \
-                 use rollout.agent = \"swe\" or \"swe-text\"",
-            )),
+            AgentKind::MiniSweAgent => agent::run_mini_swe_agent(ctx, lease, trial_key).await,
         }
     }
 
@@ -513,6 +520,11 @@ impl Rollout {
                 } else {
                     SampleStatus::Scored
                 };
+                self.metrics.trial("scored", None);
+                self.metrics.turns.inc_by(u64::from(ran.outcome.turns));
+                self.metrics
+                    .parse_failures
+                    .inc_by(u64::from(ran.outcome.parse_failures));
                 self.publish_trajectory(
                     trial,
                     status,
@@ -619,6 +631,12 @@ impl Rollout {
                 })
                 .await?;
         }
+        let outcome = match (retry, action) {
+            (true, _) => "retried",
+            (_, FailureAction::ScoreZero) => "scored_zero",
+            _ => "masked",
+        };
+        self.metrics.trial(outcome, Some(error.class));
         if retry {
             let mut next = req.clone();
             next.slot.attempt += 1;
@@ -661,6 +679,14 @@ impl Rollout {
             unproven_tokens,
         } = assemble(calls);
         tracing::info!(trial = %req.trial_id, branches = branches.len(), unproven_tokens, parse_failures, ?status, reward, "trajectory");
+        self.metrics.trajectories.inc();
+        self.metrics.branches.inc_by(branches.len() as u64);
+        self.metrics
+            .completion_tokens
+            .inc_by(spans.iter().map(|c| u64::from(c.completion_len)).sum());
+        self.metrics
+            .unproven_tokens
+            .inc_by(u64::from(unproven_tokens));
         self.bus
             .publish(&TrajectoryV1 {
                 run_id: req.run_id.clone(),

@@ -28,6 +28,7 @@ const PROXY_SOCKET_PATH: &str = "/run/arl/proxy.sock";
 pub struct Bubblewrap {
     init_binary: PathBuf,
     proxy_socket: Option<PathBuf>,
+    agents_dir: Option<PathBuf>,
     proxy_port: u16,
     uid: u32,
     gid: u32,
@@ -75,6 +76,7 @@ impl Bubblewrap {
         Ok(Self {
             init_binary: init,
             proxy_socket: config.proxy_socket.clone(),
+            agents_dir: config.agents_dir.clone(),
             proxy_port: config.proxy_port,
             uid: config.sandbox_uid,
             gid: config.sandbox_gid,
@@ -129,6 +131,9 @@ impl Bubblewrap {
         for (source, target) in &sandbox.mounts {
             push(&["--ro-bind", &source.to_string_lossy(), target]);
         }
+        if let Some(agents) = &self.agents_dir {
+            push(&["--ro-bind-try", &agents.to_string_lossy(), AGENTS_PATH]);
+        }
         // Everything not mounted writable above (the root tmpfs included) is read-only.
         push(&["--remount-ro", "/"]);
         push(&["--clearenv"]);
@@ -153,6 +158,10 @@ impl Bubblewrap {
         args
     }
 }
+
+/// Where third-party agents are mounted in every sandbox (beside, not under, the
+/// environment's `/opt/arl`).
+pub const AGENTS_PATH: &str = "/opt/arl-agents";
 
 fn set_mode(path: &Path, mode: u32) -> Result<(), BackendError> {
     use std::os::unix::fs::PermissionsExt;

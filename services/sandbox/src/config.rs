@@ -19,6 +19,9 @@ pub struct SandboxConfig {
     pub proxy_socket: Option<PathBuf>,
     /// Port of the proxy relay on the sandbox's loopback.
     pub proxy_port: u16,
+    /// Third-party agents (a Python venv with e.g. mini-swe-agent), mounted read-only at
+    /// `/opt/arl-agents` in every sandbox. Must be readable by the sandbox user.
+    pub agents_dir: Option<PathBuf>,
     /// Host uid/gid sandboxed processes run as.
     pub sandbox_uid: u32,
     pub sandbox_gid: u32,
@@ -78,6 +81,7 @@ impl SandboxConfig {
             init_binary,
             proxy_socket: None,
             proxy_port: 8000,
+            agents_dir: None,
             sandbox_uid: 65534,
             sandbox_gid: 65534,
             default_limits: ResolvedLimits::default(),

@@ -42,6 +42,10 @@ struct Args {
     /// Port of the proxy relay on each sandbox's loopback.
     #[arg(long, default_value_t = 8000)]
     proxy_port: u16,
+    /// A Python venv of third-party agents (e.g. mini-swe-agent), mounted read-only at
+    /// /opt/arl-agents in every sandbox.
+    #[arg(long, env = "ARL_SANDBOX_AGENTS_DIR")]
+    agents_dir: Option<PathBuf>,
     /// Leases at once.
     #[arg(long, default_value_t = 512)]
     max_leases: usize,
@@ -70,6 +74,7 @@ async fn main() -> anyhow::Result<()> {
     let mut config = SandboxConfig::local(args.state_dir, args.environments_dir, init);
     config.proxy_socket = args.proxy_socket;
     config.proxy_port = args.proxy_port;
+    config.agents_dir = args.agents_dir;
     config.max_leases = args.max_leases;
     config.pool_min_idle = args.pool_min_idle;
     config.max_ttl = Duration::from_secs(args.max_ttl_s);
