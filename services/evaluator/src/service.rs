@@ -114,7 +114,7 @@ impl Tally {
 
 /// Steps after which the validation split runs: every `eval_every`-th and the last.
 pub fn is_eval_step(step: u32, eval_every: u32, total_steps: u32) -> bool {
-    step == total_steps || (eval_every > 0 && step % eval_every == 0)
+    step == total_steps || (eval_every > 0 && step.is_multiple_of(eval_every))
 }
 
 #[derive(Clone)]

@@ -52,7 +52,10 @@ async fn main() -> anyhow::Result<()> {
         ack_wait: Duration::from_secs(args.ack_wait_s.max(1)),
         ..RolloutConfig::default()
     };
-    Rollout::new(bus, config).start(&shutdown);
+    Rollout::new(bus, config, &shutdown)
+        .await
+        .map_err(anyhow::Error::msg)?
+        .start(&shutdown);
     tracing::info!("rollout service running");
     shutdown.triggered().await;
     shutdown.wait().await;

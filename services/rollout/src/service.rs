@@ -38,6 +38,7 @@ use crate::agent::{self, AgentContext, AgentOutcome};
 use crate::llm::{LlmClient, Sampling, TrialError};
 use crate::metrics::RolloutMetrics;
 use crate::trajectory::{Assembled, assemble};
+use crate::watch::{Grade, Watch};
 
 const SERVICE: &str = "rollout";
 
@@ -79,6 +80,7 @@ pub struct Rollout {
     llm: LlmClient,
     config: Arc<RolloutConfig>,
     metrics: RolloutMetrics,
+    watch: Watch,
 }
 
 /// The trial id of a slot: stable, so a retry keeps it.
@@ -119,14 +121,17 @@ struct Ran {
 }
 
 impl Rollout {
-    pub fn new(bus: Bus, config: RolloutConfig) -> Self {
-        Self {
+    /// A replica; subscribes to the calls and grades its trials will wait for.
+    pub async fn new(bus: Bus, config: RolloutConfig, shutdown: &Shutdown) -> Result<Self, String> {
+        let watch = Watch::start(&bus, shutdown).await?;
+        Ok(Self {
+            watch,
             sandboxes: SandboxClient::new(bus.clone()),
             llm: LlmClient::default(),
             metrics: RolloutMetrics::register(bus.metrics()),
             bus,
             config: Arc::new(config),
-        }
+        })
     }
 
     pub fn start(&self, shutdown: &Shutdown) {
@@ -274,9 +279,11 @@ impl Rollout {
         };
         let scope = call_scope(&req.trial_id, req.slot.attempt)
             .map_err(|e| (TrialError::new(FailureClass::Infrastructure, e), None))?;
+        self.watch.expect_calls(&scope);
         let key = match self.issue_key(trial, &scope, version).await {
             Ok(key) => key,
             Err(error) => {
+                self.watch.take_calls(&scope, 0, Duration::ZERO).await;
                 if let Some(lease) = lease {
                     lease.release().await;
                 }
@@ -475,6 +482,14 @@ impl Rollout {
         scope: &TrialId,
         count: u32,
     ) -> Result<Vec<LlmCallV1>, TrialError> {
+        if let Some(calls) = self
+            .watch
+            .take_calls(scope, count as usize, Duration::from_secs(5))
+            .await
+        {
+            return Ok(calls);
+        }
+        // Not all came through the subscription: read them from the stream.
         let ns = self.bus.namespace();
         let filter = ns.event_subject(Domain::Llm, &trial.request.run_id, "call");
         let since = trial.started_at - chrono::Duration::seconds(5);
@@ -500,6 +515,7 @@ impl Rollout {
     async fn grade_and_publish(&self, trial: &Trial, ran: Ran) -> Result<(), HandlerError> {
         let req = &trial.request;
         let finished_at = chrono::Utc::now();
+        self.watch.expect_grade(&req.trial_id, req.slot.attempt);
         self.bus
             .publish(&TrialFinishedV1 {
                 run_id: req.run_id.clone(),
@@ -513,7 +529,9 @@ impl Rollout {
             })
             .await?;
         tracing::info!(trial = %req.trial_id, turns = ran.outcome.turns, exit = ?ran.outcome.exit, "trial finished; waiting for its grade");
-        match self.wait_for_grade(trial, finished_at).await? {
+        let grade = self.wait_for_grade(trial, finished_at).await;
+        self.watch.forget_grade(&req.trial_id, req.slot.attempt);
+        match grade? {
             Grade::Scored(scored) => {
                 let status = if self.group_failed(trial).await? {
                     SampleStatus::Masked
@@ -553,8 +571,15 @@ impl Rollout {
         let ns = self.bus.namespace();
         let since = Some(since - chrono::Duration::seconds(5));
         let limit = Instant::now() + self.config.grading_timeout;
-        let mut delay = Duration::from_millis(100);
         loop {
+            if let Some(grade) = self
+                .watch
+                .grade(&req.trial_id, req.slot.attempt, Duration::from_secs(30))
+                .await
+            {
+                return Ok(grade);
+            }
+            // Nothing through the subscription for a while: read the streams.
             let scored = self
                 .bus
                 .replay_since::<RewardScoredV2>(
@@ -595,8 +620,6 @@ impl Rollout {
                     failed_at: chrono::Utc::now(),
                 }));
             }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_secs(2));
         }
     }
 
@@ -783,11 +806,6 @@ enum Claim {
     Run,
     Skip,
     Orphaned,
-}
-
-enum Grade {
-    Scored(RewardScoredV2),
-    Failed(TrialFailedV1),
 }
 
 fn infrastructure(message: String) -> TrialError {
