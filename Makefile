@@ -120,6 +120,7 @@ bench: deps models loadtest
 	$(CARGO_TARGET_DIR)/release/arl-bench-model
 	$(CARGO_TARGET_DIR)/release/arl-bench-inference
 	$(CARGO_TARGET_DIR)/release/arl-bench-proxy
+	$(CARGO_TARGET_DIR)/release/arl-bench-rollout
 	$(CARGO_TARGET_DIR)/release/arl-bench-images
 	$(CARGO_TARGET_DIR)/release/arl-bench-sandbox
 

@@ -98,6 +98,11 @@ pub struct Bus {
     namespace: Namespace,
     metrics: Metrics,
     publish_timeout: Duration,
+    /// Registered datasets read so far, by digest: immutable, so never stale; a few
+    /// runs' worth, so thousands of trials of a run read the object store once.
+    manifests: std::sync::Arc<
+        std::sync::Mutex<Vec<std::sync::Arc<arl_schemas::dataset::DatasetManifestV1>>>,
+    >,
 }
 
 /// Messages kept per stream; old ones go first. Trajectories and LLM calls are large, so
@@ -136,6 +141,7 @@ impl Bus {
             namespace: config.namespace,
             metrics,
             publish_timeout: config.publish_timeout,
+            manifests: Default::default(),
         })
     }
 
@@ -375,21 +381,35 @@ impl Bus {
             .map_err(|e| error(format!("unreadable state: {e}")))
     }
 
-    /// A registered dataset (`ARL_DATASETS`) by digest, if there is one.
+    /// A registered dataset (`ARL_DATASETS`) by digest, if there is one (read once per
+    /// process and digest).
     pub async fn dataset_manifest(
         &self,
         digest: &str,
-    ) -> Result<Option<arl_schemas::dataset::DatasetManifestV1>, BusError> {
+    ) -> Result<Option<std::sync::Arc<arl_schemas::dataset::DatasetManifestV1>>, BusError> {
+        let cached = {
+            let manifests = self.manifests.lock().unwrap_or_else(|e| e.into_inner());
+            manifests.iter().find(|m| m.digest == digest).cloned()
+        };
+        if cached.is_some() {
+            return Ok(cached);
+        }
         let Some(bytes) = self.get_object(ObjectStore::Datasets, digest).await? else {
             return Ok(None);
         };
-        serde_json::from_slice(&bytes)
-            .map(Some)
+        let manifest: arl_schemas::dataset::DatasetManifestV1 = serde_json::from_slice(&bytes)
             .map_err(|e| BusError::Object {
                 store: self.namespace.object_store(ObjectStore::Datasets),
                 name: digest.to_owned(),
                 reason: format!("unreadable manifest: {e}"),
-            })
+            })?;
+        let manifest = std::sync::Arc::new(manifest);
+        let mut manifests = self.manifests.lock().unwrap_or_else(|e| e.into_inner());
+        if manifests.len() >= 8 {
+            manifests.remove(0);
+        }
+        manifests.push(manifest.clone());
+        Ok(Some(manifest))
     }
 
     /// Publishes a typed event and waits until JetStream has stored it.

@@ -178,7 +178,10 @@ impl DatasetService {
         read_run_state(&self.bus, run).await
     }
 
-    async fn manifest(&self, state: &RunStateV1) -> Result<DatasetManifestV1, HandlerError> {
+    async fn manifest(
+        &self,
+        state: &RunStateV1,
+    ) -> Result<std::sync::Arc<DatasetManifestV1>, HandlerError> {
         let Some(digest) = &state.dataset_digest else {
             // The controller folds `task.dataset` into the state; it may not have yet.
             return Err(HandlerError::Retry(format!(
@@ -215,7 +218,10 @@ async fn read_run_state(bus: &Bus, run: &RunId) -> Result<RunStateV1, HandlerErr
         .ok_or_else(|| HandlerError::Retry(format!("run {run} has no state yet")))
 }
 
-async fn read_manifest(bus: &Bus, digest: &str) -> Result<DatasetManifestV1, HandlerError> {
+async fn read_manifest(
+    bus: &Bus,
+    digest: &str,
+) -> Result<std::sync::Arc<DatasetManifestV1>, HandlerError> {
     bus.dataset_manifest(digest)
         .await?
         .ok_or_else(|| HandlerError::DeadLetter(format!("dataset {digest} is not registered")))

@@ -126,6 +126,7 @@ impl Rollout {
         let watch = Watch::start(&bus, shutdown).await?;
         Ok(Self {
             watch,
+
             sandboxes: SandboxClient::new(bus.clone()),
             llm: LlmClient::default(),
             metrics: RolloutMetrics::register(bus.metrics()),
@@ -206,6 +207,11 @@ impl Rollout {
             .decode()
             .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
         let attempt = request.slot.attempt;
+        // What the trial needs, read before it is claimed: if this fails, the request
+        // simply comes back.
+        let state = self.run_state(&request.run_id).await?;
+        let spec = state.spec.clone().unwrap_or_default();
+        let task = self.task(&request).await?;
         // Claim the attempt; learn whether a replica died holding it.
         let mut verdict = Claim::Run;
         self.bus
@@ -230,13 +236,10 @@ impl Rollout {
         if verdict == Claim::Skip {
             return Ok(());
         }
-        let state = self.run_state(&request.run_id).await?;
         if state.status.is_terminal() {
             tracing::info!(trial = %request.trial_id, "run is over; trial not run");
             return self.mark_done(&request).await;
         }
-        let spec = state.spec.clone().unwrap_or_default();
-        let task = self.task(&request).await?;
         let trial = Trial {
             request,
             spec,
@@ -579,7 +582,8 @@ impl Rollout {
             {
                 return Ok(grade);
             }
-            // Nothing through the subscription for a while: read the streams.
+            // Nothing through the subscription for a while: read the streams (a failed
+            // read is tried again later; grading may just be slow).
             let scored = self
                 .bus
                 .replay_since::<RewardScoredV2>(
@@ -587,7 +591,11 @@ impl Rollout {
                     ns.event_subject(Domain::Reward, &req.run_id, "scored"),
                     since,
                 )
-                .await?;
+                .await
+                .unwrap_or_else(|err| {
+                    tracing::warn!(%err, "reading grades back");
+                    Vec::new()
+                });
             if let Some(s) = scored
                 .into_iter()
                 .find(|s| s.trial_id == req.trial_id && s.slot.attempt == req.slot.attempt)
@@ -601,7 +609,11 @@ impl Rollout {
                     ns.event_subject(Domain::Trial, &req.run_id, "failed"),
                     since,
                 )
-                .await?;
+                .await
+                .unwrap_or_else(|err| {
+                    tracing::warn!(%err, "reading grading failures back");
+                    Vec::new()
+                });
             if let Some(f) = failed.into_iter().find(|f| {
                 f.trial_id == req.trial_id
                     && f.slot.attempt == req.slot.attempt

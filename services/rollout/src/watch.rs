@@ -23,11 +23,17 @@ pub enum Grade {
     Failed(TrialFailedV1),
 }
 
+/// What one trial waits for, and its own wake-up (one waiter per entry: no herd).
+#[derive(Default)]
+struct Entry<T> {
+    value: T,
+    arrived: Arc<Notify>,
+}
+
 #[derive(Default)]
 struct Inner {
-    calls: Mutex<HashMap<TrialId, Vec<LlmCallV1>>>,
-    grades: Mutex<HashMap<(TrialId, u32), Option<Grade>>>,
-    arrived: Notify,
+    calls: Mutex<HashMap<TrialId, Entry<Vec<LlmCallV1>>>>,
+    grades: Mutex<HashMap<(TrialId, u32), Entry<Option<Grade>>>>,
 }
 
 #[derive(Clone, Default)]
@@ -77,21 +83,19 @@ impl Watch {
 
     fn on_call(&self, call: LlmCallV1) {
         let mut calls = self.inner.calls.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(list) = calls.get_mut(&call.trial_id) {
-            if !list.iter().any(|c| c.turn_index == call.turn_index) {
-                list.push(call);
+        if let Some(entry) = calls.get_mut(&call.trial_id) {
+            if !entry.value.iter().any(|c| c.turn_index == call.turn_index) {
+                entry.value.push(call);
             }
-            drop(calls);
-            self.inner.arrived.notify_waiters();
+            entry.arrived.notify_one();
         }
     }
 
     fn on_grade(&self, trial: TrialId, attempt: u32, grade: Grade) {
         let mut grades = self.inner.grades.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(slot) = grades.get_mut(&(trial, attempt)) {
-            slot.get_or_insert(grade);
-            drop(grades);
-            self.inner.arrived.notify_waiters();
+        if let Some(entry) = grades.get_mut(&(trial, attempt)) {
+            entry.value.get_or_insert(grade);
+            entry.arrived.notify_one();
         }
     }
 
@@ -109,12 +113,23 @@ impl Watch {
         count: usize,
         timeout: Duration,
     ) -> Option<Vec<LlmCallV1>> {
-        let got = self
-            .wait(timeout, || {
-                let calls = self.inner.calls.lock().unwrap_or_else(|e| e.into_inner());
-                calls.get(scope).filter(|c| c.len() >= count).cloned()
-            })
-            .await;
+        let arrived = {
+            let calls = self.inner.calls.lock().unwrap_or_else(|e| e.into_inner());
+            calls.get(scope).map(|e| e.arrived.clone())
+        };
+        let got = match arrived {
+            Some(arrived) => {
+                wait(&arrived, timeout, || {
+                    let calls = self.inner.calls.lock().unwrap_or_else(|e| e.into_inner());
+                    calls
+                        .get(scope)
+                        .filter(|e| e.value.len() >= count)
+                        .map(|e| e.value.clone())
+                })
+                .await
+            }
+            None => None,
+        };
         let mut calls = self.inner.calls.lock().unwrap_or_else(|e| e.into_inner());
         calls.remove(scope);
         got
@@ -128,9 +143,14 @@ impl Watch {
 
     /// The grade once it arrives, or `None` after `timeout` (the registration stays).
     pub async fn grade(&self, trial: &TrialId, attempt: u32, timeout: Duration) -> Option<Grade> {
-        self.wait(timeout, || {
+        let key = (trial.clone(), attempt);
+        let arrived = {
             let grades = self.inner.grades.lock().unwrap_or_else(|e| e.into_inner());
-            grades.get(&(trial.clone(), attempt)).cloned().flatten()
+            grades.get(&key).map(|e| e.arrived.clone())
+        }?;
+        wait(&arrived, timeout, || {
+            let grades = self.inner.grades.lock().unwrap_or_else(|e| e.into_inner());
+            grades.get(&key).and_then(|e| e.value.clone())
         })
         .await
     }
@@ -140,18 +160,22 @@ impl Watch {
         let mut grades = self.inner.grades.lock().unwrap_or_else(|e| e.into_inner());
         grades.remove(&(trial.clone(), attempt));
     }
+}
 
-    async fn wait<T>(&self, timeout: Duration, ready: impl Fn() -> Option<T>) -> Option<T> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            // Registered before the check, so an arrival in between is not missed.
-            let arrived = self.inner.arrived.notified();
-            if let Some(value) = ready() {
-                return Some(value);
-            }
-            if tokio::time::timeout_at(deadline, arrived).await.is_err() {
-                return ready();
-            }
+/// Waits until `ready` gives a value; `arrived` is signalled after every change.
+async fn wait<T>(arrived: &Notify, timeout: Duration, ready: impl Fn() -> Option<T>) -> Option<T> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = ready() {
+            return Some(value);
+        }
+        // `notify_one` stores a permit when no one waits yet, so an arrival between the
+        // check and this wait is not missed.
+        if tokio::time::timeout_at(deadline, arrived.notified())
+            .await
+            .is_err()
+        {
+            return ready();
         }
     }
 }
