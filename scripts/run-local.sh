@@ -1,45 +1,26 @@
 #!/usr/bin/env bash
-# run-local.sh SPEC — start a private nats-server and the ARL services built so far,
-# submit SPEC, follow the run, and stop everything on exit.
-#
-# With NATS_URL set, the services use that server instead of starting one.
+# run-local.sh SPEC — what `make run` does: `arl up` (every service, a private
+# nats-server unless NATS_URL is set), submit SPEC, follow it to the end with a progress
+# bar, print the summary, write the reward curve, and stop everything on exit.
 set -euo pipefail
 spec="${1:-examples/smoke.toml}"
 bin="${CARGO_TARGET_DIR:?}/debug"
-work="$(mktemp -d -t arl-run-XXXXXX)"
-pids=()
-cleanup() {
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT INT TERM
+state="${ARL_STATE_DIR:-$(mktemp -d -t arl-run-XXXXXX)}"
+up_args=(--state-dir "$state")
+if [ -n "${ARL_SWEBENCH_RECIPES:-}" ]; then up_args+=(--swebench-recipes "$ARL_SWEBENCH_RECIPES"); fi
+"$bin/arl" up "${up_args[@]}" &
+up=$!
+trap 'kill "$up" 2>/dev/null || true; wait "$up" 2>/dev/null || true' EXIT INT TERM
+for _ in $(seq 300); do [ -s "$state/nats-url" ] && break; kill -0 "$up" || exit 1; sleep 0.1; done
+export NATS_URL="$(cat "$state/nats-url")"
 
-if [ -z "${NATS_URL:-}" ]; then
-    port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
-    "${ARL_NATS_SERVER:?}" -js -a 127.0.0.1 -p "$port" -sd "$work/jetstream" 2>"$work/nats.log" &
-    pids+=($!)
-    export NATS_URL="nats://127.0.0.1:$port"
-    for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/"$port") 2>/dev/null && break; sleep 0.1; done
-    echo "nats-server (JetStream) on $NATS_URL, store in $work"
-fi
-
-for service in controller dataset evaluator; do
-    "$bin/arl-$service" 2>"$work/$service.log" &
-    pids+=($!)
-done
-
-run_id="$("$bin/arl" run submit "$spec" --wait)"
-# The dataset service registers the run's tasks a moment after admission.
-for _ in $(seq 50); do
-    "$bin/arl" run status "$run_id" | grep -q '^registered' && break
-    sleep 0.2
-done
+started=$(date +%s)
+run_id="$("$bin/arl" run submit "$spec")"
+echo "run $run_id submitted; logs in $state/logs"
+status=0
+"$bin/arl" run watch "$run_id" --timeout-s "${ARL_RUN_TIMEOUT_S:-1800}" || status=$?
+echo
 "$bin/arl" run status "$run_id" || true
-cat <<MSG
-
-The controller admitted run $run_id and the dataset service registered its tasks and
-published its first batch. The rollout service is not built yet (see ARCHITECTURE.md);
-once it is, this script starts it with the sandbox, proxy, engine, reward and trainer
-services and follows the run to the end with \`arl run watch $run_id\`.
-MSG
+"$bin/arl" run plot "$run_id" --out "$state/reward-curve.svg" || true
+echo "took $(( $(date +%s) - started )) s; reward curve: $state/reward-curve.svg"
+exit "$status"

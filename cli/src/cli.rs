@@ -42,6 +42,28 @@ pub enum Command {
     /// Inspect a model and run it on CPU: what you reach for when debugging token truth.
     #[command(subcommand)]
     Model(ModelCommand),
+    /// Start every ARL service on this machine (and a private nats-server when NATS_URL
+    /// is not set); runs until Ctrl-C.
+    Up(UpArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct UpArgs {
+    /// Where the JetStream store, environments, sandboxes, checkpoints and logs live.
+    #[arg(long, default_value = "arl-state")]
+    pub state_dir: PathBuf,
+    /// The model the embedded engine serves (a path or an installed model's name).
+    #[arg(long, env = "ARL_MODEL", default_value = "smollm2-135m-instruct")]
+    pub model: String,
+    /// SWE-bench instances with setup and test commands (`instances.json`); repeatable.
+    #[arg(long = "swebench-recipes")]
+    pub swebench_recipes: Vec<PathBuf>,
+    /// A venv of third-party agents (mini-swe-agent), mounted into every sandbox.
+    #[arg(long)]
+    pub agents_dir: Option<PathBuf>,
+    /// Trials run at once.
+    #[arg(long, default_value_t = 4)]
+    pub rollout_concurrency: usize,
 }
 
 #[derive(Debug, Subcommand)]
@@ -102,6 +124,13 @@ pub enum RunCommand {
         /// Give up after this many seconds (0 = never).
         #[arg(long, default_value_t = 0)]
         timeout_s: u64,
+    },
+    /// Write the run's reward curve (mean reward per step, resolution rate per
+    /// evaluation) as an SVG image.
+    Plot {
+        run_id: String,
+        #[arg(long, default_value = "reward-curve.svg")]
+        out: PathBuf,
     },
     /// List every run of the deployment.
     List {

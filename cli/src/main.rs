@@ -6,6 +6,7 @@
 mod cli;
 mod model;
 mod run;
+mod up;
 
 use std::process::ExitCode;
 
@@ -13,10 +14,14 @@ use clap::Parser;
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // `arl up` starts a private nats-server unless NATS_URL says where one is.
+    let nats_url_given = std::env::var_os("NATS_URL").is_some()
+        || std::env::args().any(|a| a.starts_with("--nats-url"));
     let cli = cli::Cli::parse();
     let outcome = match cli.command {
         cli::Command::Run(command) => run::execute(&cli.bus, command).await,
         cli::Command::Model(command) => model::execute(command),
+        cli::Command::Up(args) => up::execute(&cli.bus, args, nats_url_given).await,
     };
     match outcome {
         Ok(code) => code,

@@ -70,6 +70,7 @@ pub async fn execute(args: &BusArgs, command: RunCommand) -> Result<ExitCode, Cl
         RunCommand::Status { run_id, json } => status(args, &run_id, json).await,
         RunCommand::Watch { run_id, timeout_s } => watch(args, &run_id, timeout_s).await,
         RunCommand::List { json } => list_runs(args, json).await,
+        RunCommand::Plot { run_id, out } => plot(args, &run_id, &out).await,
     }
 }
 
@@ -409,4 +410,92 @@ pub fn render_status(state: &RunStateV1) -> String {
         }
     }
     out.join("\n")
+}
+
+async fn plot(args: &BusArgs, run_id: &str, out: &std::path::Path) -> Result<ExitCode, CliError> {
+    let run_id = parse_run_id(run_id)?;
+    let bus = connect(args).await?;
+    let state = read_state(&bus, &run_id)
+        .await?
+        .ok_or_else(|| CliError::NotFound(run_id.to_string()))?;
+    std::fs::write(out, reward_curve_svg(&state))
+        .map_err(|e| CliError::Usage(format!("writing {}: {e}", out.display())))?;
+    println!("{}", out.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// An SVG line chart: mean training reward per step (blue) and the validation resolution
+/// rate at each evaluation (orange, with its 95% interval), both on a 0–max scale.
+pub fn reward_curve_svg(state: &RunStateV1) -> String {
+    let (width, height, margin) = (640.0_f64, 360.0_f64, 48.0_f64);
+    let last_step = state
+        .steps
+        .iter()
+        .map(|s| s.step)
+        .chain(state.evaluations.iter().map(|e| e.step))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let top = state
+        .steps
+        .iter()
+        .map(|s| s.reward_mean)
+        .chain(state.evaluations.iter().map(|e| e.ci95_high))
+        .fold(1.0_f64, f64::max);
+    let x = |step: u32| margin + (width - 2.0 * margin) * f64::from(step) / f64::from(last_step);
+    let y = |v: f64| height - margin - (height - 2.0 * margin) * (v / top).clamp(0.0, 1.0);
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{margin}\" y=\"20\" font-size=\"14\">{} — reward per step (blue), validation resolution rate (orange)</text>\n\
+         <line x1=\"{margin}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <line x1=\"{margin}\" y1=\"{margin}\" x2=\"{margin}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <text x=\"{r}\" y=\"{lb}\" text-anchor=\"end\">step {last_step}</text>\n\
+         <text x=\"4\" y=\"{t}\">{top:.2}</text><text x=\"4\" y=\"{b}\">0</text>\n",
+        escape(&state.name),
+        b = height - margin,
+        r = width - margin,
+        lb = height - margin + 16.0,
+        t = margin + 4.0,
+    );
+    let points: Vec<String> = state
+        .steps
+        .iter()
+        .map(|s| format!("{:.1},{:.1}", x(s.step), y(s.reward_mean)))
+        .collect();
+    if !points.is_empty() {
+        svg.push_str(&format!(
+            "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"2\" points=\"{}\"/>\n",
+            points.join(" ")
+        ));
+    }
+    for s in &state.steps {
+        svg.push_str(&format!(
+            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"#1f77b4\"><title>step {}: reward {:.3}</title></circle>\n",
+            x(s.step),
+            y(s.reward_mean),
+            s.step,
+            s.reward_mean
+        ));
+    }
+    for e in &state.evaluations {
+        svg.push_str(&format!(
+            "<line x1=\"{cx:.1}\" y1=\"{:.1}\" x2=\"{cx:.1}\" y2=\"{:.1}\" stroke=\"#ff7f0e\"/>\n\
+             <circle cx=\"{cx:.1}\" cy=\"{:.1}\" r=\"4\" fill=\"#ff7f0e\"><title>step {}: resolved {:.1}%</title></circle>\n",
+            y(e.ci95_low),
+            y(e.ci95_high),
+            y(e.resolution_rate),
+            e.step,
+            e.resolution_rate * 100.0,
+            cx = x(e.step),
+        ));
+    }
+    svg.push_str("</svg>\n");
+    svg
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }

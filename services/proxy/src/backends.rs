@@ -3,7 +3,7 @@
 //! speaks for token ids and logprobs.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -58,11 +58,28 @@ pub struct Backend {
     pub dialect: Dialect,
     pub in_flight: AtomicUsize,
     healthy: AtomicBool,
+    /// The policy version the backend serves, from its `/v1/models` (ARL's engine says;
+    /// vLLM and SGLang do not: `UNKNOWN_VERSION`).
+    served_version: AtomicU64,
 }
+
+/// A backend that does not report which policy version it serves.
+pub const UNKNOWN_VERSION: u64 = u64::MAX;
 
 impl Backend {
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::SeqCst)
+    }
+
+    /// Whether the backend can serve a trial issued at `version`: it serves that
+    /// version or a newer one (or does not say).
+    pub fn serves(&self, version: u64) -> bool {
+        let served = self.served_version.load(Ordering::SeqCst);
+        served == UNKNOWN_VERSION || served >= version
+    }
+
+    pub fn set_served_version(&self, version: u64) {
+        self.served_version.store(version, Ordering::SeqCst);
     }
 }
 
@@ -88,6 +105,14 @@ pub fn parse_backend(spec: &str) -> Result<(Dialect, String), String> {
     ))
 }
 
+/// The `policy_version` of the first model in a `/v1/models` answer, if it names one.
+fn served_version(body: &[u8]) -> u64 {
+    serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| v["data"][0]["policy_version"].as_u64())
+        .unwrap_or(UNKNOWN_VERSION)
+}
+
 #[derive(Debug)]
 pub struct Backends {
     pub list: Vec<Arc<Backend>>,
@@ -105,6 +130,7 @@ impl Backends {
                         dialect,
                         in_flight: AtomicUsize::new(0),
                         healthy: AtomicBool::new(true),
+                        served_version: AtomicU64::new(UNKNOWN_VERSION),
                     })
                 })
                 .collect(),
@@ -166,10 +192,11 @@ impl Backends {
             loop {
                 for b in &backends.list {
                     let url = format!("{}/v1/models", b.url);
-                    let ok = matches!(
-                        tokio::time::timeout(period, client.get(&url)).await,
-                        Ok(Ok(status)) if status == 200
-                    );
+                    let answer = tokio::time::timeout(period, client.get(&url)).await;
+                    let ok = matches!(&answer, Ok(Ok((status, _))) if *status == 200);
+                    if let Ok(Ok((200, body))) = &answer {
+                        b.set_served_version(served_version(body));
+                    }
                     if ok != b.is_healthy() {
                         tracing::info!(backend = %b.url, healthy = ok, "backend health changed");
                     }
@@ -186,6 +213,19 @@ impl Backends {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn backends_serve_trials_of_their_version_or_older() {
+        let b = Backends::new(vec![(Dialect::Arl, "http://a".into())]);
+        let a = &b.list[0];
+        assert!(a.serves(7), "a backend that does not say serves every version");
+        a.set_served_version(served_version(
+            br#"{"object":"list","data":[{"id":"policy","policy_version":2}]}"#,
+        ));
+        assert!(a.serves(2) && a.serves(1));
+        assert!(!a.serves(3), "a trial of version 3 waits until the engine has loaded it");
+        assert_eq!(served_version(br#"{"data":[]}"#), UNKNOWN_VERSION);
+    }
+
     use super::*;
 
     #[test]

@@ -38,12 +38,21 @@ impl HttpClient {
         }
     }
 
-    pub async fn get(&self, url: &str) -> Result<u16, ClientError> {
+    /// GET: the status and the body.
+    pub async fn get(&self, url: &str) -> Result<(u16, Bytes), ClientError> {
+        use http_body_util::BodyExt;
         let request = hyper::Request::get(url)
             .body(Full::new(Bytes::new()))
             .map_err(|e| ClientError::Other(e.to_string()))?;
         let response = self.send(request).await?;
-        Ok(response.status().as_u16())
+        let status = response.status().as_u16();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| ClientError::Other(e.to_string()))?
+            .to_bytes();
+        Ok((status, body))
     }
 
     pub async fn post_json(

@@ -89,6 +89,8 @@ struct RunTrainer {
     model: Option<LoadedModel>,
     reference: Option<Model>,
     optimizer: Option<AdamW>,
+    /// Tasks per step: `train_batch_size`, or fewer when the training split is smaller.
+    batch_tasks: u32,
     /// The last committed step (0 = none); the policy version equals it.
     step: u32,
     /// The last trained step (ahead of `step` between checkpoints).
@@ -104,7 +106,7 @@ struct RunTrainer {
 
 impl RunTrainer {
     fn expected(&self) -> usize {
-        (self.spec.data.train_batch_size * self.spec.rollout.n) as usize
+        (self.batch_tasks * self.spec.rollout.n) as usize
     }
 }
 
@@ -461,6 +463,7 @@ impl Trainer {
         let mut run = RunTrainer {
             run_id: run_id.clone(),
             spec: state.spec.clone().unwrap_or_default(),
+            batch_tasks: state.spec.as_ref().map_or(1, |s| s.data.train_batch_size),
             dir: dir.clone(),
             model: None,
             reference: None,
@@ -472,6 +475,19 @@ impl Trainer {
             failed: None,
             broken: false,
         };
+        // A training split smaller than `train_batch_size` makes every batch smaller.
+        if let Some(digest) = &state.dataset_digest {
+            match self.bus.dataset_manifest(digest).await {
+                Ok(Some(manifest)) => {
+                    let train = u32::try_from(manifest.train.len()).unwrap_or(u32::MAX);
+                    run.batch_tasks = run.batch_tasks.min(train).max(1);
+                }
+                Ok(None) => {}
+                Err(err) => {
+                    tracing::warn!(%err, "cannot read the run's dataset; assuming full batches")
+                }
+            }
+        }
         let (Some(spec), Some(model_path)) = (state.spec, state.model_path) else {
             return self
                 .fail(run, "the run state has no spec or model path")
