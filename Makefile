@@ -32,6 +32,8 @@ QWEN_TOKENIZER := $(ARL_MODEL_DIR)/qwen-tokenizer/tokenizer.json
 # GSM-Symbolic math templates (TOML), for the math dataset loader's tests.
 export ARL_GSM_SYMBOLIC_DIR ?= $(ARL_CACHE)/data/gsm-symbolic-0.5.5
 SPEC ?= examples/smoke.toml
+# SWE-bench setup and test commands for `arl up` (image builder and reward service).
+export ARL_SWEBENCH_RECIPES ?= $(wildcard ../shared/data/swebench/instances.json)
 
 .PHONY: help deps system-deps models data build run test lint fmt gen bench loadtest clean-cache
 

@@ -48,6 +48,9 @@ pub struct DataSpec {
     /// Accept a dataset in which some rows failed validation (they are reported, and left
     /// out).
     pub allow_invalid_rows: bool,
+    /// Only these tasks of the dataset (e.g. SWE-bench instance ids); empty = all. An id
+    /// the dataset does not have is an error.
+    pub task_ids: Vec<String>,
 }
 
 impl Default for DataSpec {
@@ -60,6 +63,7 @@ impl Default for DataSpec {
             seed: 42,
             train_batch_size: 2,
             allow_invalid_rows: false,
+            task_ids: Vec::new(),
         }
     }
 }

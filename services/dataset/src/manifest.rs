@@ -51,7 +51,20 @@ pub fn build(data: &DataSpec, path: &Path) -> Result<DatasetManifestV1, LoadErro
             (tasks, loaded.errors)
         }
     };
-    let tasks: Vec<TaskRecord> = tasks;
+    let mut tasks: Vec<TaskRecord> = tasks;
+    if !data.task_ids.is_empty() {
+        if let Some(missing) = data
+            .task_ids
+            .iter()
+            .find(|id| !tasks.iter().any(|t| t.task_id.as_str() == id.as_str()))
+        {
+            return Err(LoadError::Read {
+                path: path.display().to_string(),
+                reason: format!("data.task_ids names {missing}, which the dataset does not have"),
+            });
+        }
+        tasks.retain(|t| data.task_ids.iter().any(|id| id == t.task_id.as_str()));
+    }
     if tasks.is_empty() {
         return Err(LoadError::Read {
             path: path.display().to_string(),

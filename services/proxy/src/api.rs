@@ -210,6 +210,28 @@ async fn call(p: Proxy, key: Option<String>, kind: Kind, request: Request) -> Re
     if let Some(response) = backpressure(&p, &trial, &load) {
         return response;
     }
+    // Never on weights older than the trial was issued for: an engine still loading the
+    // new version is passed over; when none serves it yet, the agent waits and retries.
+    let candidates: Vec<usize> = p
+        .backends
+        .candidates(&trial.trial_id)
+        .into_iter()
+        .filter(|&i| p.backends.list[i].serves(trial.policy_version))
+        .collect();
+    if candidates.is_empty() {
+        let mut response = error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_exceeded",
+            format!(
+                "no engine serves policy version {} yet (it is loading); retry shortly",
+                trial.policy_version
+            ),
+        );
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        return response;
+    }
     load.in_flight.fetch_add(1, Ordering::SeqCst);
     let guard = InFlight(load.clone());
 
@@ -237,28 +259,6 @@ async fn call(p: Proxy, key: Option<String>, kind: Kind, request: Request) -> Re
         .entry("user")
         .or_insert_with(|| json!(trial.trial_id.as_str()));
 
-    // Never on weights older than the trial was issued for: an engine still loading the
-    // new version is passed over; when none serves it yet, the agent waits and retries.
-    let candidates: Vec<usize> = p
-        .backends
-        .candidates(&trial.trial_id)
-        .into_iter()
-        .filter(|&i| p.backends.list[i].serves(trial.policy_version))
-        .collect();
-    if candidates.is_empty() {
-        let mut response = error(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_exceeded",
-            format!(
-                "no engine serves policy version {} yet (it is loading); retry shortly",
-                trial.policy_version
-            ),
-        );
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        return response;
-    }
     for index in candidates {
         let backend = p.backends.list[index].clone();
         let mut body = fields.clone();
@@ -548,8 +548,9 @@ impl Recorder {
             .bus
             .publish(&event)
             .await
-            .map(|_| ())
-            .map_err(|e| format!("the call could not be recorded: {e}"))
+            .map_err(|e| format!("the call could not be recorded: {e}"))?;
+        self.call.trial.recorded.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
 
     async fn whole(mut self, body: hyper::body::Incoming) -> Response {

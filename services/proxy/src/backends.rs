@@ -217,12 +217,18 @@ mod tests {
     fn backends_serve_trials_of_their_version_or_older() {
         let b = Backends::new(vec![(Dialect::Arl, "http://a".into())]);
         let a = &b.list[0];
-        assert!(a.serves(7), "a backend that does not say serves every version");
+        assert!(
+            a.serves(7),
+            "a backend that does not say serves every version"
+        );
         a.set_served_version(served_version(
             br#"{"object":"list","data":[{"id":"policy","policy_version":2}]}"#,
         ));
         assert!(a.serves(2) && a.serves(1));
-        assert!(!a.serves(3), "a trial of version 3 waits until the engine has loaded it");
+        assert!(
+            !a.serves(3),
+            "a trial of version 3 waits until the engine has loaded it"
+        );
         assert_eq!(served_version(br#"{"data":[]}"#), UNKNOWN_VERSION);
     }
 

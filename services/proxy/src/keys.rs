@@ -16,6 +16,9 @@ pub struct Trial {
     pub max_staleness: Option<u64>,
     /// Calls so far: the next call's turn index.
     pub turns: AtomicU32,
+    /// Calls whose `llm.call` record is stored (refused calls have a turn index but no
+    /// record): what the trial's trajectory will be built from.
+    pub recorded: AtomicU32,
 }
 
 #[derive(Debug, Default)]
@@ -32,6 +35,7 @@ impl Keys {
             policy_version: request.policy_version,
             max_staleness: request.max_staleness,
             turns: AtomicU32::new(0),
+            recorded: AtomicU32::new(0),
         });
         self.trials
             .write()
@@ -49,12 +53,12 @@ impl Keys {
             .cloned()
     }
 
-    /// Ends a key; returns how many calls it made, None if it was not live.
+    /// Ends a key; returns how many calls it recorded, None if it was not live.
     pub fn revoke(&self, key: &str) -> Option<u32> {
         self.trials
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(key)
-            .map(|t| t.turns.load(Ordering::SeqCst))
+            .map(|t| t.recorded.load(Ordering::SeqCst))
     }
 }

@@ -1,0 +1,135 @@
+//! The reduced end-to-end run `make test` includes: `arl up` starts every service (and a
+//! private nats-server), a run over the bundled Harbor tasks with SmolLM2 (n = 2, one
+//! GRPO step, one evaluation) is submitted and followed with `arl run watch` to 100%: every
+//! trial reached the agent loop, the step trained and wrote a checkpoint, the evaluation
+//! ran, and no service exited on the way. Build the binaries first (`make test` does).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, Metrics};
+use arl_schemas::events::TrajectoryV1;
+use arl_schemas::state::RunStatus;
+use arl_schemas::{Domain, Namespace, RunId};
+use arl_testkit::{Children, built_binary};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn arl_up_runs_a_reduced_training_run_to_completion() {
+    let state = tempfile::Builder::new()
+        .prefix("arl-up-")
+        .tempdir()
+        .unwrap();
+    let arl = built_binary("arl");
+    let mut up = Children(vec![
+        Command::new(&arl)
+            .args(["up", "--state-dir"])
+            .arg(state.path())
+            .env_remove("NATS_URL")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    ]);
+    let url_file = state.path().join("nats-url");
+    arl_testkit::wait_for("arl up", Duration::from_secs(60), || async {
+        std::fs::read_to_string(&url_file)
+            .ok()
+            .filter(|u| !u.is_empty())
+    })
+    .await;
+    let url = std::fs::read_to_string(&url_file).unwrap();
+
+    let tasks = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tasks");
+    let spec = state.path().join("reduced.toml");
+    std::fs::write(
+        &spec,
+        format!(
+            "name = \"reduced\"\n[data]\ndataset = \"{}\"\nval_size = 1\ntrain_batch_size = 1\n\
+             [rollout]\nn = 2\nmax_turns = 2\nmax_response_tokens = 64\ntimeout_s = 120\n\
+             [trainer]\ntotal_steps = 1\n",
+            tasks.display()
+        ),
+    )
+    .unwrap();
+    let arl_at = |args: &[&str]| {
+        Command::new(&arl)
+            .args(args)
+            .env("NATS_URL", &url)
+            .env_remove("ARL_PREFIX")
+            .output()
+            .unwrap()
+    };
+    let submitted = arl_at(&["run", "submit", spec.to_str().unwrap()]);
+    assert!(
+        submitted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&submitted.stderr)
+    );
+    let run = String::from_utf8(submitted.stdout)
+        .unwrap()
+        .trim()
+        .to_owned();
+    let watched = arl_at(&["run", "watch", &run, "--timeout-s", "900"]);
+    assert!(
+        watched.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&watched.stdout),
+        String::from_utf8_lossy(&watched.stderr)
+    );
+    // No service exited on the way (arl up stops everything when one does).
+    assert!(
+        up.0[0].try_wait().unwrap().is_none(),
+        "arl up stopped during the run"
+    );
+
+    let bus = Bus::connect(
+        BusConfig::new(&url, Namespace::default(), "test"),
+        Metrics::new(),
+    )
+    .await
+    .unwrap();
+    let run_id = RunId::new(run.as_str()).unwrap();
+    let state_record = bus.run_state(&run_id).await.unwrap().unwrap();
+    assert_eq!(state_record.status, RunStatus::Completed);
+    assert_eq!(state_record.percent(), 100.0);
+    assert_eq!(state_record.steps.len(), 1);
+    assert!(
+        state_record.steps[0].pg_loss.is_finite() && state_record.steps[0].grad_norm.is_finite()
+    );
+    assert_eq!(state_record.policy_version, 1);
+    assert_eq!(state_record.evaluations.len(), 1);
+    let checkpoint = state_record.checkpoint_uri.clone().unwrap();
+    let dir = checkpoint.strip_prefix("file://").unwrap();
+    assert!(
+        Path::new(dir).join("config.json").exists() || Path::new(dir).exists(),
+        "{dir}"
+    );
+    let trajectories: Vec<TrajectoryV1> = bus
+        .replay(
+            Domain::Trajectory,
+            Namespace::default().event_subject(Domain::Trajectory, &run_id, "ready"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(trajectories.len(), 2);
+    assert!(
+        trajectories.iter().all(|t| t.num_turns > 0),
+        "every trial reached the agent loop"
+    );
+    let plot = arl_at(&[
+        "run",
+        "plot",
+        &run,
+        "--out",
+        state.path().join("curve.svg").to_str().unwrap(),
+    ]);
+    assert!(plot.status.success());
+    assert!(
+        std::fs::read_to_string(state.path().join("curve.svg"))
+            .unwrap()
+            .starts_with("<svg")
+    );
+}
