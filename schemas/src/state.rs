@@ -134,3 +134,20 @@ impl RunStateV1 {
         serde_json::from_slice(bytes)
     }
 }
+
+/// The `ARL_TRIALS` key that marks a task's group of one step as failed (the rollout's
+/// `fail_group` policy); the trainer leaves such a group out of the step. The task id is
+/// hex-encoded: keys allow only a few characters.
+pub fn failed_group_key(
+    run: &RunId,
+    split: crate::events::Split,
+    step: u32,
+    task: &crate::TaskId,
+) -> String {
+    let split = match split {
+        crate::events::Split::Train => 's',
+        crate::events::Split::Validation => 'v',
+    };
+    let task: String = task.as_str().bytes().map(|b| format!("{b:02x}")).collect();
+    format!("group.{run}.{split}{step}.{task}")
+}

@@ -741,16 +741,11 @@ impl Rollout {
 
     fn group_key(trial: &Trial) -> String {
         let slot = &trial.request.slot;
-        let split = match slot.split {
-            Split::Train => 's',
-            Split::Validation => 'v',
-        };
-        let task = arl_runtime::digest::sha256_hex(slot.task_id.as_str().as_bytes());
-        format!(
-            "group.{}.{split}{}.{}",
-            trial.request.run_id,
+        arl_schemas::state::failed_group_key(
+            &trial.request.run_id,
+            slot.split,
             slot.step,
-            &task[..16]
+            &slot.task_id,
         )
     }
 

@@ -23,6 +23,9 @@ pub enum Grade {
     Failed(TrialFailedV1),
 }
 
+/// A trial attempt: (trial, attempt).
+type Attempt = (TrialId, u32);
+
 /// What one trial waits for, and its own wake-up (one waiter per entry: no herd).
 #[derive(Default)]
 struct Entry<T> {
@@ -33,7 +36,7 @@ struct Entry<T> {
 #[derive(Default)]
 struct Inner {
     calls: Mutex<HashMap<TrialId, Entry<Vec<LlmCallV1>>>>,
-    grades: Mutex<HashMap<(TrialId, u32), Entry<Option<Grade>>>>,
+    grades: Mutex<HashMap<Attempt, Entry<Option<Grade>>>>,
 }
 
 #[derive(Clone, Default)]

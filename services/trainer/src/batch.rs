@@ -75,6 +75,24 @@ impl StepBatch {
     /// A trajectory whose oldest call's policy is more than `max_staleness` versions
     /// behind `policy_version` is left out.
     pub fn assemble(&self, policy_version: u64, max_staleness: u32) -> Assembled {
+        self.assemble_without(policy_version, max_staleness, &[])
+    }
+
+    /// The tasks of the batch (one group each).
+    pub fn tasks(&self) -> Vec<TaskId> {
+        let mut tasks: Vec<TaskId> = self.trajectories.keys().map(|(t, _)| t.clone()).collect();
+        tasks.dedup();
+        tasks
+    }
+
+    /// [`StepBatch::assemble`], leaving out every trajectory of the `failed` groups (the
+    /// rollout's `fail_group` policy).
+    pub fn assemble_without(
+        &self,
+        policy_version: u64,
+        max_staleness: u32,
+        failed: &[TaskId],
+    ) -> Assembled {
         let mut out = Assembled {
             trajectories: self.trajectories.len(),
             ..Assembled::default()
@@ -85,7 +103,7 @@ impl StepBatch {
             turns += u64::from(trajectory.num_turns);
             let next_group = groups.len() as u64;
             let group = *groups.entry(task).or_insert(next_group);
-            if trajectory.status == SampleStatus::Masked {
+            if trajectory.status == SampleStatus::Masked || failed.contains(task) {
                 out.masked += 1;
                 continue;
             }
@@ -199,6 +217,10 @@ mod tests {
         assert_eq!(groups, vec![0, 0, 1]);
         // Staleness 2 lets the old one in.
         assert_eq!(batch.assemble(2, 2).stale, 0);
+        let failed = batch.tasks();
+        let none = batch.assemble_without(2, 2, &failed);
+        assert!(none.samples.is_empty(), "a failed group trains nothing");
+        assert_eq!(none.masked, none.trajectories);
     }
 
     #[test]

@@ -354,7 +354,12 @@ impl Trainer {
     ) -> Result<(checkpoint::Saved, StepOutcome, batch::Assembled, f64, bool), String> {
         let step = batch.step;
         let spec = run.spec.clone();
-        let assembled = batch.assemble(u64::from(run.trained), spec.algorithm.max_staleness);
+        let failed = self.failed_groups(&run.run_id, batch).await?;
+        let assembled = batch.assemble_without(
+            u64::from(run.trained),
+            spec.algorithm.max_staleness,
+            &failed,
+        );
         let (Some(mut model), Some(mut optimizer)) = (run.model.take(), run.optimizer.take())
         else {
             return Err(format!("run {} has no model loaded", run.run_id));
@@ -454,6 +459,32 @@ impl Trainer {
             }
             _ => Ok(None),
         }
+    }
+
+    /// The tasks of the batch whose group the rollout failed (`fail_group`).
+    async fn failed_groups(
+        &self,
+        run: &RunId,
+        batch: &batch::StepBatch,
+    ) -> Result<Vec<arl_schemas::TaskId>, String> {
+        let mut failed = Vec::new();
+        for task in batch.tasks() {
+            let key = arl_schemas::state::failed_group_key(
+                run,
+                arl_schemas::events::Split::Train,
+                batch.step,
+                &task,
+            );
+            let flag = self
+                .bus
+                .modify_record::<bool>(arl_schemas::Bucket::Trials, &key, |_| false)
+                .await
+                .map_err(|e| format!("reading failed groups: {e}"))?;
+            if flag == Some(true) {
+                failed.push(task);
+            }
+        }
+        Ok(failed)
     }
 
     /// Loads the model (from the last checkpoint, or the run's base model); a run that
