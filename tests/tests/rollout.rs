@@ -426,3 +426,50 @@ async fn a_mini_swe_agent_trial_runs_in_the_sandbox_through_the_proxy() {
     stack.shutdown.trigger();
     stack.shutdown.wait().await;
 }
+
+/// A command agent in sandboxes without a relay to the proxy is an `infrastructure`
+/// failure; under `fail_group` every trial of the task's group is masked and the group is
+/// marked failed for the trainer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_under_fail_group_masks_the_whole_group() {
+    let stack = Stack::start().await;
+    let _rollout = Children(vec![stack.rollout()]);
+    let run = stack
+        .submit_with(2, |spec| {
+            spec.rollout.agent = arl_schemas::spec::AgentKind::MiniSweAgent;
+            spec.rollout.on_failure.infrastructure = arl_schemas::spec::FailureAction::FailGroup;
+        })
+        .await;
+    let trajectories = wait_for("the trajectories", Duration::from_secs(120), || async {
+        let t: Vec<TrajectoryV1> = stack.events(&run, Domain::Trajectory, "ready").await;
+        (t.len() >= 2).then_some(t)
+    })
+    .await;
+    assert!(
+        trajectories
+            .iter()
+            .all(|t| t.status == SampleStatus::Masked),
+        "{trajectories:?}"
+    );
+    let failed: Vec<TrialFailedV1> = stack.events(&run, Domain::Trial, "failed").await;
+    assert_eq!(failed.len(), 2);
+    assert!(
+        failed
+            .iter()
+            .all(|f| f.class == FailureClass::Infrastructure && !f.will_retry)
+    );
+    let slot = &trajectories[0].slot;
+    let key = arl_schemas::state::failed_group_key(&run, slot.split, slot.step, &slot.task_id);
+    let flag = stack
+        .bus
+        .modify_record::<bool>(arl_schemas::Bucket::Trials, &key, |_| false)
+        .await
+        .unwrap();
+    assert_eq!(
+        flag,
+        Some(true),
+        "the trainer is told to leave the group out"
+    );
+    stack.shutdown.trigger();
+    stack.shutdown.wait().await;
+}
