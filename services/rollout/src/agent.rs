@@ -230,6 +230,15 @@ pub async fn run_mini_swe_agent(
             "mini-swe-agent ran past the trial's budget",
         ));
     }
+    if result.exit_code == 127 && result.stderr.contains(MINI_SWE_AGENT_PYTHON) {
+        // A deployment problem, not the agent's fault.
+        return Err(TrialError::new(
+            FailureClass::Infrastructure,
+            "the sandbox has no agents venv at /opt/arl-agents: start arl-sandbox with \
+             --agents-dir (arl up --agents-dir), a venv with mini-swe-agent built on the \
+             system Python",
+        ));
+    }
     let summary: Option<Value> = result
         .stdout
         .lines()
