@@ -369,14 +369,15 @@ impl Bus {
             bucket: self.namespace.bucket(Bucket::RunState),
             reason: format!("run {run}: {reason}"),
         };
-        let Some(bytes) = kv
-            .get(run.as_str())
+        let entry = kv
+            .entry(run.as_str())
             .await
-            .map_err(|e| error(e.to_string()))?
-        else {
+            .map_err(|e| error(e.to_string()))?;
+        // A deleted or purged run has no state.
+        let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
             return Ok(None);
         };
-        arl_schemas::state::RunStateV1::decode(&bytes)
+        arl_schemas::state::RunStateV1::decode(&entry.value)
             .map(Some)
             .map_err(|e| error(format!("unreadable state: {e}")))
     }

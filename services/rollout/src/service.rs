@@ -350,13 +350,8 @@ impl Rollout {
             Ok(patch) => patch,
             Err(error) => return Err((error, Some(calls))),
         };
-        if let Some(answer) = outcome.answer.take() {
-            return Ok(Ran {
-                outcome,
-                patch: answer,
-                calls,
-            });
-        }
+        // A math agent's output is its answer; a code agent's is the sandbox's diff.
+        let patch = outcome.answer.take().unwrap_or(patch);
         Ok(Ran {
             outcome,
             patch,

@@ -24,7 +24,7 @@ use arl_schemas::events::{
 };
 use arl_schemas::spec::{Device, KlLossType, LossAggMode, LrScheduler, OldLogprobSource, RunSpec};
 use arl_schemas::state::RunStateV1;
-use arl_schemas::{Bucket, Domain, RunId};
+use arl_schemas::{Domain, RunId};
 use tokio::sync::{Mutex, oneshot};
 
 use crate::batch::{self, Admission, StepBatch};
@@ -431,7 +431,7 @@ impl Trainer {
             }
             runs.remove(run_id);
         }
-        let Some(state) = self.run_state(run_id).await? else {
+        let Some(state) = self.bus.run_state(run_id).await? else {
             return Err(HandlerError::Retry(format!(
                 "run {run_id} has no state yet (the controller has not admitted it)"
             )));
@@ -443,22 +443,6 @@ impl Trainer {
         let run = Arc::new(Mutex::new(opened));
         runs.insert(run_id.clone(), run.clone());
         Ok(Some(run))
-    }
-
-    async fn run_state(&self, run_id: &RunId) -> Result<Option<RunStateV1>, HandlerError> {
-        let kv = self.bus.bucket(Bucket::RunState).await?;
-        let entry = kv
-            .entry(run_id.as_str())
-            .await
-            .map_err(|e| HandlerError::Retry(format!("cannot read run state: {e}")))?;
-        match entry {
-            Some(entry) if entry.operation == async_nats::jetstream::kv::Operation::Put => {
-                RunStateV1::decode(&entry.value)
-                    .map(Some)
-                    .map_err(|e| HandlerError::Retry(format!("run state of {run_id}: {e}")))
-            }
-            _ => Ok(None),
-        }
     }
 
     /// The tasks of the batch whose group the rollout failed (`fail_group`).
