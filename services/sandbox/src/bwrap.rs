@@ -230,7 +230,14 @@ impl Backend for Bubblewrap {
         )
         .await
         .map_err(fail)?;
+        // No automatic gc or maintenance: `git commit` would otherwise start one detached in
+        // the background on a big tree (django has more loose objects than gc.auto), which
+        // then locks refs and writes root-owned packs while the tree is being chowned.
         let git = [
+            "-c",
+            "gc.auto=0",
+            "-c",
+            "maintenance.auto=false",
             "-c",
             "user.name=arl",
             "-c",
