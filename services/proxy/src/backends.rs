@@ -91,7 +91,7 @@ pub fn parse_backend(spec: &str) -> Result<(Dialect, String), String> {
         Some(("sglang", url)) => (Dialect::Sglang, url),
         Some((other, _)) => {
             return Err(format!(
-                "backend dialect {other:?} is unknown; use arl=URL or vllm=URL"
+                "backend dialect {other:?} is unknown; use arl=URL, vllm=URL or sglang=URL"
             ));
         }
         None => (Dialect::Arl, spec),
