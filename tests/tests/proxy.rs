@@ -6,6 +6,7 @@
 //! (`cargo build --bins`; `make test` does, and `make vllm` installs vLLM).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -16,7 +17,9 @@ use arl_runtime::{Bus, Metrics};
 use arl_schemas::events::LlmCallV1;
 use arl_schemas::rpc::{ProxyOp, TrialKeyGrantV1, TrialKeyRequestV1};
 use arl_schemas::{Domain, Event, Namespace, RunId, TrialId};
-use arl_testkit::{Children, NatsServer, built_binary, free_port, http, test_namespace, wait_for};
+use arl_testkit::{
+    Children, NatsServer, ProcessGroup, built_binary, free_port, http, test_namespace, wait_for,
+};
 
 fn home_cache(rel: &str) -> PathBuf {
     PathBuf::from(std::env::var_os("HOME").unwrap())
@@ -35,7 +38,8 @@ enum Engine {
 
 /// A private nats-server with a real engine and the real proxy in front of it.
 struct Stack {
-    _children: Children,
+    _proxy: Children,
+    _engine: ProcessGroup,
     ns: Namespace,
     bus: Bus,
     _server: NatsServer,
@@ -50,6 +54,7 @@ impl Stack {
         let (engine_port, proxy_port) = (free_port().unwrap(), free_port().unwrap());
         let spawn = |name: &str, args: &[String]| {
             Command::new(built_binary(name))
+                .process_group(0)
                 .args(args)
                 .env("NATS_URL", server.url())
                 .env("ARL_PREFIX", ns.prefix().unwrap())
@@ -77,24 +82,17 @@ impl Stack {
                 "vllm",
             ),
         };
-        let mut children = Children(vec![
-            engine_child,
-            spawn(
-                "arl-proxy",
-                &[
-                    "--backend".into(),
-                    format!("{dialect}=http://127.0.0.1:{engine_port}"),
-                    "--listen".into(),
-                    format!("127.0.0.1:{proxy_port}"),
-                ],
-            ),
-        ]);
-        wait_for_engine(
-            engine_port,
-            &mut children.0[0],
-            &logs.path().join("vllm.log"),
-        )
-        .await;
+        let mut engine = ProcessGroup(engine_child);
+        let proxy = Children(vec![spawn(
+            "arl-proxy",
+            &[
+                "--backend".into(),
+                format!("{dialect}=http://127.0.0.1:{engine_port}"),
+                "--listen".into(),
+                format!("127.0.0.1:{proxy_port}"),
+            ],
+        )]);
+        wait_for_engine(engine_port, &mut engine.0, &logs.path().join("vllm.log")).await;
         let bus = Bus::connect(
             BusConfig::new(server.url(), ns.clone(), "test"),
             Metrics::new(),
@@ -102,7 +100,8 @@ impl Stack {
         .await
         .unwrap();
         Self {
-            _children: children,
+            _proxy: proxy,
+            _engine: engine,
             ns,
             bus,
             _server: server,
@@ -173,6 +172,7 @@ fn start_vllm(port: u16, log: &Path) -> std::process::Child {
         );
     }
     Command::new(python)
+        .process_group(0)
         .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
         .arg(&model)
         .args([

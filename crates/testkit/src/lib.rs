@@ -4,7 +4,7 @@
 //!   stopped and cleaned up when dropped; it can be restarted on the same port and store.
 //! - [`test_namespace`]: a fresh subject/stream prefix per test.
 //! - [`wait_for`]: poll a condition with a deadline — tests never sleep blindly.
-//! - [`built_binary`], [`Children`], [`free_port`]: end-to-end tests start the real
+//! - [`built_binary`], [`Children`], [`ProcessGroup`], [`free_port`]: end-to-end tests start the real
 //!   binaries on free ports and never leave them running.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -214,16 +214,47 @@ pub fn built_binary(name: &str) -> PathBuf {
     path
 }
 
-/// Child processes killed and reaped when dropped, however the test ends.
+/// Child processes stopped and reaped when dropped, however the test ends: SIGTERM first,
+/// so that one with processes of its own (`arl up` and its services) stops them, then
+/// SIGKILL for any still running after 10 s.
 pub struct Children(pub Vec<Child>);
 
 impl Drop for Children {
     fn drop(&mut self) {
         for child in &mut self.0 {
+            if matches!(child.try_wait(), Ok(None)) {
+                signal("-TERM", &child.id().to_string());
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for child in &mut self.0 {
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             let _ = child.kill();
             let _ = child.wait();
         }
     }
+}
+
+/// A child started as the leader of its own process group
+/// (`std::os::unix::process::CommandExt::process_group(0)`), killed with every process it
+/// started when dropped — for servers whose workers would outlive it (vLLM's engine).
+pub struct ProcessGroup(pub Child);
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        signal("-KILL", &format!("-{}", self.0.id()));
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn signal(signal: &str, target: &str) {
+    let _ = Command::new("kill")
+        .args([signal, "--", target])
+        .stderr(Stdio::null())
+        .status();
 }
 
 /// A namespace no other test uses, so tests can share one server.

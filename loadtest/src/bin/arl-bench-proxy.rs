@@ -4,7 +4,10 @@
 //! cost is measured), a private nats-server where the proxy records every call in
 //! JetStream, and the callers (this process), over keep-alive HTTP/1.1 on loopback. The
 //! backend is called directly and through the proxy at 1, 64 and 512 concurrent callers,
-//! streaming and not; the table gives p50/p99 latency of both, the difference, and calls/s.
+//! streaming and not (closed loops: each caller calls again as soon as answered, so the
+//! high levels run the machine saturated), then at fixed rates of 1,000 and 5,000 calls/s
+//! (open loops: the load an RL run's agents put on it); the tables give p50/p99 latency of
+//! both, the difference, and calls/s.
 //!
 //! On a machine with at least 8 cores each part gets cores of its own (`taskset`), so the
 //! difference is what the proxy costs rather than the parts queueing for the same cores;
@@ -184,6 +187,19 @@ struct Level {
     calls_per_s: f64,
 }
 
+impl Level {
+    /// From every call's latency (ms) and the wall time (s) they took.
+    fn of(mut latencies: Vec<f64>, wall_s: f64) -> Level {
+        latencies.sort_by(f64::total_cmp);
+        let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q).round() as usize];
+        Level {
+            p50_ms: at(0.5),
+            p99_ms: at(0.99),
+            calls_per_s: latencies.len() as f64 / wall_s,
+        }
+    }
+}
+
 async fn drive(
     client: &HttpClient,
     url: &str,
@@ -217,14 +233,44 @@ async fn drive(
     for worker in futures::future::join_all(workers).await {
         latencies.extend(worker??);
     }
-    let wall = started.elapsed().as_secs_f64();
-    latencies.sort_by(f64::total_cmp);
-    let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q).round() as usize];
-    Ok(Level {
-        p50_ms: at(0.5),
-        p99_ms: at(0.99),
-        calls_per_s: latencies.len() as f64 / wall,
-    })
+    Ok(Level::of(latencies, started.elapsed().as_secs_f64()))
+}
+
+/// Calls started at a fixed `rate` whatever the answers' pace (an open loop, like many
+/// agents each calling now and then), for `seconds`: the latency at a load the machine
+/// carries, where the closed loops above measure it saturated.
+async fn paced(
+    client: &HttpClient,
+    url: &str,
+    stream: bool,
+    rate: u32,
+    seconds: u32,
+) -> anyhow::Result<Level> {
+    let body = Bytes::from(
+        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream})
+            .to_string(),
+    );
+    let total = rate * seconds;
+    let interval = Duration::from_secs(1) / rate;
+    let started = tokio::time::Instant::now();
+    let mut calls = Vec::with_capacity(total as usize);
+    for i in 0..total {
+        tokio::time::sleep_until(started + interval * i).await;
+        let (client, body, url) = (client.clone(), body.clone(), url.to_owned());
+        calls.push(tokio::spawn(async move {
+            let sent = Instant::now();
+            let response = client.post_json(&url, body).await?;
+            anyhow::ensure!(response.status() == 200, "status {}", response.status());
+            let bytes = response.into_body().collect().await?.to_bytes();
+            check_answer(&bytes, stream)?;
+            Ok::<_, anyhow::Error>(sent.elapsed().as_secs_f64() * 1000.0)
+        }));
+    }
+    let mut latencies = Vec::with_capacity(calls.len());
+    for call in futures::future::join_all(calls).await {
+        latencies.push(call??);
+    }
+    Ok(Level::of(latencies, started.elapsed().as_secs_f64()))
 }
 
 /// The whole answer came back, in the form asked for (an error event in place of
@@ -374,21 +420,44 @@ async fn bench(levels: &[usize], layout: Option<Layout>, cores: usize) -> anyhow
             let total = (concurrency * 40).clamp(4000, 40_000);
             let d = drive(&client, &direct, stream, concurrency, total).await?;
             let p = drive(&client, &through, stream, concurrency, total).await?;
-            println!(
-                "{:>10} {:>7} {:>7.2}/{:<8.2} {:>7.2}/{:<8.2} {:>7.2}/{:<8.2} {:>11.0} {:>11.0}",
-                concurrency,
-                stream,
-                d.p50_ms,
-                d.p99_ms,
-                p.p50_ms,
-                p.p99_ms,
-                p.p50_ms - d.p50_ms,
-                p.p99_ms - d.p99_ms,
-                d.calls_per_s,
-                p.calls_per_s
-            );
+            print_row(&concurrency.to_string(), stream, &d, &p);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    println!("\nOpen loop: calls started at a fixed rate for 4 s, each counted from its start");
+    println!(
+        "{:>10} {:>7} {:>16} {:>16} {:>16} {:>11} {:>11}",
+        "calls/s",
+        "stream",
+        "direct p50/p99",
+        "proxy p50/p99",
+        "added p50/p99",
+        "direct c/s",
+        "proxy c/s"
+    );
+    for stream in [false, true] {
+        for rate in [1_000, 5_000] {
+            let d = paced(&client, &direct, stream, rate, 4).await?;
+            let p = paced(&client, &through, stream, rate, 4).await?;
+            print_row(&rate.to_string(), stream, &d, &p);
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
     Ok(())
+}
+
+fn print_row(load: &str, stream: bool, d: &Level, p: &Level) {
+    println!(
+        "{:>10} {:>7} {:>7.2}/{:<8.2} {:>7.2}/{:<8.2} {:>7.2}/{:<8.2} {:>11.0} {:>11.0}",
+        load,
+        stream,
+        d.p50_ms,
+        d.p99_ms,
+        p.p50_ms,
+        p.p99_ms,
+        p.p50_ms - d.p50_ms,
+        p.p99_ms - d.p99_ms,
+        d.calls_per_s,
+        p.calls_per_s
+    );
 }
