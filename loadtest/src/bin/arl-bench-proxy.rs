@@ -200,6 +200,28 @@ impl Level {
     }
 }
 
+fn request_body(stream: bool) -> Bytes {
+    Bytes::from(
+        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream})
+            .to_string(),
+    )
+}
+
+/// One call, checked; its latency in ms.
+async fn timed_call(
+    client: &HttpClient,
+    url: &str,
+    body: Bytes,
+    stream: bool,
+) -> anyhow::Result<f64> {
+    let sent = Instant::now();
+    let response = client.post_json(url, body).await?;
+    anyhow::ensure!(response.status() == 200, "status {}", response.status());
+    let bytes = response.into_body().collect().await?.to_bytes();
+    check_answer(&bytes, stream)?;
+    Ok(sent.elapsed().as_secs_f64() * 1000.0)
+}
+
 async fn drive(
     client: &HttpClient,
     url: &str,
@@ -207,10 +229,7 @@ async fn drive(
     concurrency: usize,
     total: usize,
 ) -> anyhow::Result<Level> {
-    let body = Bytes::from(
-        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream})
-            .to_string(),
-    );
+    let body = request_body(stream);
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let workers = (0..concurrency).map(|_| {
@@ -219,12 +238,7 @@ async fn drive(
         tokio::spawn(async move {
             let mut latencies = Vec::new();
             while next.fetch_add(1, Ordering::Relaxed) < total {
-                let sent = Instant::now();
-                let response = client.post_json(&url, body.clone()).await?;
-                anyhow::ensure!(response.status() == 200, "status {}", response.status());
-                let bytes = response.into_body().collect().await?.to_bytes();
-                check_answer(&bytes, stream)?;
-                latencies.push(sent.elapsed().as_secs_f64() * 1000.0);
+                latencies.push(timed_call(&client, &url, body.clone(), stream).await?);
             }
             Ok::<_, anyhow::Error>(latencies)
         })
@@ -246,10 +260,7 @@ async fn paced(
     rate: u32,
     seconds: u32,
 ) -> anyhow::Result<Level> {
-    let body = Bytes::from(
-        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream})
-            .to_string(),
-    );
+    let body = request_body(stream);
     let total = rate * seconds;
     let interval = Duration::from_secs(1) / rate;
     let started = tokio::time::Instant::now();
@@ -258,12 +269,7 @@ async fn paced(
         tokio::time::sleep_until(started + interval * i).await;
         let (client, body, url) = (client.clone(), body.clone(), url.to_owned());
         calls.push(tokio::spawn(async move {
-            let sent = Instant::now();
-            let response = client.post_json(&url, body).await?;
-            anyhow::ensure!(response.status() == 200, "status {}", response.status());
-            let bytes = response.into_body().collect().await?.to_bytes();
-            check_answer(&bytes, stream)?;
-            Ok::<_, anyhow::Error>(sent.elapsed().as_secs_f64() * 1000.0)
+            timed_call(&client, &url, body, stream).await
         }));
     }
     let mut latencies = Vec::with_capacity(calls.len());
