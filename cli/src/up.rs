@@ -114,7 +114,11 @@ fn spawn(
     } else {
         bin.join(name)
     };
-    let child = Command::new(&program)
+    // Through setpriv, each child gets SIGTERM when `arl up` dies, however it dies (even
+    // SIGKILL): nothing is left running.
+    let mut command = Command::new("setpriv");
+    command.args(["--pdeathsig", "TERM", "--"]).arg(&program);
+    let child = command
         .args(args)
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .stdout(Stdio::null())
@@ -122,7 +126,8 @@ fn spawn(
         .spawn()
         .map_err(|e| {
             CliError::Usage(format!(
-                "cannot start {}: {e} (build the services first: cargo build --workspace --bins)",
+                "cannot start {} through setpriv: {e} (build the services first: cargo build \
+                 --workspace --bins; setpriv comes with util-linux)",
                 program.display()
             ))
         })?;

@@ -132,4 +132,31 @@ async fn arl_up_runs_a_reduced_training_run_to_completion() {
             .unwrap()
             .starts_with("<svg")
     );
+
+    // Killed outright, `arl up` still takes its services and nats-server with it.
+    let pid = up.0[0].id();
+    let services = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
+    let services: Vec<&str> = services.split_whitespace().collect();
+    assert_eq!(
+        services.len(),
+        11,
+        "nats-server and ten services: {services:?}"
+    );
+    up.0[0].kill().unwrap();
+    up.0[0].wait().unwrap();
+    arl_testkit::wait_for("the services to stop", Duration::from_secs(20), || async {
+        services.iter().all(|p| !running(p)).then_some(())
+    })
+    .await;
+}
+
+/// Whether process `pid` exists and is not a zombie.
+fn running(pid: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            stat.rsplit_once(") ")
+                .map(|(_, rest)| !rest.starts_with('Z'))
+        })
+        .unwrap_or(false)
 }
