@@ -411,16 +411,7 @@ async fn bench(levels: &[usize], layout: Option<Layout>, cores: usize) -> anyhow
             "{cores} cores shared by callers, backend, arl-proxy and nats-server (no pinning)"
         ),
     }
-    println!(
-        "{:>10} {:>7} {:>16} {:>16} {:>16} {:>11} {:>11}",
-        "concurrent",
-        "stream",
-        "direct p50/p99",
-        "proxy p50/p99",
-        "added p50/p99",
-        "direct c/s",
-        "proxy c/s"
-    );
+    print_header("concurrent");
     for stream in [false, true] {
         for &concurrency in levels {
             let total = (concurrency * 40).clamp(4000, 40_000);
@@ -431,16 +422,7 @@ async fn bench(levels: &[usize], layout: Option<Layout>, cores: usize) -> anyhow
         }
     }
     println!("\nOpen loop: calls started at a fixed rate for 4 s, each counted from its start");
-    println!(
-        "{:>10} {:>7} {:>16} {:>16} {:>16} {:>11} {:>11}",
-        "calls/s",
-        "stream",
-        "direct p50/p99",
-        "proxy p50/p99",
-        "added p50/p99",
-        "direct c/s",
-        "proxy c/s"
-    );
+    print_header("calls/s");
     for stream in [false, true] {
         for rate in [1_000, 5_000] {
             let d = paced(&client, &direct, stream, rate, 4).await?;
@@ -450,6 +432,13 @@ async fn bench(levels: &[usize], layout: Option<Layout>, cores: usize) -> anyhow
         }
     }
     Ok(())
+}
+
+fn print_header(load: &str) {
+    println!(
+        "{load:>10} {:>7} {:>16} {:>16} {:>16} {:>11} {:>11}",
+        "stream", "direct p50/p99", "proxy p50/p99", "added p50/p99", "direct c/s", "proxy c/s"
+    );
 }
 
 fn print_row(load: &str, stream: bool, d: &Level, p: &Level) {
