@@ -64,7 +64,10 @@ impl Stack {
                 .spawn()
                 .unwrap()
         };
-        let (engine_child, dialect) = match engine {
+        // The engine, its dialect, where its log goes (arl-inference's: to the test's
+        // stderr) and how long it may take to start.
+        let vllm_log = logs.path().join("vllm.log");
+        let (engine_child, dialect, log, startup) = match engine {
             Engine::Arl => (
                 spawn(
                     "arl-inference",
@@ -76,10 +79,14 @@ impl Stack {
                     ],
                 ),
                 "arl",
+                None,
+                Duration::from_secs(60),
             ),
             Engine::Vllm => (
-                start_vllm(engine_port, &logs.path().join("vllm.log")),
+                start_vllm(engine_port, &vllm_log),
                 "vllm",
+                Some(vllm_log.as_path()),
+                Duration::from_secs(420),
             ),
         };
         let mut engine = ProcessGroup(engine_child);
@@ -92,7 +99,7 @@ impl Stack {
                 format!("127.0.0.1:{proxy_port}"),
             ],
         )]);
-        wait_for_engine(engine_port, &mut engine.0, &logs.path().join("vllm.log")).await;
+        wait_for_engine(engine_port, &mut engine.0, log, startup).await;
         let bus = Bus::connect(
             BusConfig::new(server.url(), ns.clone(), "test"),
             Metrics::new(),
@@ -158,7 +165,7 @@ fn model_dir() -> PathBuf {
         .unwrap_or(home_cache("models"))
 }
 
-/// vLLM's OpenAI server on CPU, serving SmolLM2 as `policy`; its log goes to `log`.
+/// vLLM's OpenAI server on CPU, serving SmolLM2 as `policy`; its output goes to `log`.
 fn start_vllm(port: u16, log: &Path) -> std::process::Child {
     let python = std::env::var_os("ARL_VLLM_PYTHON")
         .map(PathBuf::from)
@@ -171,6 +178,7 @@ fn start_vllm(port: u16, log: &Path) -> std::process::Child {
             needed.display()
         );
     }
+    let log = std::fs::File::create(log).unwrap();
     Command::new(python)
         .process_group(0)
         .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
@@ -197,17 +205,22 @@ fn start_vllm(port: u16, log: &Path) -> std::process::Child {
         .env("HF_HUB_OFFLINE", "1")
         .env("VLLM_NO_USAGE_STATS", "1")
         .env("DO_NOT_TRACK", "1")
-        .stdout(std::fs::File::create(log).unwrap())
-        .stderr(std::fs::File::create(log.with_extension("err")).unwrap())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
         .spawn()
         .unwrap()
 }
 
-/// Waits until the engine lists its models; an engine that exits or takes too long
-/// fails the test with its log.
-async fn wait_for_engine(port: u16, engine: &mut std::process::Child, log: &Path) {
+/// Waits until the engine lists its models; an engine that exits or is not serving
+/// within `startup` fails the test with the end of its log.
+async fn wait_for_engine(
+    port: u16,
+    engine: &mut std::process::Child,
+    log: Option<&Path>,
+    startup: Duration,
+) {
     let url = format!("http://127.0.0.1:{port}/v1/models");
-    let deadline = std::time::Instant::now() + Duration::from_secs(420);
+    let deadline = std::time::Instant::now() + startup;
     loop {
         if http(&url, "GET", &[], b"")
             .await
@@ -217,21 +230,13 @@ async fn wait_for_engine(port: u16, engine: &mut std::process::Child, log: &Path
         }
         let exited = engine.try_wait().unwrap();
         if exited.is_some() || std::time::Instant::now() > deadline {
-            let tail = |path: PathBuf| {
-                let text = std::fs::read_to_string(path).unwrap_or_default();
-                text.lines()
-                    .rev()
-                    .take(40)
-                    .collect::<Vec<_>>()
-                    .into_iter()
-                    .rev()
-                    .collect::<Vec<_>>()
-                    .join("\n")
-            };
+            let text = log
+                .and_then(|log| std::fs::read_to_string(log).ok())
+                .unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
             panic!(
-                "the engine on port {port} is not serving (exit: {exited:?})\n{}\n{}",
-                tail(log.to_path_buf()),
-                tail(log.with_extension("err"))
+                "the engine on port {port} is not serving (exit: {exited:?}); its log ends:\n{}",
+                lines[lines.len().saturating_sub(40)..].join("\n")
             );
         }
         tokio::time::sleep(Duration::from_millis(250)).await;

@@ -65,11 +65,7 @@ impl NatsServer {
     /// Stops the server the way an operator would (SIGTERM, then wait).
     pub fn stop(&mut self) -> anyhow::Result<()> {
         if let Some(mut child) = self.child.take() {
-            let status = Command::new("kill")
-                .arg("-TERM")
-                .arg(child.id().to_string())
-                .status()?;
-            if !status.success() {
+            if !signal("-TERM", &child.id().to_string()) {
                 child.kill()?;
             }
             let deadline = Instant::now() + Duration::from_secs(15);
@@ -223,7 +219,7 @@ impl Drop for Children {
     fn drop(&mut self) {
         for child in &mut self.0 {
             if matches!(child.try_wait(), Ok(None)) {
-                signal("-TERM", &child.id().to_string());
+                let _ = signal("-TERM", &child.id().to_string());
             }
         }
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -244,17 +240,19 @@ pub struct ProcessGroup(pub Child);
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
-        signal("-KILL", &format!("-{}", self.0.id()));
+        let _ = signal("-KILL", &format!("-{}", self.0.id()));
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
 }
 
-fn signal(signal: &str, target: &str) {
-    let _ = Command::new("kill")
+/// Sends `signal` to `target` (a pid, or `-pgid` for a process group); whether it went.
+fn signal(signal: &str, target: &str) -> bool {
+    Command::new("kill")
         .args([signal, "--", target])
         .stderr(Stdio::null())
-        .status();
+        .status()
+        .is_ok_and(|status| status.success())
 }
 
 /// A namespace no other test uses, so tests can share one server.

@@ -292,18 +292,6 @@ fn check_answer(bytes: &[u8], stream: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The child processes, killed when the bench ends however it ends.
-struct Parts(Vec<Child>);
-
-impl Drop for Parts {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
 async fn wait_listening(port: u16, what: &str, child: &mut Child) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     while tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -358,7 +346,8 @@ async fn bench(levels: &[usize], layout: Option<Layout>, cores: usize) -> anyhow
     let logs = tempfile::Builder::new()
         .prefix("arl-bench-proxy-")
         .tempdir()?;
-    let mut parts = Parts(Vec::new());
+    // Stopped when the bench ends, however it ends.
+    let mut parts = arl_testkit::Children(Vec::new());
 
     let backend_port = arl_testkit::free_port()?;
     let mut backend = on_cores(layout.as_ref().map(|l| l.backend), &exe)
