@@ -43,7 +43,7 @@ SPEC ?= examples/smoke.toml
 # SWE-bench setup and test commands for `arl up` (image builder and reward service).
 export ARL_SWEBENCH_RECIPES ?= $(wildcard ../shared/data/swebench/instances.json)
 
-.PHONY: help deps system-deps models data vllm build run test lint fmt gen bench loadtest clean-cache
+.PHONY: help deps system-deps models data vllm build run test lint fmt gen bench loadtest clean-cache gpu-test-bundle
 
 help:
 	@echo "make run      install what is missing, build, and run $(SPEC) on this machine"
@@ -54,6 +54,7 @@ help:
 	@echo "make data     install the GSM-Symbolic math templates into $(ARL_GSM_SYMBOLIC_DIR)"
 	@echo "make gen      regenerate schemas/json from the Rust types"
 	@echo "make loadtest admission throughput/latency against a JetStream baseline"
+	@echo "make gpu-test-bundle  the GPU test binaries, stripped, into .device/bin (for a GPU machine without Rust; README: GPU)"
 	@echo "make lint | fmt | bench | clean-cache"
 
 deps: $(TOOLS_STAMP) $(AGENTS_STAMP) system-deps
@@ -152,6 +153,12 @@ bench: deps models loadtest
 
 loadtest: deps
 	cargo run --release --quiet -p arl-loadtest -- --runs 2000 --concurrency 64
+
+# The GPU tests, built here (CUDA is loaded at run time), for scripts/device-gpu-tests.sh on
+# a GPU machine. SmolLM2's GGUF goes there in two parts: .device/smol.part00, part01.
+gpu-test-bundle: deps models
+	scripts/gpu-test-bundle.sh
+	cd .device && rm -f smol.part* && split -b 50000000 -d $(SMOLLM2) smol.part
 
 clean-cache:
 	rm -rf $(ARL_CACHE)

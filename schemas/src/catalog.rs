@@ -76,6 +76,10 @@ pub fn other_schemas() -> Vec<(&'static str, Schema)> {
             schemars::schema_for!(crate::state::RunStateV1),
         ),
         (
+            "trainer-announcement.v1",
+            schemars::schema_for!(crate::state::TrainerAnnouncementV1),
+        ),
+        (
             "rpc.sandbox.lease-request.v1",
             schemars::schema_for!(crate::rpc::LeaseRequestV1),
         ),

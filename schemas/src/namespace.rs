@@ -85,6 +85,9 @@ pub enum Bucket {
     /// The rollout service's record of each trial (attempt, phase), keyed by trial id, and
     /// failed groups, keyed `group.<run_id>.<step>.<split>.<task index>`.
     Trials,
+    /// Live trainers' announcements ([`crate::state::TrainerAnnouncementV1`]), keyed by
+    /// instance; entries expire [`crate::state::TRAINER_TTL_SECONDS`] after their last refresh.
+    Trainers,
 }
 
 /// JetStream object stores.
@@ -108,6 +111,7 @@ impl Bucket {
             Bucket::RunState => "ARL_RUN_STATE",
             Bucket::EvalState => "ARL_EVAL_STATE",
             Bucket::Trials => "ARL_TRIALS",
+            Bucket::Trainers => "ARL_TRAINERS",
         }
     }
 }

@@ -135,6 +135,48 @@ impl RunStateV1 {
     }
 }
 
+/// Seconds a trainer's announcement lives without a refresh (the `ARL_TRAINERS` bucket's
+/// max age); trainers refresh every third of it.
+pub const TRAINER_TTL_SECONDS: u64 = 30;
+
+/// A trainer's announcement in `ARL_TRAINERS`, keyed by `instance`: what it can train on.
+/// Admission reads the live ones, so a `cuda` run is rejected before any rollout is spent
+/// when no trainer has a GPU.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TrainerAnnouncementV1 {
+    /// Unique per trainer process (a KV key: letters, digits, '-', '_').
+    pub instance: String,
+    /// Host name, for people reading the bucket.
+    pub host: String,
+    /// The GPUs this trainer opened; empty when it has none.
+    pub devices: Vec<GpuDeviceV1>,
+    /// Why it has no GPU (no driver, no device, unsupported), when `devices` is empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_unavailable: Option<String>,
+    /// Runs whose model this trainer holds.
+    pub runs: Vec<RunId>,
+    pub at: DateTime<Utc>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GpuDeviceV1 {
+    pub ordinal: u32,
+    pub name: String,
+    pub memory_bytes: u64,
+    /// "major.minor", e.g. "9.0" for an H100/H200.
+    pub compute_capability: String,
+}
+
+impl TrainerAnnouncementV1 {
+    pub fn encode(&self) -> Result<Vec<u8>, serde_json::Error> {
+        serde_json::to_vec(self)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(bytes)
+    }
+}
+
 /// The `ARL_TRIALS` key that marks a task's group of one step as failed (the rollout's
 /// `fail_group` policy); the trainer leaves such a group out of the step. The task id is
 /// hex-encoded: keys allow only a few characters.

@@ -33,6 +33,12 @@ pub struct AdamStep {
     pub correction2: f32,
 }
 
+/// Why a backend's queued work failed (out of device memory, a driver error), in words
+/// that name the cause and what to do.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BackendError(pub String);
+
 pub trait Backend: Clone + Debug + Send + Sync + 'static {
     /// An f32 buffer in the backend's memory.
     type Buf: Clone + Debug + Send + Sync;
@@ -40,6 +46,13 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
     type Packed: Clone + Debug + Send + Sync;
 
     fn name(&self) -> &'static str;
+
+    /// Waits for queued work and reports the first failure since the backend was opened.
+    /// Kernels return nothing, so a device backend keeps a failure until it is asked here;
+    /// callers check after a forward pass or a step, before trusting or saving results.
+    fn check(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
 
     // ---- memory ----
     fn zeros(&self, len: usize) -> Self::Buf;

@@ -1,11 +1,13 @@
-//! The model core under every model-facing service: Qwen2 and Llama-family models on CPU,
-//! behind a compute boundary ([`backend::Backend`]) that other devices implement.
+//! The model core under every model-facing service: Qwen2 and Llama-family models on CPU
+//! ([`ops::Cpu`], the reference) and NVIDIA GPUs ([`cuda::Cuda`]), behind one compute
+//! boundary ([`backend::Backend`]).
 //!
 //! - [`gguf`], [`quant`]: llama.cpp's GGUF files and their tensor types.
 //! - [`config`]: the architecture, from Hugging Face `config.json` or GGUF metadata.
 pub mod backend;
 pub mod chat;
 pub mod config;
+pub mod cuda;
 pub mod generate;
 pub mod gguf;
 pub mod load;

@@ -7,7 +7,7 @@ use crate::config::{ConfigError, ModelConfig};
 use crate::gguf::{GgufError, GgufFile};
 use crate::model::Model;
 use crate::tokenizer::{Tokenizer, TokenizerError};
-use crate::weights::{Weights, WeightsError};
+use crate::weights::{StoredDtype, Weights, WeightsError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -128,6 +128,11 @@ impl LoadedModel {
     /// Writes a Hugging Face folder: config.json, model.safetensors, tokenizer.json,
     /// tokenizer_config.json (with the chat template), generation_config.json.
     pub fn save_hf(&self, dir: &Path) -> Result<(), LoadError> {
+        self.save_hf_as(dir, StoredDtype::F32)
+    }
+
+    /// [`Self::save_hf`] with the weights stored as `dtype`.
+    pub fn save_hf_as(&self, dir: &Path, dtype: StoredDtype) -> Result<(), LoadError> {
         let io = |e: std::io::Error| LoadError::Path {
             path: dir.display().to_string(),
             reason: e.to_string(),
@@ -138,7 +143,7 @@ impl LoadedModel {
         std::fs::write(dir.join("config.json"), config).map_err(io)?;
         self.model
             .weights
-            .save_safetensors(&dir.join("model.safetensors"))?;
+            .save_safetensors_as(&dir.join("model.safetensors"), dtype)?;
         std::fs::write(dir.join("tokenizer.json"), self.tokenizer.to_json()?).map_err(io)?;
         let name = |id: Option<u32>| id.and_then(|i| self.tokenizer.id_to_token(i));
         let tokenizer_config = serde_json::json!({

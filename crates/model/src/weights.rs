@@ -338,21 +338,34 @@ impl Weights {
 
     /// Writes `model.safetensors` (f32) in Hugging Face naming.
     pub fn save_safetensors(&self, path: &Path) -> Result<(), WeightsError> {
+        self.save_safetensors_as(path, StoredDtype::F32)
+    }
+
+    /// Writes `model.safetensors` in Hugging Face naming, as `dtype`.
+    pub fn save_safetensors_as(&self, path: &Path, dtype: StoredDtype) -> Result<(), WeightsError> {
         let named = self.named();
         let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = named
             .iter()
             .map(|(n, t)| {
-                (
-                    n.clone(),
-                    t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                    t.shape.clone(),
-                )
+                let data = match dtype {
+                    StoredDtype::F32 => t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    StoredDtype::Bf16 => t
+                        .data
+                        .iter()
+                        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                        .collect(),
+                };
+                (n.clone(), data, t.shape.clone())
             })
             .collect();
+        let st_dtype = match dtype {
+            StoredDtype::F32 => safetensors::Dtype::F32,
+            StoredDtype::Bf16 => safetensors::Dtype::BF16,
+        };
         let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
             .iter()
             .map(|(n, b, s)| {
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                safetensors::tensor::TensorView::new(st_dtype, s.clone(), b)
                     .map(|v| (n.clone(), v))
                     .map_err(|e| WeightsError::Write {
                         path: path.display().to_string(),
@@ -365,6 +378,15 @@ impl Weights {
             reason: e.to_string(),
         })
     }
+}
+
+/// How parameters are written to safetensors: f32 (training state, the CPU trainer's
+/// versions) or bf16 (what a GPU trainer publishes: the precision its products use, half
+/// the bytes to move to engines).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoredDtype {
+    F32,
+    Bf16,
 }
 
 /// `from_source` with a source that always answers cannot fail.

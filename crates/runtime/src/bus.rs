@@ -174,6 +174,7 @@ impl Bus {
         self.provision_bucket(Bucket::RunState).await?;
         self.provision_bucket(Bucket::EvalState).await?;
         self.provision_bucket(Bucket::Trials).await?;
+        self.provision_bucket(Bucket::Trainers).await?;
         self.provision_object_store(ObjectStore::Datasets).await?;
         Ok(())
     }
@@ -274,6 +275,12 @@ impl Bus {
             bucket: name.clone(),
             history: 16,
             storage: stream::StorageType::File,
+            // Announcements are alive only while refreshed.
+            max_age: if bucket == Bucket::Trainers {
+                Duration::from_secs(arl_schemas::state::TRAINER_TTL_SECONDS)
+            } else {
+                Duration::ZERO
+            },
             ..Default::default()
         };
         retry_provision(&name, || {
@@ -357,6 +364,52 @@ impl Bus {
             }
         }
         Err(error("too many concurrent writers".into()))
+    }
+
+    /// Writes (or refreshes) a trainer's announcement in `ARL_TRAINERS`.
+    pub async fn announce_trainer(
+        &self,
+        announcement: &arl_schemas::state::TrainerAnnouncementV1,
+    ) -> Result<(), BusError> {
+        let kv = self.bucket(Bucket::Trainers).await?;
+        let error = |reason: String| BusError::KeyValue {
+            bucket: self.namespace.bucket(Bucket::Trainers),
+            reason: format!("{}: {reason}", announcement.instance),
+        };
+        let body = announcement.encode().map_err(|e| error(e.to_string()))?;
+        kv.put(&announcement.instance, body.into())
+            .await
+            .map_err(|e| error(e.to_string()))?;
+        Ok(())
+    }
+
+    /// The announcements of every live trainer (refreshed within the bucket's TTL).
+    pub async fn live_trainers(
+        &self,
+    ) -> Result<Vec<arl_schemas::state::TrainerAnnouncementV1>, BusError> {
+        use futures::TryStreamExt;
+        let kv = self.bucket(Bucket::Trainers).await?;
+        let error = |reason: String| BusError::KeyValue {
+            bucket: self.namespace.bucket(Bucket::Trainers),
+            reason,
+        };
+        let keys: Vec<String> = kv
+            .keys()
+            .await
+            .map_err(|e| error(e.to_string()))?
+            .try_collect()
+            .await
+            .map_err(|e| error(e.to_string()))?;
+        let mut live = Vec::new();
+        for key in keys {
+            let entry = kv.entry(&key).await.map_err(|e| error(e.to_string()))?;
+            if let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) {
+                let announcement = arl_schemas::state::TrainerAnnouncementV1::decode(&entry.value)
+                    .map_err(|e| error(format!("{key}: unreadable announcement: {e}")))?;
+                live.push(announcement);
+            }
+        }
+        Ok(live)
     }
 
     /// The controller's record of a run (`ARL_RUN_STATE`), if it has one.

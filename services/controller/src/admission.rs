@@ -3,7 +3,8 @@
 use std::path::Path;
 
 use arl_schemas::events::RunRequestedV1;
-use arl_schemas::spec::ResolvedResources;
+use arl_schemas::spec::{Device, ResolvedResources};
+use arl_schemas::state::TrainerAnnouncementV1;
 use arl_schemas::{FieldError, RunId};
 
 /// What the controller decided about one run request.
@@ -31,11 +32,13 @@ pub struct Unroutable {
 
 /// Decides on a run request. `run_token` is the run id from the subject: it is the
 /// authority for which run the answer belongs to, even when the body is garbage.
+/// `trainers` are the live trainers' announcements: a `cuda` run needs one with a GPU.
 pub fn admit(
     subject: &str,
     run_token: Option<&str>,
     body: &[u8],
     model_dir: &Path,
+    trainers: &[TrainerAnnouncementV1],
 ) -> Result<Admission, Unroutable> {
     let token = run_token.ok_or_else(|| Unroutable {
         subject: subject.to_owned(),
@@ -70,6 +73,13 @@ pub fn admit(
             errors,
         });
     }
+    if let Some(error) = gpu_trainer_missing(&request, trainers) {
+        return Ok(Admission::Reject {
+            run_id,
+            request: Some(Box::new(request)),
+            errors: vec![error],
+        });
+    }
     match request.spec.check_resources(model_dir) {
         Ok(resources) => Ok(Admission::Accept {
             request: Box::new(request),
@@ -89,14 +99,100 @@ pub fn admit(
     }
 }
 
+/// A `cuda` run with no live trainer that has a GPU would spend its first step's rollouts
+/// and then fail: it is refused here, with what the trainers said about their GPUs.
+fn gpu_trainer_missing(
+    request: &RunRequestedV1,
+    trainers: &[TrainerAnnouncementV1],
+) -> Option<FieldError> {
+    if request.spec.trainer.device != Device::Cuda || trainers.iter().any(|t| !t.devices.is_empty())
+    {
+        return None;
+    }
+    let why = if trainers.is_empty() {
+        "no trainer is running".to_owned()
+    } else {
+        let reasons: Vec<String> = trainers
+            .iter()
+            .map(|t| {
+                format!(
+                    "{} on {}: {}",
+                    t.instance,
+                    t.host,
+                    t.gpu_unavailable.as_deref().unwrap_or("no GPU")
+                )
+            })
+            .collect();
+        format!(
+            "{} live trainer(s), none with a GPU ({})",
+            trainers.len(),
+            reasons.join("; ")
+        )
+    };
+    Some(FieldError::new(
+        "spec.trainer.device",
+        format!(
+            "is \"cuda\" but {why}; start arl-trainer on a machine with an NVIDIA GPU (compute capability 8.0+), or use \"cpu\""
+        ),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use arl_schemas::state::GpuDeviceV1;
+
+    fn trainer(devices: Vec<GpuDeviceV1>) -> TrainerAnnouncementV1 {
+        TrainerAnnouncementV1 {
+            instance: "t1".into(),
+            host: "node-a".into(),
+            gpu_unavailable: devices
+                .is_empty()
+                .then(|| "no CUDA driver: libcuda.so could not be loaded".into()),
+            devices,
+            runs: Vec::new(),
+            at: chrono::Utc::now(),
+        }
+    }
+
+    fn cuda_request() -> Vec<u8> {
+        let mut request = <RunRequestedV1 as arl_schemas::events::Example>::example();
+        request.spec.trainer.device = Device::Cuda;
+        serde_json::to_vec(&request).unwrap()
+    }
+
+    #[test]
+    fn a_cuda_run_without_a_gpu_trainer_is_rejected_with_the_cause() {
+        let dir = std::env::temp_dir();
+        let body = cuda_request();
+        let run = <RunRequestedV1 as arl_schemas::events::Example>::example().run_id;
+        let subject = format!("arl.run.{run}.requested");
+        for trainers in [vec![], vec![trainer(vec![])]] {
+            match admit(&subject, Some(run.as_str()), &body, &dir, &trainers).unwrap() {
+                Admission::Reject { errors, .. } => {
+                    assert_eq!(errors[0].path, "spec.trainer.device");
+                    assert!(errors[0].reason.contains("\"cpu\""), "{errors:?}");
+                    if !trainers.is_empty() {
+                        assert!(errors[0].reason.contains("libcuda.so"), "{errors:?}");
+                    }
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let gpu = trainer(vec![GpuDeviceV1 {
+            ordinal: 0,
+            name: "NVIDIA H200".into(),
+            memory_bytes: 150_000_000_000,
+            compute_capability: "9.0".into(),
+        }]);
+        let request: RunRequestedV1 = serde_json::from_slice(&body).unwrap();
+        assert_eq!(gpu_trainer_missing(&request, &[trainer(vec![]), gpu]), None);
+    }
 
     #[test]
     fn garbage_is_rejected_for_the_run_in_the_subject() {
         let dir = std::env::temp_dir();
-        let admission = admit("arl.run.r1.requested", Some("r1"), b"\x00\x01", &dir).unwrap();
+        let admission = admit("arl.run.r1.requested", Some("r1"), b"\x00\x01", &dir, &[]).unwrap();
         match admission {
             Admission::Reject { run_id, errors, .. } => {
                 assert_eq!(run_id.as_str(), "r1");
@@ -109,7 +205,7 @@ mod tests {
     #[test]
     fn a_subject_without_a_valid_run_is_unroutable() {
         let dir = std::env::temp_dir();
-        assert!(admit("x", None, b"{}", &dir).is_err());
-        assert!(admit("arl.run.a=b.requested", Some("a=b"), b"{}", &dir).is_err());
+        assert!(admit("x", None, b"{}", &dir, &[]).is_err());
+        assert!(admit("arl.run.a=b.requested", Some("a=b"), b"{}", &dir, &[]).is_err());
     }
 }

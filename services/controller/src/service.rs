@@ -232,11 +232,18 @@ impl Controller {
 
     async fn on_run_requested(&self, delivery: &Delivery) -> Result<(), HandlerError> {
         let ns = self.inner.bus.namespace();
+        let trainers = self
+            .inner
+            .bus
+            .live_trainers()
+            .await
+            .map_err(|e| HandlerError::Retry(format!("reading live trainers: {e}")))?;
         let admission = admit(
             &delivery.subject,
             ns.run_token(&delivery.subject),
             &delivery.payload,
             &self.inner.config.model_dir,
+            &trainers,
         )
         .map_err(|err| HandlerError::DeadLetter(err.to_string()))?;
         let fresh = initial_state(admission);

@@ -400,3 +400,55 @@ async fn a_request_survives_a_server_restart_before_it_is_consumed() {
     .await;
     stop(controller).await;
 }
+
+#[tokio::test]
+async fn a_cuda_run_is_admitted_only_where_a_live_trainer_has_a_gpu() {
+    use arl_schemas::spec::Device;
+    use arl_schemas::state::{GpuDeviceV1, TrainerAnnouncementV1};
+    let h = Harness::start().await;
+    let controller = h.controller().await;
+    let mut spec = h.resources.spec();
+    spec.trainer.device = Device::Cuda;
+
+    // Only a trainer without a GPU is alive: rejected before any rollout, with its reason.
+    let mut trainer = TrainerAnnouncementV1 {
+        instance: "trainer-cpu".into(),
+        host: "node-a".into(),
+        devices: Vec::new(),
+        gpu_unavailable: Some("no CUDA driver: libcuda.so could not be loaded".into()),
+        runs: Vec::new(),
+        at: chrono::Utc::now(),
+    };
+    h.bus.announce_trainer(&trainer).await.unwrap();
+    let request = h.request(spec.clone());
+    h.bus.publish(&request).await.unwrap();
+    let state = h
+        .wait_state(&request.run_id, "rejected", |s| {
+            s.status == RunStatus::Rejected
+        })
+        .await;
+    assert_eq!(state.errors[0].path, "spec.trainer.device");
+    assert!(
+        state.errors[0].reason.contains("libcuda.so"),
+        "{:?}",
+        state.errors
+    );
+
+    // A trainer with a GPU announces itself: the same spec is accepted.
+    trainer.instance = "trainer-gpu".into();
+    trainer.gpu_unavailable = None;
+    trainer.devices = vec![GpuDeviceV1 {
+        ordinal: 0,
+        name: "NVIDIA H200".into(),
+        memory_bytes: 150_000_000_000,
+        compute_capability: "9.0".into(),
+    }];
+    h.bus.announce_trainer(&trainer).await.unwrap();
+    let request = h.request(spec);
+    h.bus.publish(&request).await.unwrap();
+    h.wait_state(&request.run_id, "accepted", |s| {
+        s.status == RunStatus::Accepted
+    })
+    .await;
+    stop(controller).await;
+}

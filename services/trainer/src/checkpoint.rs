@@ -3,12 +3,15 @@
 //! `save_every` steps and at the end it also holds the optimizer state, which makes it a
 //! checkpoint a restarted trainer resumes from. A folder is written under a temporary name
 //! and renamed into place, so a folder that exists is complete.
+//!
+//! A GPU trainer publishes bf16 weights (`model.safetensors`); its checkpoints also keep the
+//! f32 master weights (`master/model.safetensors`), which resume reads instead, so a
+//! restart loses no precision. CPU versions are f32 and need no separate master copy.
 
 use std::path::{Path, PathBuf};
 
 use arl_model::load::LoadedModel;
-use arl_model::train::AdamW;
-use arl_model::weights::Weights;
+use arl_model::weights::{StoredDtype, Weights};
 use arl_runtime::digest::sha256_file;
 use serde::{Deserialize, Serialize};
 
@@ -51,36 +54,49 @@ pub fn version_dir(run_dir: &Path, step: u32) -> PathBuf {
     run_dir.join(format!("step-{step:06}"))
 }
 
-/// Writes step `state.step`'s weights (and, when `optimizer` is given, its state).
+/// AdamW's state in host memory, for a checkpoint.
+pub struct Moments<'a> {
+    pub m: &'a Weights,
+    pub v: &'a Weights,
+    pub step: u64,
+}
+
+/// Writes step `state.step`'s weights as `dtype` (and, when `moments` are given, the
+/// optimizer state — with the f32 master weights when `dtype` is not f32).
 pub fn save(
     run_dir: &Path,
     model: &LoadedModel,
-    optimizer: Option<&AdamW>,
+    moments: Option<Moments<'_>>,
     state: &TrainerState,
+    dtype: StoredDtype,
 ) -> Result<Saved, CheckpointError> {
     let dir = version_dir(run_dir, state.step);
     let tmp = run_dir.join(format!(".step-{:06}.tmp", state.step));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
     }
-    model.save_hf(&tmp).map_err(|e| CheckpointError::Io {
-        path: tmp.display().to_string(),
-        reason: e.to_string(),
-    })?;
+    model
+        .save_hf_as(&tmp, dtype)
+        .map_err(|e| CheckpointError::Io {
+            path: tmp.display().to_string(),
+            reason: e.to_string(),
+        })?;
     let mut state = state.clone();
     state.optimizer_step = None;
-    if let Some(optimizer) = optimizer {
-        for (name, moments) in [("m", &optimizer.m), ("v", &optimizer.v)] {
-            let path = tmp.join("optimizer").join(name);
+    if let Some(moments) = moments {
+        let master = (dtype != StoredDtype::F32).then_some(("master", model.model.weights()));
+        let parts = [("optimizer/m", moments.m), ("optimizer/v", moments.v)];
+        for (name, weights) in parts.into_iter().chain(master) {
+            let path = tmp.join(name);
             std::fs::create_dir_all(&path).map_err(io(&path))?;
-            moments
+            weights
                 .save_safetensors(&path.join(WEIGHTS_FILE))
                 .map_err(|e| CheckpointError::Io {
                     path: path.display().to_string(),
                     reason: e.to_string(),
                 })?;
         }
-        state.optimizer_step = Some(optimizer.step);
+        state.optimizer_step = Some(moments.step);
     }
     let state_path = tmp.join(STATE_FILE);
     let json = serde_json::to_vec_pretty(&state).unwrap_or_default();
@@ -130,16 +146,23 @@ fn versions(run_dir: &Path) -> Vec<(PathBuf, TrainerState)> {
     found
 }
 
-/// Loads the optimizer moments saved in `dir`.
-pub fn load_optimizer(
+/// What a checkpoint holds besides the published folder: AdamW's moments and step, and
+/// the f32 master weights when the published ones are not f32.
+pub struct Resume {
+    pub m: Weights,
+    pub v: Weights,
+    pub step: u64,
+    pub master: Option<Weights>,
+}
+
+/// Reads the optimizer state (and master weights, if any) saved in checkpoint `dir`.
+pub fn load_resume(
     dir: &Path,
     loaded: &LoadedModel,
     state: &TrainerState,
-    weight_decay: f32,
-) -> Result<AdamW, CheckpointError> {
-    let mut optimizer = AdamW::new(&loaded.model, weight_decay);
+) -> Result<Resume, CheckpointError> {
     let load = |name: &str| -> Result<Weights, CheckpointError> {
-        let path = dir.join("optimizer").join(name);
+        let path = dir.join(name);
         Weights::from_safetensors_dir(&path, &loaded.model.config).map_err(|e| {
             CheckpointError::Load {
                 path: path.display().to_string(),
@@ -147,10 +170,17 @@ pub fn load_optimizer(
             }
         })
     };
-    optimizer.m = load("m")?;
-    optimizer.v = load("v")?;
-    optimizer.step = state.optimizer_step.unwrap_or(0);
-    Ok(optimizer)
+    let master = if dir.join("master").join(WEIGHTS_FILE).exists() {
+        Some(load("master")?)
+    } else {
+        None
+    };
+    Ok(Resume {
+        m: load("optimizer/m")?,
+        v: load("optimizer/v")?,
+        step: state.optimizer_step.unwrap_or(0),
+        master,
+    })
 }
 
 /// Deletes all but the newest `keep` versions and the newest checkpoint (engines may still

@@ -6,11 +6,13 @@
 //! - [`step`]: one step on the model core (old/reference log-probs, epochs, mini- and
 //!   micro-batches, gradient clipping, AdamW); [`schedule`]: the learning rate.
 //! - [`batch`]: a step's batch assembled from trajectories; [`checkpoint`]: policy versions
-//!   and resumable checkpoints on disk; [`service`]: the NATS service around them.
+//!   and resumable checkpoints on disk; [`policy`]: a run's model, reference and optimizer
+//!   on the CPU or a GPU; [`service`]: the NATS service around them.
 
 pub mod batch;
 pub mod checkpoint;
 pub mod objective;
+pub mod policy;
 pub mod schedule;
 pub mod service;
 pub mod step;

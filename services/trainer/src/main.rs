@@ -10,7 +10,11 @@ use arl_trainer::service::{Trainer, TrainerConfig};
 use clap::Parser;
 
 #[derive(Debug, Parser)]
-#[command(name = "arl-trainer", version, about = "ARL trainer: GRPO on CPU")]
+#[command(
+    name = "arl-trainer",
+    version,
+    about = "ARL trainer: GRPO on CPU or an NVIDIA GPU"
+)]
 struct Args {
     #[command(flatten)]
     common: CommonArgs,
@@ -30,6 +34,12 @@ struct Args {
     /// Seconds between the trainer's keep-alive signals for held trajectories, × 3.
     #[arg(long, default_value_t = 30)]
     ack_wait_s: u64,
+
+    /// The GPU `trainer.device = "cuda"` runs train on (its ordinal), or `none`. A machine
+    /// without one still serves `cpu` runs; admission sends `cuda` runs only where a
+    /// trainer announced a GPU.
+    #[arg(long, env = "ARL_TRAINER_GPU", default_value = "0")]
+    gpu: String,
 }
 
 #[tokio::main]
@@ -50,7 +60,14 @@ async fn main() -> anyhow::Result<()> {
     let router = arl_runtime::http::ops_router("trainer", bus.clone(), metrics);
     arl_runtime::http::serve(args.common.http_addr, router, &shutdown).await?;
 
+    let gpu = match args.gpu.as_str() {
+        "none" => None,
+        ordinal => Some(ordinal.parse::<usize>().with_context(|| {
+            format!("--gpu {ordinal:?}: give a GPU ordinal (0, 1, …) or \"none\"")
+        })?),
+    };
     let mut config = TrainerConfig {
+        gpu,
         keep_versions: args.keep_versions,
         capacity: args.capacity,
         ack_wait: Duration::from_secs(args.ack_wait_s.max(1)),

@@ -13,25 +13,24 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arl_model::load::LoadedModel;
-use arl_model::model::Model;
-use arl_model::train::AdamW;
+use arl_model::cuda::Cuda;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, BusError, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
     RunFailedV1, Split, StepTiming, TrainMetrics, TrainStepV1, TrajectoryV1, WeightsFormat,
     WeightsPublishedV1,
 };
-use arl_schemas::spec::{Device, KlLossType, LossAggMode, LrScheduler, OldLogprobSource, RunSpec};
-use arl_schemas::state::RunStateV1;
+use arl_schemas::spec::{KlLossType, LossAggMode, LrScheduler, OldLogprobSource, RunSpec};
+use arl_schemas::state::{GpuDeviceV1, RunStateV1, TRAINER_TTL_SECONDS, TrainerAnnouncementV1};
 use arl_schemas::{Domain, RunId};
 use tokio::sync::{Mutex, oneshot};
 
 use crate::batch::{self, Admission, StepBatch};
 use crate::checkpoint::{self, TrainerState};
 use crate::objective::{Clip, KlEstimator, LossAggregation};
+use crate::policy::{OpenSpec, Policy};
 use crate::schedule::{Decay, LrSchedule};
-use crate::step::{OldLogprobs, StepConfig, train_step};
+use crate::step::{OldLogprobs, StepConfig};
 
 #[derive(Clone, Debug)]
 pub struct TrainerConfig {
@@ -42,6 +41,8 @@ pub struct TrainerConfig {
     /// Trajectories held at once (all runs): at least `save_every` × batch × n.
     pub capacity: usize,
     pub ack_wait: Duration,
+    /// The GPU `cuda` runs train on; None = this trainer offers none.
+    pub gpu: Option<usize>,
 }
 
 impl Default for TrainerConfig {
@@ -51,6 +52,7 @@ impl Default for TrainerConfig {
             keep_versions: 2,
             capacity: 4096,
             ack_wait: Duration::from_secs(30),
+            gpu: Some(0),
         }
     }
 }
@@ -81,14 +83,12 @@ struct PendingStep {
     first_at: Instant,
 }
 
-/// A run's training state. `model` is None once the run's last step is committed.
+/// A run's training state. `policy` is None once the run's last step is committed.
 struct RunTrainer {
     run_id: RunId,
     spec: RunSpec,
     dir: PathBuf,
-    model: Option<LoadedModel>,
-    reference: Option<Model>,
-    optimizer: Option<AdamW>,
+    policy: Option<Policy>,
     /// Tasks per step: `train_batch_size`, or fewer when the training split is smaller.
     batch_tasks: u32,
     /// The last committed step (0 = none); the policy version equals it.
@@ -115,18 +115,76 @@ pub struct Trainer {
     bus: Bus,
     config: TrainerConfig,
     runs: Arc<Mutex<HashMap<RunId, Arc<Mutex<RunTrainer>>>>>,
+    /// The GPU this trainer opened at start, or why it has none.
+    gpu: Arc<Result<Cuda, String>>,
+    instance: String,
 }
 
 impl Trainer {
+    /// Opens the configured GPU (a machine without one gets the reason, announced and
+    /// given to any `cuda` run that reaches this trainer anyway).
     pub fn new(bus: Bus, config: TrainerConfig) -> Self {
+        let gpu = match config.gpu {
+            Some(ordinal) => Cuda::new(ordinal).map_err(|e| e.to_string()),
+            None => Err("this trainer was started without a GPU (--gpu none)".to_owned()),
+        };
+        match &gpu {
+            Ok(gpu) => tracing::info!(gpu = %gpu.info().name, "GPU opened"),
+            Err(reason) => tracing::info!(%reason, "no GPU; cpu runs only"),
+        }
         Self {
             bus,
             config,
             runs: Arc::default(),
+            gpu: Arc::new(gpu),
+            instance: format!("trainer-{}", uuid::Uuid::now_v7().simple()),
         }
     }
 
-    /// Starts the trajectory consumer.
+    /// What this trainer announces in `ARL_TRAINERS`.
+    async fn announcement(&self) -> TrainerAnnouncementV1 {
+        let (devices, gpu_unavailable) = match self.gpu.as_ref() {
+            Ok(gpu) => {
+                let info = gpu.info();
+                let device = GpuDeviceV1 {
+                    ordinal: info.ordinal as u32,
+                    name: info.name.clone(),
+                    memory_bytes: info.total_memory_bytes,
+                    compute_capability: format!(
+                        "{}.{}",
+                        info.compute_capability.0, info.compute_capability.1
+                    ),
+                };
+                (vec![device], None)
+            }
+            Err(reason) => (Vec::new(), Some(reason.clone())),
+        };
+        TrainerAnnouncementV1 {
+            instance: self.instance.clone(),
+            host: hostname(),
+            devices,
+            gpu_unavailable,
+            runs: self.runs.lock().await.keys().cloned().collect(),
+            at: chrono::Utc::now(),
+        }
+    }
+
+    /// Refreshes the announcement every third of its TTL until shutdown.
+    async fn announce(self: Arc<Self>, shutdown: Shutdown) {
+        let every = Duration::from_secs(TRAINER_TTL_SECONDS / 3);
+        loop {
+            let announcement = self.announcement().await;
+            if let Err(err) = self.bus.announce_trainer(&announcement).await {
+                tracing::warn!(%err, "cannot announce this trainer");
+            }
+            tokio::select! {
+                () = tokio::time::sleep(every) => {}
+                () = shutdown.triggered() => return,
+            }
+        }
+    }
+
+    /// Starts the announcements and the trajectory consumer.
     pub fn start(self, shutdown: &Shutdown) {
         let ns = self.bus.namespace();
         let mut spec = ConsumerSpec::new(
@@ -139,6 +197,7 @@ impl Trainer {
         spec.max_deliver = 20;
         let bus = self.bus.clone();
         let trainer = Arc::new(self);
+        shutdown.spawn(trainer.clone().announce(shutdown.clone()));
         let stopping = shutdown.clone();
         shutdown.spawn(run_consumer(
             bus,
@@ -339,9 +398,7 @@ impl Trainer {
         }
         if step >= run.spec.trainer.total_steps {
             // The run's training is over: free the model.
-            run.model = None;
-            run.reference = None;
-            run.optimizer = None;
+            run.policy = None;
         }
         Ok(())
     }
@@ -360,11 +417,9 @@ impl Trainer {
             spec.algorithm.max_staleness,
             &failed,
         );
-        let (Some(mut model), Some(mut optimizer)) = (run.model.take(), run.optimizer.take())
-        else {
+        let Some(mut policy) = run.policy.take() else {
             return Err(format!("run {} has no model loaded", run.run_id));
         };
-        let reference = run.reference.take();
         let is_checkpoint =
             step.is_multiple_of(spec.trainer.save_every) || step >= spec.trainer.total_steps;
         let dir = run.dir.clone();
@@ -374,14 +429,11 @@ impl Trainer {
             let config = step_config(&spec);
             let lr = lr_schedule(&spec).at(step);
             let started = Instant::now();
-            let metrics = train_step(
-                &mut model.model,
-                reference.as_ref(),
-                &mut optimizer,
-                &samples,
-                &config,
-                lr as f32,
-            );
+            let metrics = match policy.train(&samples, &config, lr as f32) {
+                Ok(metrics) => metrics,
+                // The policy may be half-updated: it is dropped, and the run reopens.
+                Err(reason) => return Err(reason),
+            };
             let seconds = started.elapsed().as_secs_f64();
             let tokens: usize = samples.iter().map(|s| s.tokens.len()).sum();
             let outcome = StepOutcome {
@@ -404,17 +456,19 @@ impl Trainer {
                 policy_version: u64::from(step),
                 optimizer_step: None,
             };
-            let saved = checkpoint::save(&dir, &model, is_checkpoint.then_some(&optimizer), &state)
-                .and_then(|saved| checkpoint::prune(&dir, keep).map(|()| saved));
+            let saved = policy.save(&dir, &state, is_checkpoint).and_then(|saved| {
+                checkpoint::prune(&dir, keep)
+                    .map(|()| saved)
+                    .map_err(|e| e.to_string())
+            });
             let save_seconds = save_started.elapsed().as_secs_f64();
-            (model, optimizer, reference, saved, outcome, save_seconds)
+            Ok((policy, saved, outcome, save_seconds))
         })
         .await;
-        let (model, optimizer, reference, saved, outcome, save_seconds) =
-            joined.map_err(|e| format!("training step {step} panicked: {e}"))?;
-        run.model = Some(model);
-        run.optimizer = Some(optimizer);
-        run.reference = reference;
+        let (policy, saved, outcome, save_seconds) = joined
+            .map_err(|e| format!("training step {step} panicked: {e}"))?
+            .map_err(|reason| format!("training step {step} failed: {reason}"))?;
+        run.policy = Some(policy);
         let saved = saved.map_err(|e| format!("cannot save step {step}: {e}"))?;
         Ok((saved, outcome, assembled, save_seconds, is_checkpoint))
     }
@@ -480,9 +534,7 @@ impl Trainer {
             spec: state.spec.clone().unwrap_or_default(),
             batch_tasks: state.spec.as_ref().map_or(1, |s| s.data.train_batch_size),
             dir: dir.clone(),
-            model: None,
-            reference: None,
-            optimizer: None,
+            policy: None,
             step: 0,
             trained: 0,
             pending: BTreeMap::new(),
@@ -508,55 +560,34 @@ impl Trainer {
                 .fail(run, "the run state has no spec or model path")
                 .await;
         };
-        if spec.trainer.device == Device::Cuda {
-            return self
-                .fail(
-                    run,
-                    "trainer.device = \"cuda\", but this trainer has only the CPU backend; use \"cpu\"",
-                )
-                .await;
-        }
-        let weight_decay = spec.optim.weight_decay as f32;
-        let need_reference = spec.algorithm.kl_coef > 0.0;
+        let open = OpenSpec {
+            base: PathBuf::from(&model_path),
+            device: spec.trainer.device,
+            weight_decay: spec.optim.weight_decay as f32,
+            with_reference: spec.algorithm.kl_coef > 0.0,
+        };
         let total = spec.trainer.total_steps;
+        let gpu = self.gpu.clone();
         let loaded = tokio::task::spawn_blocking(move || -> Result<_, String> {
             let resume = checkpoint::latest_checkpoint(&dir);
             if let Some((_, state)) = &resume
                 && state.step >= total
             {
-                return Ok((None, None, None, state.step));
+                return Ok((None, state.step));
             }
-            let base = PathBuf::from(&model_path);
-            let (model, optimizer, step) = match resume {
-                Some((path, state)) => {
-                    let model = LoadedModel::open(&path).map_err(|e| e.to_string())?;
-                    let optimizer = checkpoint::load_optimizer(&path, &model, &state, weight_decay)
-                        .map_err(|e| e.to_string())?;
-                    (model, optimizer, state.step)
-                }
-                None => {
-                    let model = LoadedModel::open(&base).map_err(|e| e.to_string())?;
-                    let optimizer = AdamW::new(&model.model, weight_decay);
-                    (model, optimizer, 0)
-                }
-            };
-            let reference = if need_reference {
-                Some(LoadedModel::open(&base).map_err(|e| e.to_string())?.model)
-            } else {
-                None
-            };
-            Ok((Some(model), Some(optimizer), reference, step))
+            let step = resume.as_ref().map_or(0, |(_, state)| state.step);
+            let gpu = gpu.as_ref().as_ref().map_err(String::as_str);
+            let resume = resume.as_ref().map(|(path, state)| (path.as_path(), state));
+            Policy::open(&open, resume, gpu).map(|policy| (Some(policy), step))
         })
         .await
         .map_err(|e| e.to_string())
         .and_then(|r| r);
         run.spec = spec;
         match loaded {
-            Ok((model, optimizer, reference, step)) => {
-                tracing::info!(run = %run_id, resumed_at = step, "run opened");
-                run.model = model;
-                run.optimizer = optimizer;
-                run.reference = reference;
+            Ok((policy, step)) => {
+                tracing::info!(run = %run_id, resumed_at = step, device = ?run.spec.trainer.device, "run opened");
+                run.policy = policy;
                 run.step = step;
                 run.trained = step;
                 run
@@ -598,6 +629,12 @@ struct StepOutcome {
     tokens_per_second: f64,
     groups_dropped: usize,
     old_logprob_seconds: f64,
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "unknown".into())
 }
 
 /// The step's settings from the run spec.

@@ -1,7 +1,9 @@
 //! GRPO learns: with a reward that pays for one behaviour (the response contains token 7),
-//! a few steps on a tiny model raise the probability of that behaviour.
+//! a few steps on a tiny model raise the probability of that behaviour — on the CPU, and on
+//! the GPU where there is one (skipped with the reason elsewhere).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use arl_model::backend::Backend;
 use arl_model::config::{Architecture, ModelConfig};
 use arl_model::generate::{Sampling, generate};
 use arl_model::model::Model;
@@ -32,7 +34,7 @@ fn tiny() -> Model {
 
 /// How often the behaviour shows: the share of 200 fresh samples (fixed seeds) whose
 /// response contains the rewarded token.
-fn behaviour_rate(model: &Model) -> f32 {
+fn behaviour_rate<B: Backend>(model: &Model<B>) -> f32 {
     let hits = (0..200u64)
         .filter(|seed| {
             let sampling = Sampling {
@@ -48,7 +50,7 @@ fn behaviour_rate(model: &Model) -> f32 {
     hits as f32 / 200.0
 }
 
-fn rollouts(model: &Model, step: u64) -> Vec<Sample> {
+fn rollouts<B: Backend>(model: &Model<B>, step: u64) -> Vec<Sample> {
     let mut samples = Vec::new();
     for group in 0..2u64 {
         for i in 0..8u64 {
@@ -83,7 +85,20 @@ fn rollouts(model: &Model, step: u64) -> Vec<Sample> {
 
 #[test]
 fn a_rewarded_behaviour_becomes_more_likely() {
-    let mut model = tiny();
+    learns(tiny());
+}
+
+#[test]
+fn a_rewarded_behaviour_becomes_more_likely_on_the_gpu() {
+    let Some(gpu) =
+        arl_model::cuda::for_tests("a_rewarded_behaviour_becomes_more_likely_on_the_gpu").unwrap()
+    else {
+        return;
+    };
+    learns(tiny().to_backend(gpu));
+}
+
+fn learns<B: Backend>(mut model: Model<B>) {
     let mut optimizer = AdamW::new(&model, 0.0);
     let config = StepConfig {
         mini_batches: 2,
@@ -100,13 +115,15 @@ fn a_rewarded_behaviour_becomes_more_likely() {
             metrics.pg_loss.is_finite() && metrics.grad_norm.is_finite(),
             "{metrics:?}"
         );
+        model.backend.check().unwrap();
         first_reward.get_or_insert(metrics.reward_mean);
         last = Some(metrics);
     }
     let after = behaviour_rate(&model);
     let last = last.unwrap();
     eprintln!(
-        "responses with token 7: {before:.3} → {after:.3}; batch reward {:.2} → {:.2}",
+        "{}: responses with token 7: {before:.3} → {after:.3}; batch reward {:.2} → {:.2}",
+        model.backend.name(),
         first_reward.unwrap(),
         last.reward_mean
     );

@@ -169,6 +169,7 @@ fn start_trainer(bus: &Bus, runs_dir: &Path) -> Shutdown {
         keep_versions: 2,
         capacity: 64,
         ack_wait: Duration::from_secs(2),
+        gpu: Some(0),
     };
     Trainer::new(bus.clone(), config).start(&shutdown);
     shutdown
@@ -351,6 +352,181 @@ async fn bad_trajectories_are_dead_lettered_and_untrainable_runs_fail() {
     let failed = &events::<arl_schemas::events::RunFailedV1>(&bus, &run).await[0];
     assert_eq!(failed.service, "trainer");
     assert!(failed.reason.contains("no-such-model"), "{}", failed.reason);
+    trainer.trigger();
+    trainer.wait().await;
+}
+
+/// What the trainer announced in `ARL_TRAINERS`.
+async fn announcements(bus: &Bus) -> Vec<arl_schemas::state::TrainerAnnouncementV1> {
+    bus.live_trainers().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trainer_announces_what_it_can_train_on() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let trainer = start_trainer(&bus, &tmp.path().join("runs"));
+    let announced = wait_for("an announcement", Duration::from_secs(30), || async {
+        announcements(&bus).await.into_iter().next()
+    })
+    .await;
+    match arl_model::cuda::Cuda::new(0) {
+        Ok(gpu) => {
+            assert_eq!(announced.devices[0].name, gpu.info().name);
+            assert_eq!(announced.gpu_unavailable, None);
+        }
+        Err(reason) => {
+            // A machine without a GPU says why, in the words admission will quote.
+            assert!(announced.devices.is_empty());
+            assert_eq!(announced.gpu_unavailable, Some(reason.to_string()));
+        }
+    }
+    trainer.trigger();
+    trainer.wait().await;
+}
+
+/// Real SmolLM2 trajectories: a math question, eight sampled answers (on the CPU, as the
+/// embedded engine samples them), rewarded 1 when they contain the right number.
+fn smollm2_trajectories(run: &RunId, loaded: &LoadedModel) -> Vec<TrajectoryV1> {
+    use arl_model::chat::ChatMessage;
+    use arl_model::generate::{Sampling, generate};
+    let template = loaded.chat_template.as_ref().unwrap();
+    let mut all = Vec::new();
+    for (task, (question, answer)) in [("What is 6 times 7?", "42"), ("What is 9 plus 8?", "17")]
+        .into_iter()
+        .enumerate()
+    {
+        let text = template
+            .render(&[ChatMessage::new("user", question)], None, true)
+            .unwrap();
+        let prompt = loaded.tokenizer.encode(&text).unwrap();
+        for sample in 0..4u32 {
+            let sampling = Sampling {
+                temperature: 1.0,
+                seed: 17 + u64::from(sample) + 100 * task as u64,
+                ..Sampling::default()
+            };
+            let (response, logprobs) = generate(
+                &loaded.model,
+                &prompt,
+                24,
+                loaded.tokenizer.stop_ids(),
+                &sampling,
+            );
+            let said = loaded.tokenizer.decode(&response, true).unwrap();
+            // Rewards must differ within a group for a gradient: the first sample of each
+            // group is paid when no sample got it right.
+            let reward = f64::from(u8::from(said.contains(answer) || sample == 0));
+            let mut t = trajectory(run, 1, task as u32, sample, reward);
+            let tokens: Vec<u32> = prompt.iter().chain(&response).copied().collect();
+            let mut mask = vec![0u8; prompt.len()];
+            mask.extend(vec![1u8; response.len()]);
+            let mut lps = vec![0f32; prompt.len()];
+            lps.extend(&logprobs);
+            t.branches = vec![TrajectoryBranch {
+                token_ids: tokens,
+                loss_mask: mask,
+                logprobs: lps,
+            }];
+            t.calls[0].completion_start = prompt.len() as u32;
+            t.calls[0].completion_len = response.len() as u32;
+            all.push(t);
+        }
+    }
+    all
+}
+
+/// On a GPU machine (`ARL_REQUIRE_GPU=1` on the H200; skipped elsewhere): a `cuda` run's
+/// step trains through NATS on the GPU, publishes bf16 weights that the CPU engine's loader
+/// opens, keeps f32 master weights in the checkpoint, and makes the rewarded answers more
+/// likely.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_trainer_trains_real_smollm2_trajectories() {
+    if arl_model::cuda::for_tests("a_gpu_trainer_trains_real_smollm2_trajectories")
+        .unwrap()
+        .is_none()
+    {
+        return;
+    }
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let runs_dir = tmp.path().join("runs");
+    let run = RunId::new("run-trainer-gpu").unwrap();
+    let mut spec = spec();
+    spec.trainer.device = arl_schemas::spec::Device::Cuda;
+    spec.trainer.total_steps = 2;
+    spec.rollout.n = 4;
+    spec.optim.lr = 5e-6;
+    put_run_state(&bus, &run, spec, &smollm2()).await;
+    let original = LoadedModel::open(&smollm2()).unwrap();
+    let batch = smollm2_trajectories(&run, &original);
+
+    let trainer = start_trainer(&bus, &runs_dir);
+    for t in &batch {
+        bus.publish(t).await.unwrap();
+    }
+    until("the GPU step published", 300, || async {
+        events::<WeightsPublishedV1>(&bus, &run).await.len() == 1
+    })
+    .await;
+    let step = &events::<TrainStepV1>(&bus, &run).await[0];
+    eprintln!("GPU step metrics: {:?}", step.metrics);
+    assert!(step.metrics.grad_norm > 0.0 && step.metrics.pg_loss.is_finite());
+    let published = &events::<WeightsPublishedV1>(&bus, &run).await[0];
+    let dir = PathBuf::from(published.uri.strip_prefix("file://").unwrap());
+    // bf16 on disk, f32 master copy in the checkpoint.
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let header = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let embed = header.tensor("model.embed_tokens.weight").unwrap();
+    assert_eq!(embed.dtype(), safetensors::Dtype::BF16);
+    assert!(dir.join("master/model.safetensors").exists());
+    // The CPU engine's loader opens it; the rewarded answers became more likely.
+    let trained = LoadedModel::open(&dir).unwrap();
+    let rewarded: Vec<&TrajectoryV1> = batch.iter().filter(|t| t.reward > 0.0).collect();
+    let lp = |m: &LoadedModel| -> f32 {
+        rewarded
+            .iter()
+            .map(|t| {
+                let b = &t.branches[0];
+                let lps = m.model.forward_train(&[&b.token_ids]).1.remove(0);
+                lps.iter()
+                    .zip(&b.loss_mask[1..])
+                    .filter(|(_, m)| **m == 1)
+                    .map(|(l, _)| *l)
+                    .sum::<f32>()
+            })
+            .sum()
+    };
+    let (before, after) = (lp(&original), lp(&trained));
+    eprintln!("rewarded answers' log-probability (CPU): {before:.3} → {after:.3}");
+    assert!(after > before, "{before} → {after}");
+
+    // A restarted trainer resumes on the GPU from step 1's f32 master weights and moments.
+    trainer.trigger();
+    trainer.wait().await;
+    let trainer = start_trainer(&bus, &runs_dir);
+    for t in &batch {
+        let mut next = t.clone();
+        next.slot.step = 2;
+        next.trial_id = TrialId::new(format!("{}-2", t.trial_id)).unwrap();
+        next.calls[0].policy_version = 1;
+        bus.publish(&next).await.unwrap();
+    }
+    until("the resumed GPU step published", 300, || async {
+        events::<WeightsPublishedV1>(&bus, &run).await.len() == 2
+    })
+    .await;
+    let (dir, state) = checkpoint::latest_checkpoint(&runs_dir.join(run.as_str())).unwrap();
+    assert_eq!((state.step, state.optimizer_step), (2, Some(2)));
+    assert!(dir.join("master/model.safetensors").exists());
+    let resumed = LoadedModel::open(&dir).unwrap();
+    let again = lp(&resumed);
+    eprintln!("after the resumed step 2: {again:.3}");
+    assert!(again > after, "{after} → {again}");
     trainer.trigger();
     trainer.wait().await;
 }

@@ -1,0 +1,301 @@
+//! Opening a GPU: the driver and libraries (dlopened, so a machine without CUDA builds and
+//! runs everything else), the context and stream, the kernels compiled by NVRTC for the
+//! device's architecture, and the cuBLAS handle. Every way this can fail is a
+//! [`CudaError`] that names the cause and what to do.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+
+/// The CUDA C source of every kernel.
+const KERNELS: &str = include_str!("kernels.cu");
+
+/// Every `extern "C"` kernel of `kernels.cu`, loaded once at start.
+const KERNEL_NAMES: &[&str] = &[
+    "to_bf16",
+    "to_bf16_split",
+    "add_assign",
+    "scale",
+    "sum_squares",
+    "gather_rows",
+    "add_bias",
+    "column_sums",
+    "embedding_forward",
+    "embedding_backward",
+    "rmsnorm_forward",
+    "rmsnorm_backward_dx",
+    "rmsnorm_backward_dw",
+    "rope_apply",
+    "swiglu_forward",
+    "swiglu_backward",
+    "attention_forward",
+    "attention_backward_rowdot",
+    "attention_backward_dq",
+    "attention_backward_dkv",
+    "attention_cached",
+    "head_stats",
+    "head_dlogits",
+    "adamw",
+];
+
+/// bf16 matrix products on tensor cores need Ampere (8.0) or newer.
+pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CudaError {
+    #[error(
+        "no CUDA driver: libcuda.so could not be loaded on this machine; install the NVIDIA driver, or use trainer.device = \"cpu\""
+    )]
+    NoDriver,
+    #[error(
+        "CUDA library {library} could not be loaded; install the CUDA 13 runtime libraries ({library}) next to the driver"
+    )]
+    MissingLibrary { library: &'static str },
+    #[error(
+        "no CUDA GPU: the driver reports {found} device(s), device {ordinal} was asked for; use trainer.device = \"cpu\""
+    )]
+    NoDevice { ordinal: usize, found: usize },
+    #[error(
+        "GPU {name} has compute capability {major}.{minor}; the CUDA backend needs {}.{} or newer (bf16 tensor cores)",
+        MIN_COMPUTE_CAPABILITY.0,
+        MIN_COMPUTE_CAPABILITY.1
+    )]
+    Unsupported {
+        name: String,
+        major: i32,
+        minor: i32,
+    },
+    #[error(
+        "out of GPU memory: {what} needed {bytes} bytes more than were free; lower trainer.micro_batch_tokens or use a GPU with more memory"
+    )]
+    OutOfMemory { what: &'static str, bytes: usize },
+    #[error("NVRTC could not compile the kernels for {arch}: {log}")]
+    Compile { arch: String, log: String },
+    #[error("CUDA driver error in {what}: {reason}")]
+    Driver { what: &'static str, reason: String },
+    #[error("cuBLAS error in {what}: {reason}")]
+    Cublas { what: &'static str, reason: String },
+}
+
+/// What a GPU is, for trainers' announcements and error messages.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub total_memory_bytes: u64,
+    pub compute_capability: (i32, i32),
+}
+
+/// One opened GPU: context, the stream every operation is ordered on, kernels, cuBLAS, and
+/// the first failure of an asynchronous operation (sticky: once set, later work is skipped
+/// and [`crate::backend::Backend::check`] reports it).
+pub struct Device {
+    pub info: DeviceInfo,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) kernels: HashMap<&'static str, CudaFunction>,
+    pub(crate) blas: Mutex<CudaBlas>,
+    pub(crate) fault: Mutex<Option<CudaError>>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device").field("info", &self.info).finish()
+    }
+}
+
+/// The GPUs this machine has, or why none can be used.
+pub fn devices() -> Result<Vec<DeviceInfo>, CudaError> {
+    ensure_driver()?;
+    let count = CudaContext::device_count().map_err(driver("counting devices"))?;
+    let mut found = Vec::new();
+    for ordinal in 0..usize::try_from(count).unwrap_or(0) {
+        let ctx = CudaContext::new(ordinal).map_err(driver("opening a device"))?;
+        found.push(info(&ctx, ordinal)?);
+    }
+    Ok(found)
+}
+
+fn ensure_driver() -> Result<(), CudaError> {
+    // SAFETY: only tries to dlopen the library; nothing is called through it.
+    #[allow(unsafe_code)]
+    let present = unsafe { cudarc::driver::sys::is_culib_present() };
+    if present {
+        Ok(())
+    } else {
+        Err(CudaError::NoDriver)
+    }
+}
+
+fn info(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<DeviceInfo, CudaError> {
+    Ok(DeviceInfo {
+        ordinal,
+        name: ctx.name().map_err(driver("reading the device name"))?,
+        total_memory_bytes: ctx
+            .total_mem()
+            .map_err(driver("reading the device memory"))? as u64,
+        compute_capability: ctx
+            .compute_capability()
+            .map_err(driver("reading the compute capability"))?,
+    })
+}
+
+pub(crate) fn driver(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> CudaError {
+    move |e| {
+        if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            CudaError::OutOfMemory { what, bytes: 0 }
+        } else {
+            CudaError::Driver {
+                what,
+                reason: e.to_string(),
+            }
+        }
+    }
+}
+
+impl Device {
+    /// Opens GPU `ordinal`: checks the driver, libraries and architecture, compiles the
+    /// kernels (PTX for the device's own compute capability; the driver turns it into
+    /// native code, `sm_90` on an H100/H200).
+    pub fn open(ordinal: usize) -> Result<Self, CudaError> {
+        ensure_driver()?;
+        // SAFETY: as in `ensure_driver`, these only try to dlopen.
+        #[allow(unsafe_code)]
+        let (nvrtc, cublas) = unsafe {
+            (
+                cudarc::nvrtc::sys::is_culib_present(),
+                cudarc::cublas::sys::is_culib_present(),
+            )
+        };
+        if !nvrtc {
+            return Err(CudaError::MissingLibrary {
+                library: "libnvrtc.so.13",
+            });
+        }
+        if !cublas {
+            return Err(CudaError::MissingLibrary {
+                library: "libcublas.so.13",
+            });
+        }
+        let count = CudaContext::device_count().map_err(driver("counting devices"))?;
+        let found = usize::try_from(count).unwrap_or(0);
+        if ordinal >= found {
+            return Err(CudaError::NoDevice { ordinal, found });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver("creating a context"))?;
+        let info = info(&ctx, ordinal)?;
+        let (major, minor) = info.compute_capability;
+        if (major, minor) < MIN_COMPUTE_CAPABILITY {
+            return Err(CudaError::Unsupported {
+                name: info.name,
+                major,
+                minor,
+            });
+        }
+        // One stream orders everything, so no per-buffer events are needed.
+        // SAFETY: called before any buffer exists; every later operation uses `stream`.
+        #[allow(unsafe_code)]
+        unsafe {
+            ctx.disable_event_tracking();
+        }
+        let stream = ctx.default_stream();
+        let arch = ptx_arch(major, minor);
+        let ptx = compile_ptx_with_opts(
+            KERNELS,
+            CompileOptions {
+                arch: Some(arch),
+                // Precise division and square roots: the CPU reference uses IEEE f32.
+                prec_div: Some(true),
+                prec_sqrt: Some(true),
+                ..Default::default()
+            },
+        )
+        .map_err(|e| CudaError::Compile {
+            arch: arch.to_owned(),
+            log: match e {
+                cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                    log.to_string_lossy().into_owned()
+                }
+                other => format!("{other:?}"),
+            },
+        })?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(driver("loading the kernels"))?;
+        let mut kernels = HashMap::new();
+        for name in KERNEL_NAMES {
+            let function = module
+                .load_function(name)
+                .map_err(driver("loading a kernel"))?;
+            kernels.insert(*name, function);
+        }
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Cublas {
+            what: "creating the handle",
+            reason: e.to_string(),
+        })?;
+        Ok(Self {
+            info,
+            stream,
+            kernels,
+            blas: Mutex::new(blas),
+            fault: Mutex::new(None),
+        })
+    }
+
+    /// The first failure since the last call, if any; clears it. Failed operations were
+    /// skipped, so the device is usable again (what they should have written is not).
+    pub fn take_fault(&self) -> Option<CudaError> {
+        self.fault.lock().ok().and_then(|mut f| f.take())
+    }
+
+    /// Keeps the first failure; later ones are consequences of it.
+    pub(crate) fn record(&self, error: CudaError) {
+        if let Ok(mut fault) = self.fault.lock()
+            && fault.is_none()
+        {
+            *fault = Some(error);
+        }
+    }
+
+    pub(crate) fn faulted(&self) -> bool {
+        self.fault.lock().map_or(true, |f| f.is_some())
+    }
+}
+
+/// The PTX target for a compute capability: the device's own where NVRTC knows it, else
+/// the newest older one (the driver JIT-compiles PTX forward to any newer GPU).
+fn ptx_arch(major: i32, minor: i32) -> &'static str {
+    match (major, minor) {
+        (8, 0) => "compute_80",
+        (8, 6) => "compute_86",
+        (8, 7) => "compute_87",
+        (8, 9) => "compute_89",
+        (9, _) => "compute_90",
+        (10, 0) => "compute_100",
+        (12, 0) => "compute_120",
+        (m, _) if m >= 10 => "compute_90",
+        _ => "compute_80",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hopper_compiles_for_its_own_architecture() {
+        assert_eq!(ptx_arch(9, 0), "compute_90");
+        assert_eq!(ptx_arch(8, 6), "compute_86");
+        assert_eq!(ptx_arch(11, 0), "compute_90");
+    }
+
+    #[test]
+    fn every_kernel_name_is_defined_in_the_source() {
+        for name in KERNEL_NAMES {
+            let needle = format!("void {name}(");
+            assert!(KERNELS.contains(&needle), "{name} is not in kernels.cu");
+        }
+    }
+}

@@ -1,0 +1,1037 @@
+//! The CUDA backend (cudarc): every kernel of the [`Backend`] boundary on an NVIDIA GPU.
+//!
+//! - Buffers are f32 in device memory ([`GpuBuf`]); parameters, gradients and AdamW moments
+//!   stay f32 (the master copy), reductions (RMSNorm, softmax, log-probabilities) run in f32.
+//! - Matrix products convert their operands to bf16 and run on cuBLAS with f32 accumulation
+//!   (`gemm.rs`); the gradient that flows back to earlier layers keeps 16 significant bits
+//!   (two bf16 parts, one more product), because its rounding compounds layer after layer.
+//!   The vocabulary head works in chunks of rows, so (N, V) logits never exist.
+//! - Kernels are CUDA C (`kernels.cu`) compiled by NVRTC when the device is opened.
+//! - Everything is ordered on one stream. The trait's kernels return nothing, so a failure
+//!   (out of memory, a driver error) is kept as the device's first fault; later work is
+//!   skipped until [`Backend::check`] reports (and clears) it — the caller fails the step
+//!   with the cause and reloads what the step was changing.
+//!
+//! `unsafe` is allowed in this module only: kernel launches and raw device pointers. Each
+//! block says why it is sound. The shapes and bounds each kernel relies on are those the
+//! trait documents; the callers (`model.rs`, `train.rs`) size every buffer from the config.
+
+#![allow(unsafe_code)]
+
+mod device;
+mod gemm;
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+
+pub use device::{CudaError, Device, DeviceInfo, MIN_COMPUTE_CAPABILITY, devices};
+
+use crate::backend::{AdamStep, Backend, Span};
+use crate::ops::PackedMatrix;
+
+const BLOCK: u32 = 256;
+/// Rows each thread sums in the column reductions (bias and RMSNorm weight gradients).
+const ROWS_PER_BLOCK: usize = 256;
+/// Bytes of f32 logits the head materialises at once (a chunk of rows × V).
+const HEAD_CHUNK_BYTES: usize = 256 << 20;
+
+/// The CUDA backend: a handle on one opened GPU (cheap to clone).
+#[derive(Clone, Debug)]
+pub struct Cuda {
+    device: Arc<Device>,
+}
+
+/// The block-format weights of the CPU's decode kernels have no GPU kernel: the CUDA
+/// backend answers `pack` with None and the model uses its f32 weights.
+#[derive(Clone, Copy, Debug)]
+pub enum NoPacked {}
+
+/// An f32 buffer on the GPU. `len` is its logical length; the allocation may be larger (KV
+/// caches grow by doubling). A buffer whose allocation failed has none and is never read:
+/// the device holds the fault.
+pub struct GpuBuf {
+    slice: Option<CudaSlice<f32>>,
+    len: usize,
+    device: Arc<Device>,
+}
+
+impl std::fmt::Debug for GpuBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuBuf").field("len", &self.len).finish()
+    }
+}
+
+impl Clone for GpuBuf {
+    /// A deep copy on the device, as a CPU `Vec` clone is.
+    fn clone(&self) -> Self {
+        let cuda = Cuda {
+            device: self.device.clone(),
+        };
+        let mut copy = cuda.alloc(self.len, "copying a buffer");
+        cuda.copy_within(&mut copy, 0, self, 0, self.len);
+        copy
+    }
+}
+
+impl GpuBuf {
+    fn capacity(&self) -> usize {
+        self.slice.as_ref().map_or(0, CudaSlice::len)
+    }
+
+    /// The device address of element `offset` (0 when there is no allocation, which only a
+    /// faulted device or an empty buffer has; neither launches anything).
+    fn ptr(&self, offset: usize) -> u64 {
+        match &self.slice {
+            Some(slice) => {
+                let (base, _sync) = slice.device_ptr(&self.device.stream);
+                base + (offset * size_of::<f32>()) as u64
+            }
+            None => 0,
+        }
+    }
+}
+
+impl Cuda {
+    /// Opens GPU `ordinal` (see [`Device::open`] for what is checked).
+    pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        Ok(Self {
+            device: Arc::new(Device::open(ordinal)?),
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.device.info
+    }
+
+    /// Waits for all queued work; returns (and clears) the first failure since the last
+    /// check.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        if let Err(e) = self.device.stream.synchronize() {
+            self.device.record(device::driver("synchronizing")(e));
+        }
+        self.device.take_fault().map_or(Ok(()), Err)
+    }
+
+    /// (free, total) bytes of device memory.
+    pub fn memory(&self) -> Result<(usize, usize), CudaError> {
+        self.device
+            .stream
+            .context()
+            .mem_get_info()
+            .map_err(device::driver("reading free memory"))
+    }
+
+    fn fail(&self, error: CudaError) {
+        self.device.record(error);
+    }
+
+    fn ok(&self) -> bool {
+        !self.device.faulted()
+    }
+
+    fn alloc(&self, len: usize, what: &'static str) -> GpuBuf {
+        let slice = if len == 0 || !self.ok() {
+            None
+        } else {
+            match self.device.stream.alloc_zeros::<f32>(len) {
+                Ok(slice) => Some(slice),
+                Err(e) => {
+                    self.fail(match device::driver(what)(e) {
+                        CudaError::OutOfMemory { what, .. } => CudaError::OutOfMemory {
+                            what,
+                            bytes: len * size_of::<f32>(),
+                        },
+                        other => other,
+                    });
+                    None
+                }
+            }
+        };
+        GpuBuf {
+            slice,
+            len,
+            device: self.device.clone(),
+        }
+    }
+
+    /// A device copy of host values (indices, positions, targets) for one launch.
+    fn upload_any<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Option<CudaSlice<T>> {
+        if host.is_empty() || !self.ok() {
+            return None;
+        }
+        match self.device.stream.clone_htod(host) {
+            Ok(slice) => Some(slice),
+            Err(e) => {
+                self.fail(device::driver("uploading launch arguments")(e));
+                None
+            }
+        }
+    }
+
+    /// dst[at..at+len] = src[from..from+len] (device to device).
+    fn copy_within(&self, dst: &mut GpuBuf, at: usize, src: &GpuBuf, from: usize, len: usize) {
+        if len == 0 || !self.ok() || dst.slice.is_none() || src.slice.is_none() {
+            return;
+        }
+        let stream = &self.device.stream;
+        // SAFETY: both ranges lie inside their allocations (at + len ≤ dst capacity and
+        // from + len ≤ src.len, checked by the callers), and the copy is ordered on the
+        // stream every other use of these buffers is ordered on.
+        let copied = unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                dst.ptr(at),
+                src.ptr(from),
+                len * size_of::<f32>(),
+                stream.cu_stream(),
+            )
+        };
+        if let Err(e) = copied {
+            self.fail(device::driver("copying on the device")(e));
+        }
+    }
+
+    /// Launches kernel `name` over `cfg` with `args`, in the order and types of its
+    /// signature in kernels.cu.
+    fn launch(&self, name: &'static str, cfg: LaunchConfig, args: &[Arg]) {
+        if !self.ok() || cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 {
+            return;
+        }
+        let Some(function) = self.device.kernels.get(name) else {
+            self.fail(CudaError::Driver {
+                what: "launching a kernel",
+                reason: format!("kernel {name} was not loaded"),
+            });
+            return;
+        };
+        let mut builder = self.device.stream.launch_builder(function);
+        for arg in args {
+            match arg {
+                Arg::Ptr(v) | Arg::U64(v) => builder.arg(v),
+                Arg::I32(v) => builder.arg(v),
+                Arg::I64(v) => builder.arg(v),
+                Arg::F32(v) => builder.arg(v),
+            };
+        }
+        // SAFETY: every pointer argument is the device address of a live allocation large
+        // enough for the shapes passed with it (see each call; temporaries are freed in
+        // stream order, after the kernel), every other argument a scalar of the type the
+        // kernel declares at that position.
+        if let Err(e) = unsafe { builder.launch(cfg) } {
+            self.fail(device::driver("launching a kernel")(e));
+        }
+    }
+}
+
+/// One kernel argument.
+enum Arg {
+    Ptr(u64),
+    U64(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+impl From<&u64> for Arg {
+    fn from(v: &u64) -> Self {
+        Arg::U64(*v)
+    }
+}
+
+impl From<&i32> for Arg {
+    fn from(v: &i32) -> Self {
+        Arg::I32(*v)
+    }
+}
+
+impl From<&i64> for Arg {
+    fn from(v: &i64) -> Self {
+        Arg::I64(*v)
+    }
+}
+
+impl From<&f32> for Arg {
+    fn from(v: &f32) -> Self {
+        Arg::F32(*v)
+    }
+}
+
+impl<T> From<&CudaSlice<T>> for Arg {
+    fn from(slice: &CudaSlice<T>) -> Self {
+        Arg::Ptr(slice.device_ptr(slice.stream()).0)
+    }
+}
+
+/// `len` elements, one thread each.
+fn elementwise(len: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            u32::try_from(len.div_ceil(BLOCK as usize)).unwrap_or(u32::MAX),
+            1,
+            1,
+        ),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One block per (row, head) pair.
+fn per_row_head(rows: usize, heads: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, heads as u32, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Column reductions: (columns / BLOCK, rows / ROWS_PER_BLOCK) blocks.
+fn columns(n: usize, c: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            c.div_ceil(BLOCK as usize) as u32,
+            n.div_ceil(ROWS_PER_BLOCK) as u32,
+            1,
+        ),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Per row of a packed batch: (first row of its sequence, length, offset of its
+/// probabilities in `att`), as the attention kernels read it.
+fn span_table(spans: &[Span], heads: usize) -> Vec<i64> {
+    let mut table = Vec::new();
+    let mut att_offset = 0usize;
+    for &(start, t) in spans {
+        for _ in 0..t {
+            table.extend([start as i64, t as i64, att_offset as i64]);
+        }
+        att_offset += heads * t * t;
+    }
+    table
+}
+
+impl Backend for Cuda {
+    type Buf = GpuBuf;
+    type Packed = NoPacked;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn check(&self) -> Result<(), crate::backend::BackendError> {
+        self.synchronize()
+            .map_err(|e| crate::backend::BackendError(e.to_string()))
+    }
+
+    fn zeros(&self, len: usize) -> GpuBuf {
+        self.alloc(len, "allocating a buffer")
+    }
+
+    fn upload(&self, host: &[f32]) -> GpuBuf {
+        let mut buf = self.alloc(host.len(), "uploading");
+        if let Some(slice) = buf.slice.as_mut()
+            && let Err(e) = self.device.stream.memcpy_htod(host, slice)
+        {
+            self.fail(device::driver("uploading")(e));
+        }
+        buf
+    }
+
+    fn download(&self, buf: &GpuBuf) -> Vec<f32> {
+        let mut host = vec![0f32; buf.len];
+        if let Some(slice) = &buf.slice
+            && self.ok()
+            && let Err(e) = self
+                .device
+                .stream
+                .memcpy_dtoh(&slice.slice(0..buf.len), &mut host)
+        {
+            self.fail(device::driver("downloading")(e));
+        }
+        host
+    }
+
+    fn len(&self, buf: &GpuBuf) -> usize {
+        buf.len
+    }
+
+    fn pack(&self, _host: &PackedMatrix) -> Option<NoPacked> {
+        None
+    }
+
+    fn append(&self, dst: &mut GpuBuf, src: &GpuBuf, range: Range<usize>) {
+        let (old, added) = (dst.len, range.len());
+        let new_len = old + added;
+        if new_len > dst.capacity() {
+            // Grow by doubling so a cache that gains a token per step copies O(len) in all.
+            let mut grown = self.alloc(new_len.max(2 * dst.capacity()), "growing a KV cache");
+            self.copy_within(&mut grown, 0, dst, 0, old);
+            *dst = grown;
+        }
+        self.copy_within(dst, old, src, range.start, added);
+        dst.len = new_len;
+    }
+
+    fn truncate(&self, buf: &mut GpuBuf, len: usize) {
+        buf.len = buf.len.min(len);
+    }
+
+    fn gather_rows(&self, out: &mut GpuBuf, x: &GpuBuf, rows: &[usize], c: usize) {
+        let indices: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let Some(indices) = self.upload_any(&indices) else {
+            return;
+        };
+        let (o, x, n, c) = (out.ptr(0), x.ptr(0), rows.len() as i32, c as i32);
+        self.launch(
+            "gather_rows",
+            elementwise(rows.len() * c as usize),
+            &[
+                Arg::from(&o),
+                Arg::from(&x),
+                Arg::from(&indices),
+                Arg::from(&n),
+                Arg::from(&c),
+            ],
+        );
+    }
+
+    fn add_assign(&self, x: &mut GpuBuf, y: &GpuBuf) {
+        let (xp, yp, len) = (x.ptr(0), y.ptr(0), x.len as i64);
+        self.launch(
+            "add_assign",
+            elementwise(x.len),
+            &[Arg::from(&xp), Arg::from(&yp), Arg::from(&len)],
+        );
+    }
+
+    fn scale(&self, x: &mut GpuBuf, factor: f32) {
+        let (xp, len) = (x.ptr(0), x.len as i64);
+        self.launch(
+            "scale",
+            elementwise(x.len),
+            &[Arg::from(&xp), Arg::from(&factor), Arg::from(&len)],
+        );
+    }
+
+    fn sum_squares(&self, x: &GpuBuf) -> f64 {
+        if x.len == 0 || !self.ok() {
+            return 0.0;
+        }
+        let total = match self.device.stream.alloc_zeros::<f64>(1) {
+            Ok(total) => total,
+            Err(e) => {
+                self.fail(device::driver("allocating a reduction")(e));
+                return 0.0;
+            }
+        };
+        let (tp, xp, len) = (
+            total.device_ptr(&self.device.stream).0,
+            x.ptr(0),
+            x.len as i64,
+        );
+        let mut cfg = elementwise(x.len);
+        cfg.grid_dim.0 = cfg.grid_dim.0.min(1024);
+        self.launch(
+            "sum_squares",
+            cfg,
+            &[Arg::from(&tp), Arg::from(&xp), Arg::from(&len)],
+        );
+        let mut host = [0f64];
+        if self.ok()
+            && let Err(e) = self.device.stream.memcpy_dtoh(&total, &mut host)
+        {
+            self.fail(device::driver("reading a reduction")(e));
+        }
+        host[0]
+    }
+
+    fn embedding_forward(&self, out: &mut GpuBuf, table: &GpuBuf, tokens: &[u32]) {
+        let Some(ids) = self.upload_any(tokens) else {
+            return;
+        };
+        let c = out.len / tokens.len();
+        let (o, t, n, c32) = (out.ptr(0), table.ptr(0), tokens.len() as i32, c as i32);
+        self.launch(
+            "embedding_forward",
+            elementwise(out.len),
+            &[
+                Arg::from(&o),
+                Arg::from(&t),
+                Arg::from(&ids),
+                Arg::from(&n),
+                Arg::from(&c32),
+            ],
+        );
+    }
+
+    fn embedding_backward(&self, dtable: &mut GpuBuf, dout: &GpuBuf, tokens: &[u32]) {
+        let Some(ids) = self.upload_any(tokens) else {
+            return;
+        };
+        let c = dout.len / tokens.len();
+        let (dt, d, n, c32) = (dtable.ptr(0), dout.ptr(0), tokens.len() as i32, c as i32);
+        self.launch(
+            "embedding_backward",
+            elementwise(dout.len),
+            &[
+                Arg::from(&dt),
+                Arg::from(&d),
+                Arg::from(&ids),
+                Arg::from(&n),
+                Arg::from(&c32),
+            ],
+        );
+    }
+
+    fn rmsnorm_forward(
+        &self,
+        out: &mut GpuBuf,
+        rstd: &mut GpuBuf,
+        x: &GpuBuf,
+        w: &GpuBuf,
+        eps: f32,
+    ) {
+        let (n, c) = (rstd.len, w.len as i32);
+        let (o, r, xp, wp) = (out.ptr(0), rstd.ptr(0), x.ptr(0), w.ptr(0));
+        self.launch(
+            "rmsnorm_forward",
+            per_row_head(n, 1),
+            &[
+                Arg::from(&o),
+                Arg::from(&r),
+                Arg::from(&xp),
+                Arg::from(&wp),
+                Arg::from(&c),
+                Arg::from(&eps),
+            ],
+        );
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut GpuBuf,
+        dw: &mut GpuBuf,
+        dout: &GpuBuf,
+        x: &GpuBuf,
+        w: &GpuBuf,
+        rstd: &GpuBuf,
+    ) {
+        let (n, c) = (rstd.len, w.len);
+        let (dxp, dwp, dp, xp, wp, rp) = (
+            dx.ptr(0),
+            dw.ptr(0),
+            dout.ptr(0),
+            x.ptr(0),
+            w.ptr(0),
+            rstd.ptr(0),
+        );
+        let (n32, c32, rows) = (n as i32, c as i32, ROWS_PER_BLOCK as i32);
+        self.launch(
+            "rmsnorm_backward_dx",
+            per_row_head(n, 1),
+            &[
+                Arg::from(&dxp),
+                Arg::from(&dp),
+                Arg::from(&xp),
+                Arg::from(&wp),
+                Arg::from(&rp),
+                Arg::from(&c32),
+            ],
+        );
+        self.launch(
+            "rmsnorm_backward_dw",
+            columns(n, c),
+            &[
+                Arg::from(&dwp),
+                Arg::from(&dp),
+                Arg::from(&xp),
+                Arg::from(&rp),
+                Arg::from(&n32),
+                Arg::from(&c32),
+                Arg::from(&rows),
+            ],
+        );
+    }
+
+    fn matmul_forward(
+        &self,
+        out: &mut GpuBuf,
+        x: &GpuBuf,
+        w: &GpuBuf,
+        bias: Option<&GpuBuf>,
+        n: usize,
+        i: usize,
+        o: usize,
+    ) {
+        self.gemm_forward(out.ptr(0), x, 0, w, n, i, o);
+        if let Some(bias) = bias {
+            let (op, bp, n32, o32) = (out.ptr(0), bias.ptr(0), n as i32, o as i32);
+            self.launch(
+                "add_bias",
+                elementwise(n * o),
+                &[
+                    Arg::from(&op),
+                    Arg::from(&bp),
+                    Arg::from(&n32),
+                    Arg::from(&o32),
+                ],
+            );
+        }
+    }
+
+    fn matmul_packed(
+        &self,
+        _out: &mut GpuBuf,
+        _x: &GpuBuf,
+        w: &NoPacked,
+        _bias: Option<&GpuBuf>,
+        _n: usize,
+    ) {
+        match *w {}
+    }
+
+    fn matmul_backward(
+        &self,
+        dx: &mut GpuBuf,
+        dw: &mut GpuBuf,
+        db: Option<&mut GpuBuf>,
+        dout: &GpuBuf,
+        x: &GpuBuf,
+        w: &GpuBuf,
+        n: usize,
+        i: usize,
+        o: usize,
+    ) {
+        // The input gradient carries dout to every earlier layer, so dout keeps 16
+        // significant bits there (hi + lo); the weight gradient ends here and takes bf16.
+        let dout_bf = self.bf16_split(dout, 0, n * o);
+        let x_bf = self.bf16(x, 0, n * i);
+        let w_bf = self.bf16(w, 0, o * i);
+        self.gemm_dx_split(dx.ptr(0), &dout_bf, &w_bf, n, i, o);
+        self.gemm_dw(dw.ptr(0), &dout_bf.0, &x_bf, n, i, o);
+        if let Some(db) = db {
+            let (dbp, dp, n32, o32, rows) = (
+                db.ptr(0),
+                dout.ptr(0),
+                n as i32,
+                o as i32,
+                ROWS_PER_BLOCK as i32,
+            );
+            self.launch(
+                "column_sums",
+                columns(n, o),
+                &[
+                    Arg::from(&dbp),
+                    Arg::from(&dp),
+                    Arg::from(&n32),
+                    Arg::from(&o32),
+                    Arg::from(&rows),
+                ],
+            );
+        }
+    }
+
+    fn rope_apply(
+        &self,
+        x: &mut GpuBuf,
+        heads: usize,
+        positions: &[usize],
+        inv_freq: &[f32],
+        sign: f32,
+    ) {
+        let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let (Some(pos), Some(freq)) = (self.upload_any(&pos), self.upload_any(inv_freq)) else {
+            return;
+        };
+        let half = inv_freq.len();
+        let (xp, n, h, half32) = (x.ptr(0), positions.len() as i32, heads as i32, half as i32);
+        self.launch(
+            "rope_apply",
+            elementwise(positions.len() * heads * half),
+            &[
+                Arg::from(&xp),
+                Arg::from(&pos),
+                Arg::from(&freq),
+                Arg::from(&n),
+                Arg::from(&h),
+                Arg::from(&half32),
+                Arg::from(&sign),
+            ],
+        );
+    }
+
+    fn swiglu_forward(&self, out: &mut GpuBuf, gate: &GpuBuf, up: &GpuBuf) {
+        let (o, g, u, len) = (out.ptr(0), gate.ptr(0), up.ptr(0), gate.len as i64);
+        self.launch(
+            "swiglu_forward",
+            elementwise(gate.len),
+            &[Arg::from(&o), Arg::from(&g), Arg::from(&u), Arg::from(&len)],
+        );
+    }
+
+    fn swiglu_backward(
+        &self,
+        dgate: &mut GpuBuf,
+        dup: &mut GpuBuf,
+        dout: &GpuBuf,
+        gate: &GpuBuf,
+        up: &GpuBuf,
+    ) {
+        let (dg, du, d, g, u, len) = (
+            dgate.ptr(0),
+            dup.ptr(0),
+            dout.ptr(0),
+            gate.ptr(0),
+            up.ptr(0),
+            gate.len as i64,
+        );
+        self.launch(
+            "swiglu_backward",
+            elementwise(gate.len),
+            &[
+                Arg::from(&dg),
+                Arg::from(&du),
+                Arg::from(&d),
+                Arg::from(&g),
+                Arg::from(&u),
+                Arg::from(&len),
+            ],
+        );
+    }
+
+    fn attention_forward(
+        &self,
+        out: &mut GpuBuf,
+        att: &mut GpuBuf,
+        q: &GpuBuf,
+        k: &GpuBuf,
+        v: &GpuBuf,
+        spans: &[Span],
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    ) {
+        let Some(table) = self.upload_any(&span_table(spans, heads)) else {
+            return;
+        };
+        let n: usize = spans.iter().map(|s| s.1).sum();
+        let (o, at, qp, kp, vp) = (out.ptr(0), att.ptr(0), q.ptr(0), k.ptr(0), v.ptr(0));
+        let (h, kvh, hd32) = (heads as i32, kv_heads as i32, hd as i32);
+        self.launch(
+            "attention_forward",
+            per_row_head(n, heads),
+            &[
+                Arg::from(&o),
+                Arg::from(&at),
+                Arg::from(&qp),
+                Arg::from(&kp),
+                Arg::from(&vp),
+                Arg::from(&table),
+                Arg::from(&h),
+                Arg::from(&kvh),
+                Arg::from(&hd32),
+            ],
+        );
+    }
+
+    fn attention_backward(
+        &self,
+        dq: &mut GpuBuf,
+        dk: &mut GpuBuf,
+        dv: &mut GpuBuf,
+        dout: &GpuBuf,
+        att: &GpuBuf,
+        q: &GpuBuf,
+        k: &GpuBuf,
+        v: &GpuBuf,
+        spans: &[Span],
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    ) {
+        let Some(table) = self.upload_any(&span_table(spans, heads)) else {
+            return;
+        };
+        let n: usize = spans.iter().map(|s| s.1).sum();
+        let dot = self.alloc(n * heads, "attention backward");
+        let (dqp, dkp, dvp, dp, at) = (dq.ptr(0), dk.ptr(0), dv.ptr(0), dout.ptr(0), att.ptr(0));
+        let (qp, kp, vp, dotp) = (q.ptr(0), k.ptr(0), v.ptr(0), dot.ptr(0));
+        let (h, kvh, hd32) = (heads as i32, kv_heads as i32, hd as i32);
+        self.launch(
+            "attention_backward_rowdot",
+            per_row_head(n, heads),
+            &[
+                Arg::from(&dotp),
+                Arg::from(&dp),
+                Arg::from(&at),
+                Arg::from(&vp),
+                Arg::from(&table),
+                Arg::from(&h),
+                Arg::from(&kvh),
+                Arg::from(&hd32),
+            ],
+        );
+        self.launch(
+            "attention_backward_dq",
+            per_row_head(n, heads),
+            &[
+                Arg::from(&dqp),
+                Arg::from(&dp),
+                Arg::from(&at),
+                Arg::from(&kp),
+                Arg::from(&vp),
+                Arg::from(&dotp),
+                Arg::from(&table),
+                Arg::from(&h),
+                Arg::from(&kvh),
+                Arg::from(&hd32),
+            ],
+        );
+        self.launch(
+            "attention_backward_dkv",
+            per_row_head(n, kv_heads),
+            &[
+                Arg::from(&dkp),
+                Arg::from(&dvp),
+                Arg::from(&dp),
+                Arg::from(&at),
+                Arg::from(&qp),
+                Arg::from(&vp),
+                Arg::from(&dotp),
+                Arg::from(&table),
+                Arg::from(&h),
+                Arg::from(&kvh),
+                Arg::from(&hd32),
+            ],
+        );
+    }
+
+    fn attention_cached(
+        &self,
+        out: &mut GpuBuf,
+        q: &GpuBuf,
+        rows: Range<usize>,
+        k: &GpuBuf,
+        v: &GpuBuf,
+        start: usize,
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    ) {
+        let t = rows.len();
+        let scores = self.alloc(t * heads * (start + t), "attention scores");
+        let row0 = rows.start * heads * hd;
+        let (o, s, qp, kp, vp) = (
+            out.ptr(row0),
+            scores.ptr(0),
+            q.ptr(row0),
+            k.ptr(0),
+            v.ptr(0),
+        );
+        let (start32, t32, h, kvh, hd32) = (
+            start as i32,
+            t as i32,
+            heads as i32,
+            kv_heads as i32,
+            hd as i32,
+        );
+        self.launch(
+            "attention_cached",
+            per_row_head(t, heads),
+            &[
+                Arg::from(&o),
+                Arg::from(&s),
+                Arg::from(&qp),
+                Arg::from(&kp),
+                Arg::from(&vp),
+                Arg::from(&start32),
+                Arg::from(&t32),
+                Arg::from(&h),
+                Arg::from(&kvh),
+                Arg::from(&hd32),
+            ],
+        );
+    }
+
+    fn head_forward(
+        &self,
+        lse: &mut GpuBuf,
+        entropy: &mut GpuBuf,
+        logprob: &mut GpuBuf,
+        h: &GpuBuf,
+        w: &GpuBuf,
+        targets: &[Option<u32>],
+        c: usize,
+        vocab: usize,
+    ) {
+        let n = targets.len();
+        let Some(targets) = self.upload_any(&target_ids(targets)) else {
+            return;
+        };
+        let w_bf = self.bf16(w, 0, vocab * c);
+        let chunk = head_chunk_rows(vocab);
+        let logits = self.alloc(chunk.min(n) * vocab, "the head's logits");
+        let (lp, ep, pp, zp, v32) = (
+            lse.ptr(0),
+            entropy.ptr(0),
+            logprob.ptr(0),
+            logits.ptr(0),
+            vocab as i32,
+        );
+        for r0 in (0..n).step_by(chunk) {
+            let rows = chunk.min(n - r0);
+            let h_bf = self.bf16(h, r0 * c, rows * c);
+            self.gemm_bf16_forward(zp, &h_bf, &w_bf, rows, c, vocab);
+            let r032 = r0 as i32;
+            self.launch(
+                "head_stats",
+                per_row_head(rows, 1),
+                &[
+                    Arg::from(&lp),
+                    Arg::from(&ep),
+                    Arg::from(&pp),
+                    Arg::from(&zp),
+                    Arg::from(&targets),
+                    Arg::from(&r032),
+                    Arg::from(&v32),
+                ],
+            );
+        }
+    }
+
+    fn head_backward(
+        &self,
+        dh: &mut GpuBuf,
+        dw: &mut GpuBuf,
+        h: &GpuBuf,
+        w: &GpuBuf,
+        lse: &GpuBuf,
+        entropy: &GpuBuf,
+        targets: &[Option<u32>],
+        d_logprob: &[f32],
+        d_entropy: &[f32],
+        c: usize,
+        vocab: usize,
+    ) {
+        let n = targets.len();
+        let (Some(target_ids), Some(d_lp), Some(d_h)) = (
+            self.upload_any(&target_ids(targets)),
+            self.upload_any(d_logprob),
+            self.upload_any(d_entropy),
+        ) else {
+            return;
+        };
+        let w_bf = self.bf16(w, 0, vocab * c);
+        let chunk = head_chunk_rows(vocab);
+        let logits = self.alloc(chunk.min(n) * vocab, "the head's logits");
+        let (lp, ep, zp, v32) = (lse.ptr(0), entropy.ptr(0), logits.ptr(0), vocab as i32);
+        for r0 in (0..n).step_by(chunk) {
+            let rows = chunk.min(n - r0);
+            let r1 = r0 + rows;
+            // Rows without a gradient (prompt tokens) cost nothing.
+            if (r0..r1).all(|r| d_logprob[r] == 0.0 && d_entropy[r] == 0.0) {
+                continue;
+            }
+            let h_bf = self.bf16(h, r0 * c, rows * c);
+            self.gemm_bf16_forward(zp, &h_bf, &w_bf, rows, c, vocab);
+            let r032 = r0 as i32;
+            self.launch(
+                "head_dlogits",
+                per_row_head(rows, 1),
+                &[
+                    Arg::from(&zp),
+                    Arg::from(&lp),
+                    Arg::from(&ep),
+                    Arg::from(&d_lp),
+                    Arg::from(&d_h),
+                    Arg::from(&target_ids),
+                    Arg::from(&r032),
+                    Arg::from(&v32),
+                ],
+            );
+            let dz_bf = self.bf16_split(&logits, 0, rows * vocab);
+            self.gemm_dx_split(dh.ptr(r0 * c), &dz_bf, &w_bf, rows, c, vocab);
+            self.gemm_dw(dw.ptr(0), &dz_bf.0, &h_bf, rows, c, vocab);
+        }
+    }
+
+    fn adamw(
+        &self,
+        param: &mut GpuBuf,
+        grad: &GpuBuf,
+        m: &mut GpuBuf,
+        v: &mut GpuBuf,
+        s: AdamStep,
+    ) {
+        let (pp, gp, mp, vp, len) = (
+            param.ptr(0),
+            grad.ptr(0),
+            m.ptr(0),
+            v.ptr(0),
+            param.len as i64,
+        );
+        self.launch(
+            "adamw",
+            elementwise(param.len),
+            &[
+                Arg::from(&pp),
+                Arg::from(&gp),
+                Arg::from(&mp),
+                Arg::from(&vp),
+                Arg::from(&len),
+                Arg::from(&s.lr),
+                Arg::from(&s.beta1),
+                Arg::from(&s.beta2),
+                Arg::from(&s.eps),
+                Arg::from(&s.weight_decay),
+                Arg::from(&s.correction1),
+                Arg::from(&s.correction2),
+            ],
+        );
+    }
+}
+
+/// For tests and benchmarks: GPU 0, or `Ok(None)` after printing why `test` skips (no
+/// driver, no GPU — CI). With `ARL_REQUIRE_GPU=1` (runs on the GPU machine) a missing GPU
+/// is an error instead, so a broken device can never pass as a skip.
+pub fn for_tests(test: &str) -> Result<Option<Cuda>, CudaError> {
+    match Cuda::new(0) {
+        Ok(cuda) => Ok(Some(cuda)),
+        Err(e) if std::env::var_os("ARL_REQUIRE_GPU").is_some_and(|v| v == "1") => Err(e),
+        Err(e) => {
+            eprintln!("{test}: skipped, no usable GPU: {e}");
+            Ok(None)
+        }
+    }
+}
+
+/// Targets as the kernels read them: the id, or −1 where a row predicts nothing.
+fn target_ids(targets: &[Option<u32>]) -> Vec<i32> {
+    targets.iter().map(|t| t.map_or(-1, |t| t as i32)).collect()
+}
+
+/// Rows of logits per head chunk: HEAD_CHUNK_BYTES of f32 at most, at least one row.
+fn head_chunk_rows(vocab: usize) -> usize {
+    (HEAD_CHUNK_BYTES / (vocab.max(1) * size_of::<f32>())).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_span_table_gives_every_row_its_sequence() {
+        // Two sequences of 2 and 3 tokens, 2 heads: the second's probabilities start after
+        // the first's 2·2·2.
+        let table = span_table(&[(0, 2), (2, 3)], 2);
+        assert_eq!(table, vec![0, 2, 0, 0, 2, 0, 2, 3, 8, 2, 3, 8, 2, 3, 8]);
+    }
+
+    #[test]
+    fn head_chunks_bound_the_logits() {
+        assert_eq!(head_chunk_rows(151_936), 441);
+        assert_eq!(head_chunk_rows(usize::MAX / 2), 1);
+    }
+}
