@@ -33,11 +33,21 @@ pub struct AdamStep {
     pub correction2: f32,
 }
 
-/// Why a backend's queued work failed (out of device memory, a driver error), in words
-/// that name the cause and what to do.
+/// Why a backend's queued work failed, in words that name the cause and what to do.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct BackendError(pub String);
+#[error("{message}")]
+pub struct BackendError {
+    pub kind: BackendErrorKind,
+    pub message: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendErrorKind {
+    /// The work needs more device memory than there is: retrying the same work fails again.
+    OutOfMemory,
+    /// A driver or library failure.
+    Device,
+}
 
 pub trait Backend: Clone + Debug + Send + Sync + 'static {
     /// An f32 buffer in the backend's memory.

@@ -658,3 +658,35 @@ fn a_machine_without_a_gpu_gets_a_clear_error() {
     }
     assert!(Cuda::new(4096).is_err(), "device 4096 does not exist");
 }
+
+#[test]
+fn running_out_of_gpu_memory_is_a_clear_error_and_the_device_recovers() {
+    let Some(g) = gpu("running_out_of_gpu_memory_is_a_clear_error_and_the_device_recovers") else {
+        return;
+    };
+    // 4 TB of f32: no GPU has it. Nothing panics; the check names the cause and the fix.
+    let huge = g.zeros(1 << 40);
+    let mut small = g.upload(&[1.0, 2.0]);
+    g.scale(&mut small, 3.0); // skipped: the device holds the fault
+    let error = g.check().unwrap_err();
+    assert_eq!(
+        error.kind,
+        arl_model::backend::BackendErrorKind::OutOfMemory
+    );
+    assert!(
+        error.message.contains("out of GPU memory"),
+        "{}",
+        error.message
+    );
+    assert!(
+        error.message.contains("micro_batch_tokens"),
+        "{}",
+        error.message
+    );
+    drop(huge);
+    // The fault was reported and cleared: the device works again.
+    let mut small = g.upload(&[1.0, 2.0]);
+    g.scale(&mut small, 3.0);
+    assert_eq!(g.download(&small), vec![3.0, 6.0]);
+    g.check().unwrap();
+}

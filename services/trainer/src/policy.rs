@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use arl_model::backend::Backend;
+use arl_model::backend::{Backend, BackendError};
 use arl_model::cuda::Cuda;
 use arl_model::load::LoadedModel;
 use arl_model::model::Model;
@@ -103,7 +103,7 @@ impl Policy {
                     model,
                     optimizer,
                 };
-                on_gpu.model.backend.check().map_err(|e| e.0)?;
+                on_gpu.model.backend.check().map_err(|e| e.message)?;
                 Engine::Cuda(on_gpu)
             }
         };
@@ -111,13 +111,14 @@ impl Policy {
     }
 
     /// One GRPO step; a device failure (out of memory, a driver error) is an error naming
-    /// it, after which the in-memory policy must not be trusted (the caller reopens).
+    /// it, after which the in-memory policy must not be trusted (the caller reopens, or
+    /// fails the run when retrying cannot help).
     pub fn train(
         &mut self,
         samples: &[Sample],
         config: &StepConfig,
         lr: f32,
-    ) -> Result<StepMetrics, String> {
+    ) -> Result<StepMetrics, BackendError> {
         match &mut self.engine {
             Engine::Cpu {
                 reference,
@@ -139,10 +140,10 @@ impl Policy {
                     config,
                     lr,
                 );
-                p.model
-                    .backend
-                    .check()
-                    .map_err(|e| format!("the GPU step failed: {}", e.0))?;
+                p.model.backend.check().map_err(|e| BackendError {
+                    message: format!("the GPU step failed: {}", e.message),
+                    ..e
+                })?;
                 Ok(metrics)
             }
         }
@@ -172,7 +173,7 @@ impl Policy {
                 let moments =
                     with_optimizer.then(|| (download(&p.optimizer.m), download(&p.optimizer.v)));
                 be.check()
-                    .map_err(|e| format!("reading the weights off the GPU: {}", e.0))?;
+                    .map_err(|e| format!("reading the weights off the GPU: {}", e.message))?;
                 let moments = moments.as_ref().map(|(m, v)| Moments {
                     m,
                     v,

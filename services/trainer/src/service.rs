@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use arl_model::backend::BackendErrorKind;
 use arl_model::cuda::Cuda;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, BusError, ConsumerSpec, Delivery, HandlerError, Shutdown};
@@ -20,7 +21,7 @@ use arl_schemas::events::{
     RunFailedV1, Split, StepTiming, TrainMetrics, TrainStepV1, TrajectoryV1, WeightsFormat,
     WeightsPublishedV1,
 };
-use arl_schemas::spec::{KlLossType, LossAggMode, LrScheduler, OldLogprobSource, RunSpec};
+use arl_schemas::spec::{Device, KlLossType, LossAggMode, LrScheduler, OldLogprobSource, RunSpec};
 use arl_schemas::state::{GpuDeviceV1, RunStateV1, TRAINER_TTL_SECONDS, TrainerAnnouncementV1};
 use arl_schemas::{Domain, RunId};
 use tokio::sync::{Mutex, oneshot};
@@ -102,6 +103,8 @@ struct RunTrainer {
     /// A step failed part-way (the in-memory model may be ahead of the disk): the run is
     /// reopened from its last checkpoint on the next trajectory.
     broken: bool,
+    /// A step failed in a way retrying cannot mend (out of GPU memory): the run fails.
+    unrecoverable: Option<String>,
 }
 
 impl RunTrainer {
@@ -304,8 +307,14 @@ impl Trainer {
                 return;
             };
             if let Err(reason) = self.train(run, pending).await {
-                tracing::error!(run = %run.run_id, step = next, %reason, "step failed; the run reopens from its last checkpoint");
-                run.broken = true;
+                if let Some(cause) = run.unrecoverable.take() {
+                    self.publish_failure(&run.run_id, &cause).await;
+                    run.failed = Some(cause);
+                    run.policy = None;
+                } else {
+                    tracing::error!(run = %run.run_id, step = next, %reason, "step failed; the run reopens from its last checkpoint");
+                    run.broken = true;
+                }
                 let waiters = run.uncommitted.drain(..).chain(
                     std::mem::take(&mut run.pending)
                         .into_values()
@@ -432,7 +441,7 @@ impl Trainer {
             let metrics = match policy.train(&samples, &config, lr as f32) {
                 Ok(metrics) => metrics,
                 // The policy may be half-updated: it is dropped, and the run reopens.
-                Err(reason) => return Err(reason),
+                Err(error) => return Err(error),
             };
             let seconds = started.elapsed().as_secs_f64();
             let tokens: usize = samples.iter().map(|s| s.tokens.len()).sum();
@@ -465,9 +474,18 @@ impl Trainer {
             Ok((policy, saved, outcome, save_seconds))
         })
         .await;
-        let (policy, saved, outcome, save_seconds) = joined
-            .map_err(|e| format!("training step {step} panicked: {e}"))?
-            .map_err(|reason| format!("training step {step} failed: {reason}"))?;
+        let joined = joined.map_err(|e| format!("training step {step} panicked: {e}"))?;
+        let (policy, saved, outcome, save_seconds) = match joined {
+            Ok(done) => done,
+            Err(error) => {
+                let reason = format!("training step {step} failed: {error}");
+                if error.kind == BackendErrorKind::OutOfMemory {
+                    // The same step needs the same memory again: retrying cannot help.
+                    run.unrecoverable = Some(reason.clone());
+                }
+                return Err(reason);
+            }
+        };
         run.policy = Some(policy);
         let saved = saved.map_err(|e| format!("cannot save step {step}: {e}"))?;
         Ok((saved, outcome, assembled, save_seconds, is_checkpoint))
@@ -492,6 +510,14 @@ impl Trainer {
         };
         if state.status.is_terminal() {
             return Ok(None);
+        }
+        if let (Some(spec), Err(why)) = (&state.spec, self.gpu.as_ref())
+            && spec.trainer.device == Device::Cuda
+        {
+            // Admission saw a trainer with a GPU: that one takes the run's trajectories.
+            return Err(HandlerError::Retry(format!(
+                "run {run_id} trains on a GPU and this trainer has none ({why}); left to a GPU trainer"
+            )));
         }
         let opened = self.open(run_id, state).await;
         let run = Arc::new(Mutex::new(opened));
@@ -535,6 +561,7 @@ impl Trainer {
             batch_tasks: state.spec.as_ref().map_or(1, |s| s.data.train_batch_size),
             dir: dir.clone(),
             policy: None,
+            unrecoverable: None,
             step: 0,
             trained: 0,
             pending: BTreeMap::new(),
@@ -600,9 +627,15 @@ impl Trainer {
     }
 
     async fn fail(&self, mut run: RunTrainer, reason: &str) -> RunTrainer {
-        tracing::error!(run = %run.run_id, %reason, "run cannot be trained");
+        self.publish_failure(&run.run_id, reason).await;
+        run.failed = Some(reason.to_owned());
+        run
+    }
+
+    async fn publish_failure(&self, run_id: &RunId, reason: &str) {
+        tracing::error!(run = %run_id, %reason, "run cannot be trained");
         let event = RunFailedV1 {
-            run_id: run.run_id.clone(),
+            run_id: run_id.clone(),
             failed_at: chrono::Utc::now(),
             service: "trainer".into(),
             reason: reason.to_owned(),
@@ -610,8 +643,6 @@ impl Trainer {
         if let Err(err) = self.bus.publish(&event).await {
             tracing::error!(error = %err, "cannot publish run.failed");
         }
-        run.failed = Some(reason.to_owned());
-        run
     }
 }
 

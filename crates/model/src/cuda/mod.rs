@@ -321,8 +321,14 @@ impl Backend for Cuda {
     }
 
     fn check(&self) -> Result<(), crate::backend::BackendError> {
-        self.synchronize()
-            .map_err(|e| crate::backend::BackendError(e.to_string()))
+        use crate::backend::{BackendError, BackendErrorKind};
+        self.synchronize().map_err(|e| BackendError {
+            kind: match e {
+                CudaError::OutOfMemory { .. } => BackendErrorKind::OutOfMemory,
+                _ => BackendErrorKind::Device,
+            },
+            message: e.to_string(),
+        })
     }
 
     fn zeros(&self, len: usize) -> GpuBuf {
