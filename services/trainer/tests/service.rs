@@ -505,6 +505,19 @@ async fn a_gpu_trainer_trains_real_smollm2_trajectories() {
     eprintln!("rewarded answers' log-probability (CPU): {before:.3} → {after:.3}");
     assert!(after > before, "{before} → {after}");
 
+    // ARL_GPU_TEST_KEEP=DIR keeps the published version, to load it elsewhere (the README's
+    // device commands bring it back to a machine without a GPU).
+    if let Some(keep) = std::env::var_os("ARL_GPU_TEST_KEEP") {
+        let keep = PathBuf::from(keep);
+        std::fs::create_dir_all(&keep).unwrap();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_file() {
+                std::fs::copy(&path, keep.join(path.file_name().unwrap())).unwrap();
+            }
+        }
+    }
+
     // A restarted trainer resumes on the GPU from step 1's f32 master weights and moments.
     trainer.trigger();
     trainer.wait().await;
