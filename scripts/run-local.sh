@@ -11,7 +11,8 @@ if [ -n "${ARL_SWEBENCH_RECIPES:-}" ]; then up_args+=(--swebench-recipes "$ARL_S
 "$bin/arl" up "${up_args[@]}" &
 up=$!
 trap 'kill "$up" 2>/dev/null || true; wait "$up" 2>/dev/null || true' EXIT INT TERM
-for _ in $(seq 300); do [ -s "$state/nats-url" ] && break; kill -0 "$up" || exit 1; sleep 0.1; done
+# arl up writes nats-url once every service is ready (it prints what it waits for).
+until [ -s "$state/nats-url" ]; do kill -0 "$up" 2>/dev/null || exit 1; sleep 0.2; done
 export NATS_URL="$(cat "$state/nats-url")"
 
 started=$(date +%s)

@@ -64,6 +64,9 @@ pub struct UpArgs {
     /// Trials run at once.
     #[arg(long, default_value_t = 4)]
     pub rollout_concurrency: usize,
+    /// Seconds to wait for every service to be ready before giving up.
+    #[arg(long, default_value_t = 600)]
+    pub ready_timeout_s: u64,
 }
 
 #[derive(Debug, Subcommand)]

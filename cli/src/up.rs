@@ -3,6 +3,10 @@
 //! environments, sandboxes, checkpoints, logs) lives under one folder. Ctrl-C stops
 //! everything; a service that exits on its own stops everything too, with its log's tail
 //! — `arl up` never restarts one behind your back.
+//!
+//! "Up" means ready: each service's `/ready` answers 200 (the engine has its weights, the
+//! proxy a backend that passed a health check, the trainer has probed its GPU …). Only
+//! then does `arl up` say so and write `<state>/nats-url`, which `make run` waits for.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -11,13 +15,21 @@ use std::time::Duration;
 use crate::cli::{BusArgs, UpArgs};
 use crate::run::CliError;
 
+/// One service under `arl up`: its binary, arguments, and the port of its ops endpoints
+/// (`/ready`, `/health`, `/metrics`).
+struct ServiceSpec {
+    name: &'static str,
+    args: Vec<String>,
+    ops_port: u16,
+}
+
 /// The services, in start order, with their arguments under `arl up`.
 fn services(
     args: &UpArgs,
     state: &Path,
     engine: u16,
     proxy: u16,
-) -> Vec<(&'static str, Vec<String>)> {
+) -> Result<Vec<ServiceSpec>, CliError> {
     let s = |p: &Path| p.display().to_string();
     let environments = state.join("environments");
     let socket = state.join("proxy.sock");
@@ -26,7 +38,10 @@ fn services(
         recipes.push("--swebench-recipes".to_owned());
         recipes.push(s(file));
     }
+    let sandbox_api = free_port()?;
     let mut sandbox = vec![
+        "--api-addr".into(),
+        format!("127.0.0.1:{sandbox_api}"),
         "--state-dir".into(),
         s(&state.join("sandbox")),
         "--environments-dir".into(),
@@ -41,11 +56,11 @@ fn services(
     }
     let mut imagebuilder = vec!["--environments-dir".into(), s(&environments)];
     imagebuilder.extend(recipes.iter().cloned());
-    vec![
-        ("arl-controller", vec![]),
-        ("arl-dataset", vec![]),
-        ("arl-imagebuilder", imagebuilder),
-        ("arl-sandbox", sandbox),
+    let list = vec![
+        ("arl-controller", vec![], None),
+        ("arl-dataset", vec![], None),
+        ("arl-imagebuilder", imagebuilder, None),
+        ("arl-sandbox", sandbox, Some(sandbox_api)),
         (
             "arl-inference",
             vec![
@@ -54,6 +69,7 @@ fn services(
                 "--listen".into(),
                 format!("127.0.0.1:{engine}"),
             ],
+            Some(engine),
         ),
         (
             "arl-proxy",
@@ -65,18 +81,77 @@ fn services(
                 "--listen-unix".into(),
                 s(&socket),
             ],
+            Some(proxy),
         ),
-        ("arl-reward", recipes),
+        ("arl-reward", recipes, None),
         (
             "arl-rollout",
             vec!["--concurrency".into(), args.rollout_concurrency.to_string()],
+            None,
         ),
         (
             "arl-trainer",
             vec!["--runs-dir".into(), s(&state.join("runs"))],
+            None,
         ),
-        ("arl-evaluator", vec![]),
-    ]
+        ("arl-evaluator", vec![], None),
+    ];
+    list.into_iter()
+        .map(|(name, args, ops)| {
+            Ok(ServiceSpec {
+                name,
+                args,
+                // Services whose ops routes share their API's listener use that port;
+                // the others get one through ARL_HTTP_ADDR.
+                ops_port: match ops {
+                    Some(port) => port,
+                    None => free_port()?,
+                },
+            })
+        })
+        .collect()
+}
+
+/// Why the sandbox user (uid 65534, "others" to every folder here) cannot reach `dir`:
+/// the outermost folder on its path without the search (x) permission for others.
+fn untraversable(dir: &Path) -> Option<(PathBuf, u32)> {
+    use std::os::unix::fs::PermissionsExt;
+    let absolute = std::path::absolute(dir).ok()?;
+    let mut path: Vec<&Path> = absolute.ancestors().collect();
+    path.reverse();
+    path.into_iter().find_map(|folder| {
+        let mode = std::fs::metadata(folder).ok()?.permissions().mode();
+        (mode & 0o001 == 0).then(|| (folder.to_path_buf(), mode & 0o777))
+    })
+}
+
+/// GET `/ready` on a service's ops port: Ok when ready, else what it waits for.
+async fn ready(port: u16) -> Result<(), String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let connect = tokio::net::TcpStream::connect(("127.0.0.1", port));
+    let mut stream = match tokio::time::timeout(Duration::from_secs(2), connect).await {
+        Ok(Ok(stream)) => stream,
+        _ => return Err("starting".into()),
+    };
+    let request = "GET /ready HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return Err("starting".into());
+    }
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer));
+    if !matches!(read.await, Ok(Ok(_))) {
+        return Err("not answering".into());
+    }
+    let text = String::from_utf8_lossy(&answer);
+    if text.starts_with("HTTP/1.1 200") || text.starts_with("HTTP/1.0 200") {
+        return Ok(());
+    }
+    let waiting = text
+        .split_once("\r\n\r\n")
+        .and_then(|(_, body)| serde_json::from_str::<serde_json::Value>(body).ok())
+        .and_then(|body| body["waiting_for"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| "not ready".into());
+    Err(format!("waiting for {waiting}"))
 }
 
 /// A free TCP port on loopback.
@@ -146,6 +221,15 @@ pub async fn execute(
     nats_url_given: bool,
 ) -> Result<std::process::ExitCode, CliError> {
     let state = args.state_dir.clone();
+    if let Some((folder, mode)) = untraversable(&state) {
+        return Err(CliError::Usage(format!(
+            "--state-dir {}: sandboxes run as an unprivileged user, which cannot traverse {} \
+             (mode {mode:o}); choose a folder it can reach (e.g. under /tmp) or `chmod o+x {}`",
+            state.display(),
+            folder.display(),
+            folder.display()
+        )));
+    }
     let logs = state.join("logs");
     std::fs::create_dir_all(&logs).map_err(io)?;
     // Sandboxes run as an unprivileged user, which must reach their trees and the socket.
@@ -197,35 +281,113 @@ pub async fn execute(
         ("NATS_URL", url.clone()),
         ("ARL_PREFIX", bus.prefix.clone()),
     ];
-    for (name, service_args) in services(&args, &state, engine, proxy) {
-        let (child, log) = spawn(&bin, name, &service_args, &env, &logs)?;
-        children.0.push((name.into(), child, log));
+    let specs = services(&args, &state, engine, proxy)?;
+    for service in &specs {
+        let mut env = env.to_vec();
+        env.push(("ARL_HTTP_ADDR", format!("127.0.0.1:{}", service.ops_port)));
+        let (child, log) = spawn(&bin, service.name, &service.args, &env, &logs)?;
+        children.0.push((service.name.into(), child, log));
     }
-    std::fs::write(state.join("nats-url"), &url).map_err(io)?;
     println!(
-        "ARL is up: NATS at {url}; state and logs in {}",
+        "starting ARL: NATS at {url}; state and logs in {}",
         state.display()
     );
-    println!("submit a run with: NATS_URL={url} arl run submit examples/smoke.toml");
     let mut interrupt = Box::pin(tokio::signal::ctrl_c());
     let mut terminate =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io)?;
+    let started = std::time::Instant::now();
+    let mut last_report = started;
+    loop {
+        if let Some(code) = exited(&mut children) {
+            return Ok(code);
+        }
+        let mut waiting = Vec::new();
+        for service in &specs {
+            if let Err(why) = ready(service.ops_port).await {
+                waiting.push(format!("{} ({why})", service.name));
+            }
+        }
+        if waiting.is_empty() {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(args.ready_timeout_s) {
+            eprintln!(
+                "not ready after {} s: {}; see the logs in {}",
+                args.ready_timeout_s,
+                waiting.join(", "),
+                logs.display()
+            );
+            return Ok(std::process::ExitCode::from(1));
+        }
+        if last_report.elapsed() >= Duration::from_secs(5) {
+            println!("waiting for: {}", waiting.join(", "));
+            last_report = std::time::Instant::now();
+        }
+        tokio::select! {
+            _ = &mut interrupt => return Ok(std::process::ExitCode::SUCCESS),
+            _ = terminate.recv() => return Ok(std::process::ExitCode::SUCCESS),
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+        }
+    }
+    // Written only now: whoever waits for this file (make run) submits to a ready system.
+    std::fs::write(state.join("nats-url"), &url).map_err(io)?;
+    println!(
+        "ARL is up ({:.1} s): every service ready; NATS at {url}; state and logs in {}",
+        started.elapsed().as_secs_f64(),
+        state.display()
+    );
+    let endpoints: Vec<String> = specs
+        .iter()
+        .map(|s| format!("{}=http://127.0.0.1:{}", s.name, s.ops_port))
+        .collect();
+    println!(
+        "ops endpoints (/ready /health /metrics): {}",
+        endpoints.join(" ")
+    );
+    println!("submit a run with: NATS_URL={url} arl run submit examples/smoke.toml");
     loop {
         tokio::select! {
             _ = &mut interrupt => break,
             _ = terminate.recv() => break,
             _ = tokio::time::sleep(Duration::from_millis(500)) => {}
         }
-        for (name, child, log) in children.0.iter_mut() {
-            if let Ok(Some(status)) = child.try_wait() {
-                eprintln!(
-                    "{name} exited ({status}); stopping ARL. Its log ends:\n{}",
-                    tail(log)
-                );
-                return Ok(std::process::ExitCode::from(1));
-            }
+        if let Some(code) = exited(&mut children) {
+            return Ok(code);
         }
     }
     println!("stopping ARL");
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// Exit code 1 (after printing the log's tail) when a service has exited.
+fn exited(children: &mut Children) -> Option<std::process::ExitCode> {
+    for (name, child, log) in children.0.iter_mut() {
+        if let Ok(Some(status)) = child.try_wait() {
+            eprintln!(
+                "{name} exited ({status}); stopping ARL. Its log ends:\n{}",
+                tail(log)
+            );
+            return Some(std::process::ExitCode::from(1));
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_state_dir_the_sandbox_user_cannot_reach_is_named_with_the_blocking_folder() {
+        let tmp = tempfile::tempdir().unwrap();
+        let closed = tmp.path().join("closed");
+        let state = closed.join("state");
+        std::fs::create_dir_all(&state).unwrap();
+        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert_eq!(untraversable(&state), Some((closed.clone(), 0o700)));
+        std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o711)).unwrap();
+        assert_eq!(untraversable(&state), None);
+    }
 }

@@ -45,9 +45,10 @@ struct Stack {
     server: NatsServer,
     ns: Namespace,
     bus: Bus,
-    _children: Children,
+    children: std::sync::Mutex<Children>,
+    engine_port: u16,
     shutdown: Shutdown,
-    _files: tempfile::TempDir,
+    files: tempfile::TempDir,
 }
 
 impl Stack {
@@ -55,9 +56,39 @@ impl Stack {
         Self::start_with(false).await
     }
 
-    /// `agents`: the proxy also listens on a Unix socket that every sandbox relays to, and
-    /// sandboxes get a copy of the agents venv (mini-swe-agent) at /opt/arl-agents.
     async fn start_with(agents: bool) -> Self {
+        let stack = Self::start_without_engine(agents).await;
+        stack.start_engine().await;
+        stack
+    }
+
+    /// Starts the engine behind the proxy and waits until it serves.
+    async fn start_engine(&self) {
+        let port = self.engine_port;
+        let engine = spawn(
+            &self.server,
+            &self.ns,
+            "arl-inference",
+            &[
+                "--model",
+                "smollm2-135m-instruct",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+            ],
+        );
+        self.children.lock().unwrap().0.push(engine);
+        wait_for("the engine", Duration::from_secs(60), || async {
+            let url = format!("http://127.0.0.1:{port}/v1/models");
+            let r = http(&url, "GET", &[], b"").await.ok()?;
+            (r.status == 200).then_some(())
+        })
+        .await;
+    }
+
+    /// Everything but the engine. `agents`: the proxy also listens on a Unix socket that
+    /// every sandbox relays to, and sandboxes get a copy of the agents venv
+    /// (mini-swe-agent) at /opt/arl-agents.
+    async fn start_without_engine(agents: bool) -> Self {
         let files = tempfile::Builder::new()
             .prefix("arl-rollout-")
             .tempdir()
@@ -84,26 +115,7 @@ impl Stack {
             proxy_args.extend(["--listen-unix".to_owned(), unix]);
         }
         let proxy_args: Vec<&str> = proxy_args.iter().map(String::as_str).collect();
-        let children = Children(vec![
-            spawn(
-                &server,
-                &ns,
-                "arl-inference",
-                &[
-                    "--model",
-                    "smollm2-135m-instruct",
-                    "--listen",
-                    &format!("127.0.0.1:{engine_port}"),
-                ],
-            ),
-            spawn(&server, &ns, "arl-proxy", &proxy_args),
-        ]);
-        wait_for("the engine", Duration::from_secs(60), || async {
-            let url = format!("http://127.0.0.1:{engine_port}/v1/models");
-            let r = http(&url, "GET", &[], b"").await.ok()?;
-            (r.status == 200).then_some(())
-        })
-        .await;
+        let children = Children(vec![spawn(&server, &ns, "arl-proxy", &proxy_args)]);
         let bus = Bus::connect(
             BusConfig::new(server.url(), ns.clone(), "test"),
             Metrics::new(),
@@ -153,9 +165,10 @@ impl Stack {
             server,
             ns,
             bus,
-            _children: children,
+            children: std::sync::Mutex::new(children),
+            engine_port,
             shutdown,
-            _files: files,
+            files,
         }
     }
 
@@ -469,6 +482,57 @@ async fn a_failure_under_fail_group_masks_the_whole_group() {
         flag,
         Some(true),
         "the trainer is told to leave the group out"
+    );
+    stack.shutdown.trigger();
+    stack.shutdown.wait().await;
+}
+
+/// The engine comes up 30 s after everything else (as when it loads a large model): the
+/// trials that started meanwhile wait for it — none fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trials_wait_for_an_engine_that_starts_late_and_none_fails() {
+    let stack = Stack::start_without_engine(false).await;
+    let _rollout = Children(vec![stack.rollout()]);
+    let data = stack.files.path().join("math.jsonl");
+    std::fs::write(
+        &data,
+        (1..=3)
+            .map(|i| {
+                format!(
+                    "{{\"question\": \"What is {i} + {i}?\", \"answer\": \"#### {}\"}}\n",
+                    2 * i
+                )
+            })
+            .collect::<String>(),
+    )
+    .unwrap();
+    let run = stack
+        .submit_with(2, |spec| {
+            spec.data.dataset = data.display().to_string();
+            spec.data.source = arl_schemas::spec::DataSource::Gsm8k;
+            spec.rollout.max_response_tokens = 16;
+        })
+        .await;
+    wait_for("the trials to start", Duration::from_secs(60), || async {
+        let s: Vec<TrialStartedV1> = stack.events(&run, Domain::Trial, "started").await;
+        (s.len() >= 2).then_some(())
+    })
+    .await;
+    // The scenario itself is the delay: the engine is not there for 30 s.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    stack.start_engine().await;
+    let trajectories = wait_for("two trajectories", Duration::from_secs(180), || async {
+        let t: Vec<TrajectoryV1> = stack.events(&run, Domain::Trajectory, "ready").await;
+        (t.len() >= 2).then_some(t)
+    })
+    .await;
+    let failed: Vec<TrialFailedV1> = stack.events(&run, Domain::Trial, "failed").await;
+    assert!(failed.is_empty(), "{failed:?}");
+    assert!(
+        trajectories
+            .iter()
+            .all(|t| t.status == SampleStatus::Scored),
+        "{trajectories:?}"
     );
     stack.shutdown.trigger();
     stack.shutdown.wait().await;

@@ -33,8 +33,9 @@ async fn arl_up_runs_a_reduced_training_run_to_completion() {
             .spawn()
             .unwrap(),
     ]);
+    // Written only once every service reports ready.
     let url_file = state.path().join("nats-url");
-    arl_testkit::wait_for("arl up", Duration::from_secs(60), || async {
+    arl_testkit::wait_for("arl up", Duration::from_secs(180), || async {
         std::fs::read_to_string(&url_file)
             .ok()
             .filter(|u| !u.is_empty())
@@ -95,6 +96,12 @@ async fn arl_up_runs_a_reduced_training_run_to_completion() {
     let state_record = bus.run_state(&run_id).await.unwrap().unwrap();
     assert_eq!(state_record.status, RunStatus::Completed);
     assert_eq!(state_record.percent(), 100.0);
+    // Submitted only once `arl up` was ready: no trial met an engine still loading.
+    assert_eq!(
+        state_record.failures.infrastructure, 0,
+        "{:?}",
+        state_record.failures
+    );
     assert_eq!(state_record.steps.len(), 1);
     assert!(
         state_record.steps[0].pg_loss.is_finite() && state_record.steps[0].grad_norm.is_finite()

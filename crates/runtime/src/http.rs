@@ -1,6 +1,7 @@
-//! `/health` and `/metrics` over axum, plus whatever routes a service adds.
+//! `/health`, `/ready` and `/metrics` over axum, plus whatever routes a service adds.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::State;
@@ -15,18 +16,79 @@ struct OpsState {
     bus: Bus,
     metrics: Metrics,
     service: &'static str,
+    readiness: Readiness,
+}
+
+/// Whether a service can do its work yet — weights loaded, a healthy backend, a GPU
+/// probed — as `/ready` reports it (what `arl up` and a Kubernetes readiness probe wait
+/// on). `/health` says only that the process is alive and connected.
+#[derive(Clone)]
+pub struct Readiness(Arc<dyn Fn() -> Result<(), String> + Send + Sync>);
+
+impl Readiness {
+    /// Ready as soon as it serves (and NATS is connected).
+    pub fn always() -> Self {
+        Self(Arc::new(|| Ok(())))
+    }
+
+    /// Ready when `probe` says so; its error says what the service is waiting for.
+    pub fn probe(probe: impl Fn() -> Result<(), String> + Send + Sync + 'static) -> Self {
+        Self(Arc::new(probe))
+    }
+
+    /// Ready once `flag` is set (by the service, when its start-up work is done);
+    /// until then it is waiting for `what`.
+    pub fn flag(flag: Arc<std::sync::atomic::AtomicBool>, what: &'static str) -> Self {
+        Self::probe(move || {
+            if flag.load(std::sync::atomic::Ordering::SeqCst) {
+                Ok(())
+            } else {
+                Err(what.to_owned())
+            }
+        })
+    }
+
+    pub fn check(&self) -> Result<(), String> {
+        (self.0)()
+    }
 }
 
 /// The operational routes every service exposes.
-pub fn ops_router(service: &'static str, bus: Bus, metrics: Metrics) -> Router {
+pub fn ops_router(
+    service: &'static str,
+    bus: Bus,
+    metrics: Metrics,
+    readiness: Readiness,
+) -> Router {
     Router::new()
         .route("/health", get(health))
+        .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
         .with_state(OpsState {
             bus,
             metrics,
             service,
+            readiness,
         })
+}
+
+async fn ready(State(state): State<OpsState>) -> impl IntoResponse {
+    let waiting = if state.bus.is_connected() {
+        state.readiness.check().err()
+    } else {
+        Some("the NATS connection".to_owned())
+    };
+    let status = if waiting.is_none() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let body = serde_json::json!({
+        "service": state.service,
+        "ready": waiting.is_none(),
+        "waiting_for": waiting,
+    });
+    (status, axum::Json(body))
 }
 
 async fn health(State(state): State<OpsState>) -> impl IntoResponse {

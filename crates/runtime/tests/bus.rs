@@ -310,7 +310,12 @@ async fn health_and_metrics_are_served() {
     let bus = connect(&server, &ns).await;
     bus.publish(&progress("run-m", 1)).await.unwrap();
     let shutdown = Shutdown::new();
-    let router = arl_runtime::http::ops_router("test", bus.clone(), bus.metrics().clone());
+    let router = arl_runtime::http::ops_router(
+        "test",
+        bus.clone(),
+        bus.metrics().clone(),
+        arl_runtime::http::Readiness::always(),
+    );
     let addr = arl_runtime::http::serve("127.0.0.1:0".parse().unwrap(), router, &shutdown)
         .await
         .unwrap();

@@ -38,7 +38,12 @@ async fn main() -> anyhow::Result<()> {
 
     let shutdown = Shutdown::new();
     shutdown.trigger_on_signals();
-    let router = arl_runtime::http::ops_router("controller", bus.clone(), metrics);
+    let router = arl_runtime::http::ops_router(
+        "controller",
+        bus.clone(),
+        metrics,
+        arl_runtime::http::Readiness::always(),
+    );
     arl_runtime::http::serve(args.common.http_addr, router, &shutdown).await?;
 
     let mut config = ControllerConfig::default();

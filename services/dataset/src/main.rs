@@ -35,7 +35,12 @@ async fn main() -> anyhow::Result<()> {
     bus.provision().await.context("provisioning streams")?;
     let shutdown = Shutdown::new();
     shutdown.trigger_on_signals();
-    let router = arl_runtime::http::ops_router("dataset", bus.clone(), metrics);
+    let router = arl_runtime::http::ops_router(
+        "dataset",
+        bus.clone(),
+        metrics,
+        arl_runtime::http::Readiness::always(),
+    );
     arl_runtime::http::serve(args.common.http_addr, router, &shutdown).await?;
     DatasetService::new(bus).start(&shutdown);
     tracing::info!("dataset service running");

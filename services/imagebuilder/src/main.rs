@@ -104,7 +104,12 @@ async fn main() -> anyhow::Result<()> {
     bus.provision().await.context("provisioning streams")?;
     let shutdown = Shutdown::new();
     shutdown.trigger_on_signals();
-    let router = arl_runtime::http::ops_router("imagebuilder", bus.clone(), metrics);
+    let router = arl_runtime::http::ops_router(
+        "imagebuilder",
+        bus.clone(),
+        metrics,
+        arl_runtime::http::Readiness::always(),
+    );
     arl_runtime::http::serve(args.common.http_addr, router, &shutdown).await?;
     let mut builder =
         ImageBuilder::new(bus, local, recipes).with_cache_limit((args.cache_limit_gb * 1e9) as u64);

@@ -116,6 +116,7 @@ async fn main() -> anyhow::Result<()> {
         "inference",
         bus.clone(),
         metrics,
+        arl_runtime::http::Readiness::always(),
     ));
     let addr = arl_runtime::http::serve(args.listen, router, &shutdown).await?;
     tracing::info!(%addr, "inference serving");

@@ -84,6 +84,7 @@ impl Server {
             "inference",
             bus.clone(),
             metrics,
+            arl_runtime::http::Readiness::always(),
         ));
         let addr: SocketAddr =
             arl_runtime::http::serve("127.0.0.1:0".parse().unwrap(), router, &shutdown)

@@ -315,11 +315,23 @@ async fn call(p: Arc<Proxy>, key: Option<String>, kind: Kind, request: Request) 
             recorder.whole(response.into_body()).await
         };
     }
-    error(
+    // Nothing was generated: the call keeps its turn index for the caller's retry.
+    trial.turns.fetch_sub(1, Ordering::SeqCst);
+    no_backend()
+}
+
+/// 503 when no engine accepted the call (all down, or still loading): callers wait and
+/// retry (`Retry-After`); the error code says it is this case, not a failed answer.
+fn no_backend() -> Response {
+    let body = json!({"error": {
+        "message": "no backend accepted the connection (engines down or still loading); retry later",
+        "type": "service_unavailable", "param": null, "code": "no_backend"}});
+    (
         StatusCode::SERVICE_UNAVAILABLE,
-        "service_unavailable",
-        "no backend accepted the connection; retry later",
+        [(header::RETRY_AFTER, "1")],
+        axum::Json(body),
     )
+        .into_response()
 }
 
 /// Reads the body, refusing one over `limit` before reading it whole.

@@ -129,7 +129,9 @@ impl Backends {
                         url,
                         dialect,
                         in_flight: AtomicUsize::new(0),
-                        healthy: AtomicBool::new(true),
+                        // Healthy once a health check has answered (the first runs at
+                        // start); until then a backend is still tried, last.
+                        healthy: AtomicBool::new(false),
                         served_version: AtomicU64::new(UNKNOWN_VERSION),
                     })
                 })
@@ -173,6 +175,11 @@ impl Backends {
     }
 
     /// Marks a backend down after a refused connection (the health check brings it back).
+    /// Whether any backend answered its last health check (the proxy's readiness).
+    pub fn any_healthy(&self) -> bool {
+        self.list.iter().any(|b| b.is_healthy())
+    }
+
     pub fn mark_down(&self, backend: usize) {
         if let Some(b) = self.list.get(backend) {
             b.healthy.store(false, Ordering::SeqCst);
@@ -241,6 +248,13 @@ mod tests {
             (Dialect::Arl, "http://b".into()),
             (Dialect::Arl, "http://c".into()),
         ]);
+        // Not ready until a health check has answered; then all three are healthy.
+        assert!(!backends.any_healthy());
+        backends
+            .list
+            .iter()
+            .for_each(|b| b.healthy.store(true, Ordering::SeqCst));
+        assert!(backends.any_healthy());
         backends.list[0].in_flight.store(5, Ordering::SeqCst);
         backends.list[1].in_flight.store(1, Ordering::SeqCst);
         let trial = TrialId::new("trial-1").unwrap();

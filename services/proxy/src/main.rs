@@ -89,7 +89,17 @@ async fn main() -> anyhow::Result<()> {
         },
     );
     backends.watch_health(proxy.client.clone(), Duration::from_secs(2), &shutdown);
-    let router = api::router(proxy).merge(arl_runtime::http::ops_router("proxy", bus, metrics));
+    let healthy = backends.clone();
+    let readiness = arl_runtime::http::Readiness::probe(move || {
+        if healthy.any_healthy() {
+            Ok(())
+        } else {
+            Err("an inference backend that answers its health check".to_owned())
+        }
+    });
+    let router = api::router(proxy).merge(arl_runtime::http::ops_router(
+        "proxy", bus, metrics, readiness,
+    ));
     if let Some(path) = &args.listen_unix {
         arl_runtime::http::serve_unix(path, router.clone(), &shutdown)
             .with_context(|| format!("--listen-unix {}", path.display()))?;

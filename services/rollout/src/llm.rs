@@ -56,7 +56,8 @@ impl Default for LlmClient {
 }
 
 impl LlmClient {
-    /// `POST {base_url}/chat/completions`; waits out 429s for capacity until `deadline`.
+    /// `POST {base_url}/chat/completions`; waits out 429s for capacity, and 503s while no
+    /// engine is up (still loading, restarting), until `deadline`.
     pub async fn chat(
         &self,
         base_url: &str,
@@ -76,6 +77,8 @@ impl LlmClient {
             body["tools"] = tools.clone();
         }
         let body = Bytes::from(body.to_string());
+        let mut no_engine_since: Option<Instant> = None;
+        let mut backoff = Backoff::new();
         loop {
             let request = hyper::Request::post(format!("{base_url}/chat/completions"))
                 .header(hyper::header::CONTENT_TYPE, "application/json")
@@ -131,6 +134,23 @@ impl LlmClient {
                     }
                     tokio::time::sleep(wait).await;
                 }
+                // No engine is up yet (loading its weights) or right now: nothing was
+                // generated, so wait for one rather than fail the trial.
+                503 if value["error"]["code"] == "no_backend" => {
+                    let since = *no_engine_since.get_or_insert_with(Instant::now);
+                    let wait = backoff.next_wait();
+                    if Instant::now() + wait >= deadline {
+                        return Err(infrastructure(format!(
+                            "no inference engine answered for {:.0} s: {message}",
+                            since.elapsed().as_secs_f64()
+                        )));
+                    }
+                    tracing::info!(
+                        wait_ms = wait.as_millis() as u64,
+                        "no engine up yet; waiting"
+                    );
+                    tokio::time::sleep(wait).await;
+                }
                 400 => return Err(TrialError::new(FailureClass::AgentError, message)),
                 code => {
                     return Err(infrastructure(format!(
@@ -142,6 +162,79 @@ impl LlmClient {
     }
 }
 
+/// Exponential back-off with jitter: 0.5 s doubling to 30 s, each wait drawn from
+/// [½, 1] of its step so that many waiting trials do not retry in lock-step.
+pub struct Backoff {
+    step: Duration,
+}
+
+impl Backoff {
+    pub const FIRST: Duration = Duration::from_millis(500);
+    pub const MAX: Duration = Duration::from_secs(30);
+
+    pub fn new() -> Self {
+        Self { step: Self::FIRST }
+    }
+
+    /// The wait before attempt `attempt` (0 = none) of a retried trial.
+    pub fn before_attempt(attempt: u32) -> Duration {
+        if attempt == 0 {
+            return Duration::ZERO;
+        }
+        let step = Self::FIRST
+            .saturating_mul(1u32 << (attempt - 1).min(16))
+            .min(Self::MAX);
+        jitter(step)
+    }
+
+    pub fn next_wait(&mut self) -> Duration {
+        let wait = jitter(self.step);
+        self.step = (self.step * 2).min(Self::MAX);
+        wait
+    }
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A duration drawn uniformly from [step/2, step].
+fn jitter(step: Duration) -> Duration {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    // The clock's sub-second digits are spread enough for spreading retries.
+    let fraction = f64::from(nanos % 1_000_000) / 1_000_000.0;
+    step.mul_f64(0.5 + 0.5 * fraction)
+}
+
 fn infrastructure(message: String) -> TrialError {
     TrialError::new(FailureClass::Infrastructure, message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retries_back_off_exponentially_with_jitter_up_to_a_bound() {
+        assert_eq!(Backoff::before_attempt(0), Duration::ZERO);
+        for attempt in 1..=12u32 {
+            let step = Backoff::FIRST
+                .saturating_mul(1 << (attempt - 1))
+                .min(Backoff::MAX);
+            let wait = Backoff::before_attempt(attempt);
+            assert!(
+                wait >= step / 2 && wait <= step,
+                "attempt {attempt}: {wait:?}"
+            );
+        }
+        let mut backoff = Backoff::new();
+        let waits: Vec<Duration> = (0..10).map(|_| backoff.next_wait()).collect();
+        assert!(waits[0] <= Duration::from_millis(500));
+        assert!(waits.iter().all(|w| *w <= Backoff::MAX));
+        assert!(waits[9] >= Backoff::MAX / 2, "{waits:?}");
+    }
 }

@@ -670,6 +670,9 @@ impl Rollout {
         if retry {
             let mut next = req.clone();
             next.slot.attempt += 1;
+            // Back off before the next attempt (exponential, jittered, ≤ 30 s): a failure
+            // of the infrastructure rarely mends itself in milliseconds.
+            tokio::time::sleep(crate::llm::Backoff::before_attempt(next.slot.attempt)).await;
             self.bus.publish(&next).await?;
             return self.mark_done(req).await;
         }

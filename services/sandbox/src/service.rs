@@ -164,6 +164,7 @@ impl<B: Backend> SandboxService<B> {
             "sandbox",
             self.inner.bus.clone(),
             self.inner.bus.metrics().clone(),
+            arl_runtime::http::Readiness::always(),
         ));
         arl_runtime::http::serve_listener(listener, router, &shutdown)
             .map_err(|source| StartError::Http { addr, source })?;

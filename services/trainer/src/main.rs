@@ -57,7 +57,10 @@ async fn main() -> anyhow::Result<()> {
 
     let shutdown = Shutdown::new();
     shutdown.trigger_on_signals();
-    let router = arl_runtime::http::ops_router("trainer", bus.clone(), metrics);
+    // Ready once the GPU is probed and the trajectory consumer runs.
+    let started = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readiness = arl_runtime::http::Readiness::flag(started.clone(), "the trainer's start-up");
+    let router = arl_runtime::http::ops_router("trainer", bus.clone(), metrics, readiness);
     arl_runtime::http::serve(args.common.http_addr, router, &shutdown).await?;
 
     let gpu = match args.gpu.as_str() {
@@ -79,6 +82,7 @@ async fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(&config.runs_dir)
         .with_context(|| format!("creating {}", config.runs_dir.display()))?;
     Trainer::new(bus, config).start(&shutdown);
+    started.store(true, std::sync::atomic::Ordering::SeqCst);
     tracing::info!("trainer running");
     shutdown.triggered().await;
     shutdown.wait().await;

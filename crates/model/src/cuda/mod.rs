@@ -1020,7 +1020,7 @@ fn target_ids(targets: &[Option<u32>]) -> Vec<i32> {
 
 /// Rows of logits per head chunk: HEAD_CHUNK_BYTES of f32 at most, at least one row.
 fn head_chunk_rows(vocab: usize) -> usize {
-    (HEAD_CHUNK_BYTES / (vocab.max(1) * size_of::<f32>())).max(1)
+    (HEAD_CHUNK_BYTES / vocab.max(1).saturating_mul(size_of::<f32>())).max(1)
 }
 
 #[cfg(test)]
