@@ -425,9 +425,11 @@ async fn plot(args: &BusArgs, run_id: &str, out: &std::path::Path) -> Result<Exi
 }
 
 /// An SVG line chart: mean training reward per step (blue) and the validation resolution
-/// rate at each evaluation (orange, with its 95% interval), both on a 0–max scale.
+/// rate at each evaluation (orange, with its 95% interval; step 0 is the evaluation before
+/// training), on labelled axes with ticks, gridlines and a legend.
 pub fn reward_curve_svg(state: &RunStateV1) -> String {
-    let (width, height, margin) = (640.0_f64, 360.0_f64, 48.0_f64);
+    let (width, height) = (720.0_f64, 400.0_f64);
+    let (left, right, top_margin, bottom) = (64.0_f64, 24.0_f64, 64.0_f64, 56.0_f64);
     let last_step = state
         .steps
         .iter()
@@ -436,39 +438,88 @@ pub fn reward_curve_svg(state: &RunStateV1) -> String {
         .max()
         .unwrap_or(1)
         .max(1);
+    // The y axis runs to 1 (a rate) or to the largest reward with bonuses, rounded up.
     let top = state
         .steps
         .iter()
         .map(|s| s.reward_mean)
         .chain(state.evaluations.iter().map(|e| e.ci95_high))
         .fold(1.0_f64, f64::max);
-    let x = |step: u32| margin + (width - 2.0 * margin) * f64::from(step) / f64::from(last_step);
-    let y = |v: f64| height - margin - (height - 2.0 * margin) * (v / top).clamp(0.0, 1.0);
+    let top = (top * 4.0).ceil() / 4.0;
+    let (plot_w, plot_h) = (width - left - right, height - top_margin - bottom);
+    let x = |step: u32| left + plot_w * f64::from(step) / f64::from(last_step);
+    let y = |v: f64| top_margin + plot_h * (1.0 - (v / top).clamp(0.0, 1.0));
+    let baseline = top_margin + plot_h;
     let mut svg = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
          <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"{margin}\" y=\"20\" font-size=\"14\">{} — reward per step (blue), validation resolution rate (orange)</text>\n\
-         <line x1=\"{margin}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
-         <line x1=\"{margin}\" y1=\"{margin}\" x2=\"{margin}\" y2=\"{b}\" stroke=\"black\"/>\n\
-         <text x=\"{r}\" y=\"{lb}\" text-anchor=\"end\">step {last_step}</text>\n\
-         <text x=\"4\" y=\"{t}\">{top:.2}</text><text x=\"4\" y=\"{b}\">0</text>\n",
+         <text x=\"{left}\" y=\"22\" font-size=\"15\">{}</text>\n",
         escape(&state.name),
-        b = height - margin,
-        r = width - margin,
-        lb = height - margin + 16.0,
-        t = margin + 4.0,
     );
-    let points: Vec<String> = state
-        .steps
-        .iter()
-        .map(|s| format!("{:.1},{:.1}", x(s.step), y(s.reward_mean)))
-        .collect();
-    if !points.is_empty() {
+    // y ticks and gridlines: five steps of the scale.
+    for i in 0..=4 {
+        let value = top * f64::from(i) / 4.0;
+        let ty = y(value);
         svg.push_str(&format!(
-            "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"2\" points=\"{}\"/>\n",
-            points.join(" ")
+            "<line x1=\"{left}\" y1=\"{ty:.1}\" x2=\"{:.1}\" y2=\"{ty:.1}\" stroke=\"#e0e0e0\"/>\n\
+             <text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{value:.2}</text>\n",
+            width - right,
+            left - 6.0,
+            ty + 4.0
         ));
     }
+    // x ticks: every step, or every k-th so that at most ten are labelled.
+    let every = last_step.div_ceil(10).max(1);
+    for step in (0..=last_step).filter(|s| s % every == 0 || *s == last_step) {
+        let tx = x(step);
+        svg.push_str(&format!(
+            "<line x1=\"{tx:.1}\" y1=\"{baseline:.1}\" x2=\"{tx:.1}\" y2=\"{:.1}\" stroke=\"black\"/>\n\
+             <text x=\"{tx:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{step}</text>\n",
+            baseline + 5.0,
+            baseline + 18.0
+        ));
+    }
+    svg.push_str(&format!(
+        "<line x1=\"{left}\" y1=\"{baseline:.1}\" x2=\"{:.1}\" y2=\"{baseline:.1}\" stroke=\"black\"/>\n\
+         <line x1=\"{left}\" y1=\"{top_margin}\" x2=\"{left}\" y2=\"{baseline:.1}\" stroke=\"black\"/>\n\
+         <text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">training step (0 = before training)</text>\n\
+         <text x=\"16\" y=\"{:.1}\" text-anchor=\"middle\" transform=\"rotate(-90 16 {:.1})\">reward / resolution rate</text>\n",
+        width - right,
+        left + plot_w / 2.0,
+        height - 12.0,
+        top_margin + plot_h / 2.0,
+        top_margin + plot_h / 2.0,
+    ));
+    // Legend.
+    svg.push_str(&format!(
+        "<line x1=\"{left}\" y1=\"42\" x2=\"{:.1}\" y2=\"42\" stroke=\"#1f77b4\" stroke-width=\"2\"/>\n\
+         <text x=\"{:.1}\" y=\"46\">mean training reward per step</text>\n\
+         <line x1=\"{:.1}\" y1=\"42\" x2=\"{:.1}\" y2=\"42\" stroke=\"#ff7f0e\" stroke-width=\"2\"/>\n\
+         <text x=\"{:.1}\" y=\"46\">validation resolution rate (95% interval)</text>\n",
+        left + 24.0,
+        left + 30.0,
+        left + 260.0,
+        left + 284.0,
+        left + 290.0,
+    ));
+    let line = |points: Vec<String>, color: &str| {
+        if points.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{}\"/>\n",
+                points.join(" ")
+            )
+        }
+    };
+    svg.push_str(&line(
+        state
+            .steps
+            .iter()
+            .map(|s| format!("{:.1},{:.1}", x(s.step), y(s.reward_mean)))
+            .collect(),
+        "#1f77b4",
+    ));
     for s in &state.steps {
         svg.push_str(&format!(
             "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"#1f77b4\"><title>step {}: reward {:.3}</title></circle>\n",
@@ -478,6 +529,14 @@ pub fn reward_curve_svg(state: &RunStateV1) -> String {
             s.reward_mean
         ));
     }
+    svg.push_str(&line(
+        state
+            .evaluations
+            .iter()
+            .map(|e| format!("{:.1},{:.1}", x(e.step), y(e.resolution_rate)))
+            .collect(),
+        "#ff7f0e",
+    ));
     for e in &state.evaluations {
         svg.push_str(&format!(
             "<line x1=\"{cx:.1}\" y1=\"{:.1}\" x2=\"{cx:.1}\" y2=\"{:.1}\" stroke=\"#ff7f0e\"/>\n\
@@ -498,4 +557,56 @@ fn escape(text: &str) -> String {
     text.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> RunStateV1 {
+        let step = |step: u32, reward: f64| {
+            serde_json::json!({"step": step, "policy_version": step, "reward_mean": reward,
+                               "pg_loss": 0.0, "grad_norm": 1.0, "seconds": 1.0})
+        };
+        let eval = |step: u32, rate: f64| {
+            serde_json::json!({"step": step, "resolution_rate": rate, "ci95_low": rate / 2.0,
+                               "ci95_high": (rate * 1.5).min(1.0), "pass_at_k": {}})
+        };
+        serde_json::from_value(serde_json::json!({
+            "run_id": "run-plot", "name": "plot <test>", "status": "completed", "phase": "finishing",
+            "submitted_by": "t", "submitted_at": "2026-12-01T00:00:00Z",
+            "updated_at": "2026-12-01T00:00:00Z", "total_steps": 3, "step": 3,
+            "policy_version": 3, "trials_finished": 0,
+            "failures": {"infrastructure": 0, "agent_error": 0, "timeout": 0,
+                         "context_overflow": 0, "grading_error": 0},
+            "progress_sequence": 0,
+            "steps": [step(1, 0.1), step(2, 0.3), step(3, 0.6)],
+            "evaluations": [eval(0, 0.1), eval(3, 0.5)],
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_reward_curve_has_axes_ticks_a_legend_and_before_and_after() {
+        let svg = reward_curve_svg(&state());
+        assert!(svg.starts_with("<svg") && svg.ends_with("</svg>\n"));
+        assert!(svg.contains("plot &lt;test&gt;"), "the name is escaped");
+        for label in [
+            "training step (0 = before training)",
+            "reward / resolution rate",
+            "mean training reward per step",
+            "validation resolution rate (95% interval)",
+        ] {
+            assert!(svg.contains(label), "{label}");
+        }
+        for tick in ["0.00", "0.50", "1.00"] {
+            assert!(svg.contains(&format!(">{tick}</text>")), "y tick {tick}");
+        }
+        for step in 0..=3 {
+            assert!(svg.contains(&format!(">{step}</text>")), "x tick {step}");
+        }
+        // One line for the training reward, one joining the evaluations before and after.
+        assert_eq!(svg.matches("<polyline").count(), 2);
+        assert!(svg.contains("step 0: resolved 10.0%") && svg.contains("step 3: resolved 50.0%"));
+    }
 }
