@@ -287,14 +287,26 @@ fn progress_line(state: &RunStateV1) -> String {
         .ok()
         .and_then(|v| v.as_str().map(str::to_owned))
         .unwrap_or_default();
-    format!(
+    let mut line = format!(
         "{} ({phase}) step {}/{} · trials {} finished, {} failed",
         state.status.as_str(),
         state.step,
         state.total_steps,
         state.trials_finished,
         state.failures.total()
-    )
+    );
+    // Where the run started and where it is: the first and the latest evaluation.
+    let rate = |e: &arl_schemas::state::EvaluationSummary| {
+        format!("{:.0}% at step {}", e.resolution_rate * 100.0, e.step)
+    };
+    match (state.evaluations.first(), state.evaluations.last()) {
+        (Some(first), Some(last)) if first.step != last.step => {
+            line.push_str(&format!(" · validation {} → {}", rate(first), rate(last)));
+        }
+        (Some(only), _) => line.push_str(&format!(" · validation {}", rate(only))),
+        _ => {}
+    }
+    line
 }
 
 async fn list_runs(args: &BusArgs, json: bool) -> Result<ExitCode, CliError> {
@@ -584,6 +596,15 @@ mod tests {
             "evaluations": [eval(0, 0.1), eval(3, 0.5)],
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn the_progress_line_shows_validation_before_and_after() {
+        let line = progress_line(&state());
+        assert!(
+            line.contains("validation 10% at step 0 → 50% at step 3"),
+            "{line}"
+        );
     }
 
     #[test]

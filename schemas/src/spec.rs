@@ -349,6 +349,9 @@ pub struct TrainerSpec {
     pub eval_every: u32,
     /// Save a checkpoint every this many steps, and at the end (VeRL `save_freq`).
     pub save_every: u32,
+    /// Evaluate the base model on the validation split before the first step (VeRL
+    /// `val_before_train`), so every run shows where it started.
+    pub val_before_train: bool,
     pub device: Device,
     /// Passes over each batch (VeRL `ppo_epochs`).
     pub ppo_epochs: u32,
@@ -365,6 +368,7 @@ impl Default for TrainerSpec {
             total_steps: 2,
             eval_every: 0,
             save_every: 1,
+            val_before_train: true,
             device: Device::Cpu,
             ppo_epochs: 1,
             ppo_mini_batches: 1,

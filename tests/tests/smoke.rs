@@ -107,7 +107,9 @@ async fn arl_up_runs_a_reduced_training_run_to_completion() {
         state_record.steps[0].pg_loss.is_finite() && state_record.steps[0].grad_norm.is_finite()
     );
     assert_eq!(state_record.policy_version, 1);
-    assert_eq!(state_record.evaluations.len(), 1);
+    // Before training (val_before_train) and after the last step.
+    let evaluated: Vec<u32> = state_record.evaluations.iter().map(|e| e.step).collect();
+    assert_eq!(evaluated, vec![0, 1]);
     let checkpoint = state_record.checkpoint_uri.clone().unwrap();
     let dir = checkpoint.strip_prefix("file://").unwrap();
     assert!(

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
-    EvaluationCompletedV1, PassAtK, RewardScoredV2, Split, TaskBatchV1, TaskRef, TrainStepV1,
-    TrialFailedV1, TrialSlot,
+    DatasetRegisteredV1, EvaluationCompletedV1, PassAtK, RewardScoredV2, Split, TaskBatchV1,
+    TaskRef, TrainStepV1, TrialFailedV1, TrialSlot,
 };
 use arl_schemas::{Bucket, Domain, Event, RunId, TaskId};
 use serde::{Deserialize, Serialize};
@@ -146,6 +146,11 @@ impl Evaluator {
                 SERVICE,
                 vec![ns.event_filter(Domain::Trial, "failed")],
             ),
+            ConsumerSpec::new(
+                Domain::Task,
+                SERVICE,
+                vec![ns.event_filter(Domain::Task, "dataset")],
+            ),
         ];
         for spec in consumers {
             let this = this.clone();
@@ -165,6 +170,9 @@ impl Evaluator {
         let dead = |e: arl_schemas::DecodeError| HandlerError::DeadLetter(e.to_string());
         match delivery.event_type().as_deref() {
             Some(TrainStepV1::TYPE) => self.on_train_step(delivery.decode().map_err(dead)?).await,
+            Some(DatasetRegisteredV1::TYPE) => {
+                self.on_dataset(delivery.decode().map_err(dead)?).await
+            }
             Some(RewardScoredV2::TYPE) => {
                 let scored: RewardScoredV2 = delivery.decode().map_err(dead)?;
                 self.on_outcome(&scored.run_id, &scored.slot, scored.resolved)
@@ -179,9 +187,29 @@ impl Evaluator {
                 self.on_outcome(&failed.run_id, &failed.slot, false).await
             }
             other => Err(HandlerError::DeadLetter(format!(
-                "the evaluator takes train.step, reward.scored (v2) and trial.failed, got {other:?}"
+                "the evaluator takes train.step, task.dataset, reward.scored (v2) and trial.failed, got {other:?}"
             ))),
         }
+    }
+
+    /// The run's dataset is registered: with `val_before_train`, the base model (policy
+    /// version 0) is evaluated as step 0.
+    async fn on_dataset(&self, registered: DatasetRegisteredV1) -> Result<(), HandlerError> {
+        let state = self
+            .bus
+            .run_state(&registered.run_id)
+            .await?
+            .ok_or_else(|| {
+                HandlerError::Retry(format!("run {} has no state", registered.run_id))
+            })?;
+        let spec = state.spec.clone().ok_or_else(|| {
+            HandlerError::Retry(format!("run {} has no spec yet", registered.run_id))
+        })?;
+        if !spec.trainer.val_before_train || state.status.is_terminal() {
+            return Ok(());
+        }
+        self.evaluate(&registered.run_id, 0, 0, &registered.digest, &spec)
+            .await
     }
 
     async fn on_train_step(&self, trained: TrainStepV1) -> Result<(), HandlerError> {
@@ -199,13 +227,32 @@ impl Evaluator {
                 trained.run_id
             ))
         })?;
-        let manifest = self.bus.dataset_manifest(&digest).await?.ok_or_else(|| {
+        self.evaluate(
+            &trained.run_id,
+            trained.step,
+            trained.policy_version,
+            &digest,
+            &spec,
+        )
+        .await
+    }
+
+    /// Opens the tally of the evaluation at `step` and publishes the validation batch.
+    async fn evaluate(
+        &self,
+        run_id: &RunId,
+        step: u32,
+        policy_version: u64,
+        digest: &str,
+        spec: &arl_schemas::spec::RunSpec,
+    ) -> Result<(), HandlerError> {
+        let manifest = self.bus.dataset_manifest(digest).await?.ok_or_else(|| {
             HandlerError::DeadLetter(format!("dataset {digest} is not registered"))
         })?;
         let tally = Tally {
-            run_id: trained.run_id.clone(),
-            step: trained.step,
-            policy_version: trained.policy_version,
+            run_id: run_id.clone(),
+            step,
+            policy_version,
             tasks: manifest.validation.clone(),
             samples_per_task: spec.rollout.val_n,
             results: BTreeMap::new(),
@@ -236,11 +283,11 @@ impl Evaluator {
                 environment: task.environment.clone(),
             })
             .collect();
-        tracing::info!(run = %trained.run_id, step = trained.step, tasks = tasks.len(), "evaluation started");
+        tracing::info!(run = %run_id, step, tasks = tasks.len(), "evaluation started");
         self.bus
             .publish(&TaskBatchV1 {
-                run_id: trained.run_id.clone(),
-                step: trained.step,
+                run_id: run_id.clone(),
+                step,
                 split: Split::Validation,
                 samples_per_task: spec.rollout.val_n,
                 tasks,

@@ -94,6 +94,20 @@ async fn validation_runs_after_evaluation_steps_and_its_rate_reaches_the_run() {
     )
     .await;
 
+    // val_before_train (the default): the base model is evaluated as step 0.
+    let before = wait_for(
+        "the evaluation before training",
+        Duration::from_secs(30),
+        || async {
+            replay::<TaskBatchV1>(&bus, &ns, &run, Domain::Task, "batch")
+                .await
+                .into_iter()
+                .find(|b| b.split == Split::Validation)
+        },
+    )
+    .await;
+    assert_eq!((before.step, before.tasks.len()), (0, 2));
+
     // Step 1 is not an evaluation step; step 2 is.
     for step in [1, 2] {
         bus.publish(&TrainStepV1 {
@@ -109,7 +123,7 @@ async fn validation_runs_after_evaluation_steps_and_its_rate_reaches_the_run() {
         replay::<TaskBatchV1>(&bus, &ns, &run, Domain::Task, "batch")
             .await
             .into_iter()
-            .find(|b| b.split == Split::Validation)
+            .find(|b| b.split == Split::Validation && b.step > 0)
     })
     .await;
     assert_eq!((validation.step, validation.samples_per_task), (2, 2));
