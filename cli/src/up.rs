@@ -221,6 +221,15 @@ pub async fn execute(
     nats_url_given: bool,
 ) -> Result<std::process::ExitCode, CliError> {
     let state = args.state_dir.clone();
+    let logs = state.join("logs");
+    std::fs::create_dir_all(&logs).map_err(io)?;
+    // Sandboxes run as an unprivileged user, which must reach their trees and the socket.
+    for dir in [&state, &state.join("environments")] {
+        std::fs::create_dir_all(dir).map_err(io)?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).map_err(io)?;
+    }
+    // arl up opens the state folder itself; the folders above it must let the user in.
     if let Some((folder, mode)) = untraversable(&state) {
         return Err(CliError::Usage(format!(
             "--state-dir {}: sandboxes run as an unprivileged user, which cannot traverse {} \
@@ -229,14 +238,6 @@ pub async fn execute(
             folder.display(),
             folder.display()
         )));
-    }
-    let logs = state.join("logs");
-    std::fs::create_dir_all(&logs).map_err(io)?;
-    // Sandboxes run as an unprivileged user, which must reach their trees and the socket.
-    for dir in [&state, &state.join("environments")] {
-        std::fs::create_dir_all(dir).map_err(io)?;
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).map_err(io)?;
     }
     let bin = std::env::current_exe()
         .map_err(io)?

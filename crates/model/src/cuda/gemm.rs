@@ -11,7 +11,7 @@ use std::ffi::c_void;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{CudaSlice, DevicePtr};
 
-use super::{Arg, Cuda, CudaError, GpuBuf};
+use super::{Arg, Cuda, CudaError, GpuBuf, args};
 
 /// A bf16 copy of (part of) a buffer, for one product.
 pub(super) struct Bf16 {
@@ -33,11 +33,7 @@ impl Cuda {
         if let Some(slice) = &copy.slice {
             let out = slice.device_ptr(&self.device.stream).0;
             let (xp, len64) = (x.ptr(offset), len as i64);
-            self.launch(
-                "to_bf16",
-                super::elementwise(len),
-                &[Arg::from(&out), Arg::from(&xp), Arg::from(&len64)],
-            );
+            self.launch("to_bf16", super::elementwise(len), args![out, xp, len64]);
         }
         copy
     }
@@ -79,12 +75,7 @@ impl Cuda {
         self.launch(
             "to_bf16_split",
             super::elementwise(len),
-            &[
-                Arg::from(&hp),
-                Arg::from(&lp),
-                Arg::from(&xp),
-                Arg::from(&len64),
-            ],
+            args![hp, lp, xp, len64],
         );
         (hi, lo)
     }

@@ -224,6 +224,14 @@ impl Cuda {
     }
 }
 
+/// A kernel's arguments, in its signature's order: `args![out, x, len]`.
+macro_rules! args {
+    ($($arg:expr),* $(,)?) => {
+        &[$(Arg::from(&$arg)),*]
+    };
+}
+use args;
+
 /// One kernel argument.
 enum Arg {
     Ptr(u64),
@@ -393,32 +401,18 @@ impl Backend for Cuda {
         self.launch(
             "gather_rows",
             elementwise(rows.len() * c as usize),
-            &[
-                Arg::from(&o),
-                Arg::from(&x),
-                Arg::from(&indices),
-                Arg::from(&n),
-                Arg::from(&c),
-            ],
+            args![o, x, indices, n, c],
         );
     }
 
     fn add_assign(&self, x: &mut GpuBuf, y: &GpuBuf) {
         let (xp, yp, len) = (x.ptr(0), y.ptr(0), x.len as i64);
-        self.launch(
-            "add_assign",
-            elementwise(x.len),
-            &[Arg::from(&xp), Arg::from(&yp), Arg::from(&len)],
-        );
+        self.launch("add_assign", elementwise(x.len), args![xp, yp, len]);
     }
 
     fn scale(&self, x: &mut GpuBuf, factor: f32) {
         let (xp, len) = (x.ptr(0), x.len as i64);
-        self.launch(
-            "scale",
-            elementwise(x.len),
-            &[Arg::from(&xp), Arg::from(&factor), Arg::from(&len)],
-        );
+        self.launch("scale", elementwise(x.len), args![xp, factor, len]);
     }
 
     fn sum_squares(&self, x: &GpuBuf) -> f64 {
@@ -439,11 +433,7 @@ impl Backend for Cuda {
         );
         let mut cfg = elementwise(x.len);
         cfg.grid_dim.0 = cfg.grid_dim.0.min(1024);
-        self.launch(
-            "sum_squares",
-            cfg,
-            &[Arg::from(&tp), Arg::from(&xp), Arg::from(&len)],
-        );
+        self.launch("sum_squares", cfg, args![tp, xp, len]);
         let mut host = [0f64];
         if self.ok()
             && let Err(e) = self.device.stream.memcpy_dtoh(&total, &mut host)
@@ -462,13 +452,7 @@ impl Backend for Cuda {
         self.launch(
             "embedding_forward",
             elementwise(out.len),
-            &[
-                Arg::from(&o),
-                Arg::from(&t),
-                Arg::from(&ids),
-                Arg::from(&n),
-                Arg::from(&c32),
-            ],
+            args![o, t, ids, n, c32],
         );
     }
 
@@ -481,13 +465,7 @@ impl Backend for Cuda {
         self.launch(
             "embedding_backward",
             elementwise(dout.len),
-            &[
-                Arg::from(&dt),
-                Arg::from(&d),
-                Arg::from(&ids),
-                Arg::from(&n),
-                Arg::from(&c32),
-            ],
+            args![dt, d, ids, n, c32],
         );
     }
 
@@ -504,14 +482,7 @@ impl Backend for Cuda {
         self.launch(
             "rmsnorm_forward",
             per_row_head(n, 1),
-            &[
-                Arg::from(&o),
-                Arg::from(&r),
-                Arg::from(&xp),
-                Arg::from(&wp),
-                Arg::from(&c),
-                Arg::from(&eps),
-            ],
+            args![o, r, xp, wp, c, eps],
         );
     }
 
@@ -537,27 +508,12 @@ impl Backend for Cuda {
         self.launch(
             "rmsnorm_backward_dx",
             per_row_head(n, 1),
-            &[
-                Arg::from(&dxp),
-                Arg::from(&dp),
-                Arg::from(&xp),
-                Arg::from(&wp),
-                Arg::from(&rp),
-                Arg::from(&c32),
-            ],
+            args![dxp, dp, xp, wp, rp, c32],
         );
         self.launch(
             "rmsnorm_backward_dw",
             columns(n, c),
-            &[
-                Arg::from(&dwp),
-                Arg::from(&dp),
-                Arg::from(&xp),
-                Arg::from(&rp),
-                Arg::from(&n32),
-                Arg::from(&c32),
-                Arg::from(&rows),
-            ],
+            args![dwp, dp, xp, rp, n32, c32, rows],
         );
     }
 
@@ -574,16 +530,7 @@ impl Backend for Cuda {
         self.gemm_forward(out.ptr(0), x, 0, w, n, i, o);
         if let Some(bias) = bias {
             let (op, bp, n32, o32) = (out.ptr(0), bias.ptr(0), n as i32, o as i32);
-            self.launch(
-                "add_bias",
-                elementwise(n * o),
-                &[
-                    Arg::from(&op),
-                    Arg::from(&bp),
-                    Arg::from(&n32),
-                    Arg::from(&o32),
-                ],
-            );
+            self.launch("add_bias", elementwise(n * o), args![op, bp, n32, o32]);
         }
     }
 
@@ -625,17 +572,7 @@ impl Backend for Cuda {
                 o as i32,
                 ROWS_PER_BLOCK as i32,
             );
-            self.launch(
-                "column_sums",
-                columns(n, o),
-                &[
-                    Arg::from(&dbp),
-                    Arg::from(&dp),
-                    Arg::from(&n32),
-                    Arg::from(&o32),
-                    Arg::from(&rows),
-                ],
-            );
+            self.launch("column_sums", columns(n, o), args![dbp, dp, n32, o32, rows]);
         }
     }
 
@@ -656,25 +593,13 @@ impl Backend for Cuda {
         self.launch(
             "rope_apply",
             elementwise(positions.len() * heads * half),
-            &[
-                Arg::from(&xp),
-                Arg::from(&pos),
-                Arg::from(&freq),
-                Arg::from(&n),
-                Arg::from(&h),
-                Arg::from(&half32),
-                Arg::from(&sign),
-            ],
+            args![xp, pos, freq, n, h, half32, sign],
         );
     }
 
     fn swiglu_forward(&self, out: &mut GpuBuf, gate: &GpuBuf, up: &GpuBuf) {
         let (o, g, u, len) = (out.ptr(0), gate.ptr(0), up.ptr(0), gate.len as i64);
-        self.launch(
-            "swiglu_forward",
-            elementwise(gate.len),
-            &[Arg::from(&o), Arg::from(&g), Arg::from(&u), Arg::from(&len)],
-        );
+        self.launch("swiglu_forward", elementwise(gate.len), args![o, g, u, len]);
     }
 
     fn swiglu_backward(
@@ -696,14 +621,7 @@ impl Backend for Cuda {
         self.launch(
             "swiglu_backward",
             elementwise(gate.len),
-            &[
-                Arg::from(&dg),
-                Arg::from(&du),
-                Arg::from(&d),
-                Arg::from(&g),
-                Arg::from(&u),
-                Arg::from(&len),
-            ],
+            args![dg, du, d, g, u, len],
         );
     }
 
@@ -728,17 +646,7 @@ impl Backend for Cuda {
         self.launch(
             "attention_forward",
             per_row_head(n, heads),
-            &[
-                Arg::from(&o),
-                Arg::from(&at),
-                Arg::from(&qp),
-                Arg::from(&kp),
-                Arg::from(&vp),
-                Arg::from(&table),
-                Arg::from(&h),
-                Arg::from(&kvh),
-                Arg::from(&hd32),
-            ],
+            args![o, at, qp, kp, vp, table, h, kvh, hd32],
         );
     }
 
@@ -768,49 +676,17 @@ impl Backend for Cuda {
         self.launch(
             "attention_backward_rowdot",
             per_row_head(n, heads),
-            &[
-                Arg::from(&dotp),
-                Arg::from(&dp),
-                Arg::from(&at),
-                Arg::from(&vp),
-                Arg::from(&table),
-                Arg::from(&h),
-                Arg::from(&kvh),
-                Arg::from(&hd32),
-            ],
+            args![dotp, dp, at, vp, table, h, kvh, hd32],
         );
         self.launch(
             "attention_backward_dq",
             per_row_head(n, heads),
-            &[
-                Arg::from(&dqp),
-                Arg::from(&dp),
-                Arg::from(&at),
-                Arg::from(&kp),
-                Arg::from(&vp),
-                Arg::from(&dotp),
-                Arg::from(&table),
-                Arg::from(&h),
-                Arg::from(&kvh),
-                Arg::from(&hd32),
-            ],
+            args![dqp, dp, at, kp, vp, dotp, table, h, kvh, hd32],
         );
         self.launch(
             "attention_backward_dkv",
             per_row_head(n, kv_heads),
-            &[
-                Arg::from(&dkp),
-                Arg::from(&dvp),
-                Arg::from(&dp),
-                Arg::from(&at),
-                Arg::from(&qp),
-                Arg::from(&vp),
-                Arg::from(&dotp),
-                Arg::from(&table),
-                Arg::from(&h),
-                Arg::from(&kvh),
-                Arg::from(&hd32),
-            ],
+            args![dkp, dvp, dp, at, qp, vp, dotp, table, h, kvh, hd32],
         );
     }
 
@@ -846,18 +722,7 @@ impl Backend for Cuda {
         self.launch(
             "attention_cached",
             per_row_head(t, heads),
-            &[
-                Arg::from(&o),
-                Arg::from(&s),
-                Arg::from(&qp),
-                Arg::from(&kp),
-                Arg::from(&vp),
-                Arg::from(&start32),
-                Arg::from(&t32),
-                Arg::from(&h),
-                Arg::from(&kvh),
-                Arg::from(&hd32),
-            ],
+            args![o, s, qp, kp, vp, start32, t32, h, kvh, hd32],
         );
     }
 
@@ -894,15 +759,7 @@ impl Backend for Cuda {
             self.launch(
                 "head_stats",
                 per_row_head(rows, 1),
-                &[
-                    Arg::from(&lp),
-                    Arg::from(&ep),
-                    Arg::from(&pp),
-                    Arg::from(&zp),
-                    Arg::from(&targets),
-                    Arg::from(&r032),
-                    Arg::from(&v32),
-                ],
+                args![lp, ep, pp, zp, targets, r032, v32],
             );
         }
     }
@@ -946,16 +803,7 @@ impl Backend for Cuda {
             self.launch(
                 "head_dlogits",
                 per_row_head(rows, 1),
-                &[
-                    Arg::from(&zp),
-                    Arg::from(&lp),
-                    Arg::from(&ep),
-                    Arg::from(&d_lp),
-                    Arg::from(&d_h),
-                    Arg::from(&target_ids),
-                    Arg::from(&r032),
-                    Arg::from(&v32),
-                ],
+                args![zp, lp, ep, d_lp, d_h, target_ids, r032, v32],
             );
             let dz_bf = self.bf16_split(&logits, 0, rows * vocab);
             self.gemm_dx_split(dh.ptr(r0 * c), &dz_bf, &w_bf, rows, c, vocab);
@@ -981,19 +829,19 @@ impl Backend for Cuda {
         self.launch(
             "adamw",
             elementwise(param.len),
-            &[
-                Arg::from(&pp),
-                Arg::from(&gp),
-                Arg::from(&mp),
-                Arg::from(&vp),
-                Arg::from(&len),
-                Arg::from(&s.lr),
-                Arg::from(&s.beta1),
-                Arg::from(&s.beta2),
-                Arg::from(&s.eps),
-                Arg::from(&s.weight_decay),
-                Arg::from(&s.correction1),
-                Arg::from(&s.correction2),
+            args![
+                pp,
+                gp,
+                mp,
+                vp,
+                len,
+                s.lr,
+                s.beta1,
+                s.beta2,
+                s.eps,
+                s.weight_decay,
+                s.correction1,
+                s.correction2
             ],
         );
     }
