@@ -295,6 +295,10 @@ fn progress_line(state: &RunStateV1) -> String {
         state.trials_finished,
         state.failures.total()
     );
+    let idle = state.steps.iter().filter(|s| trained_nothing(s)).count();
+    if idle > 0 {
+        line.push_str(&format!(" · {idle} step(s) trained nothing"));
+    }
     // Where the run started and where it is: the first and the latest evaluation.
     let rate = |e: &arl_schemas::state::EvaluationSummary| {
         format!("{:.0}% at step {}", e.resolution_rate * 100.0, e.step)
@@ -307,6 +311,12 @@ fn progress_line(state: &RunStateV1) -> String {
         _ => {}
     }
     line
+}
+
+/// A step whose update changed nothing: a zero gradient means every group's rewards were
+/// equal (GRPO's advantages are all zero) or there was no sample at all.
+fn trained_nothing(step: &arl_schemas::state::StepSummary) -> bool {
+    step.grad_norm == 0.0
 }
 
 async fn list_runs(args: &BusArgs, json: bool) -> Result<ExitCode, CliError> {
@@ -397,9 +407,30 @@ pub fn render_status(state: &RunStateV1) -> String {
     if !state.steps.is_empty() {
         out.push("steps:       step  policy  reward_mean   pg_loss  grad_norm  seconds".into());
         for s in &state.steps {
+            let note = if trained_nothing(s) {
+                "  nothing trained"
+            } else {
+                ""
+            };
             out.push(format!(
-                "             {:>4}  {:>6}  {:>11.4}  {:>8.4}  {:>9.4}  {:>7.1}",
+                "             {:>4}  {:>6}  {:>11.4}  {:>8.4}  {:>9.4}  {:>7.1}{note}",
                 s.step, s.policy_version, s.reward_mean, s.pg_loss, s.grad_norm, s.seconds
+            ));
+        }
+        let idle: Vec<String> = state
+            .steps
+            .iter()
+            .filter(|s| trained_nothing(s))
+            .map(|s| s.step.to_string())
+            .collect();
+        if !idle.is_empty() {
+            out.push(format!(
+                "warning:    {} of {} steps trained nothing (step {}): every group's trials got \
+                 the same reward (no advantage to learn from) or no trial gave a sample; the \
+                 policy did not change there",
+                idle.len(),
+                state.steps.len(),
+                idle.join(", ")
             ));
         }
     }
@@ -596,6 +627,20 @@ mod tests {
             "evaluations": [eval(0, 0.1), eval(3, 0.5)],
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn steps_that_trained_nothing_are_called_out() {
+        let mut idle = state();
+        idle.steps[1].grad_norm = 0.0;
+        let status = render_status(&idle);
+        assert!(status.contains("nothing trained"), "{status}");
+        assert!(
+            status.contains("warning:    1 of 3 steps trained nothing (step 2)"),
+            "{status}"
+        );
+        assert!(progress_line(&idle).contains("1 step(s) trained nothing"));
+        assert!(!render_status(&state()).contains("warning"));
     }
 
     #[test]
