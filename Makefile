@@ -152,7 +152,7 @@ bench: deps models loadtest
 	$(CARGO_TARGET_DIR)/release/arl-bench-sandbox
 
 loadtest: deps
-	cargo run --release --quiet -p arl-loadtest -- --runs 2000 --concurrency 64
+	cargo run --release --quiet -p arl-loadtest --bin arl-loadtest -- --runs 2000 --concurrency 64
 
 # The GPU tests, built here (CUDA is loaded at run time), for scripts/device-gpu-tests.sh on
 # a GPU machine. SmolLM2's GGUF goes there in two parts: .device/smol.part00, part01.

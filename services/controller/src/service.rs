@@ -232,12 +232,19 @@ impl Controller {
 
     async fn on_run_requested(&self, delivery: &Delivery) -> Result<(), HandlerError> {
         let ns = self.inner.bus.namespace();
-        let trainers = self
-            .inner
-            .bus
-            .live_trainers()
-            .await
-            .map_err(|e| HandlerError::Retry(format!("reading live trainers: {e}")))?;
+        // Only a `cuda` run needs the live trainers (a bucket listing per request would
+        // slow every admission).
+        let wants_gpu = arl_schemas::catalog::decode_run_request(&delivery.payload)
+            .is_ok_and(|r| r.spec.trainer.device == arl_schemas::spec::Device::Cuda);
+        let trainers = if wants_gpu {
+            self.inner
+                .bus
+                .live_trainers()
+                .await
+                .map_err(|e| HandlerError::Retry(format!("reading live trainers: {e}")))?
+        } else {
+            Vec::new()
+        };
         let admission = admit(
             &delivery.subject,
             ns.run_token(&delivery.subject),
