@@ -39,11 +39,11 @@ QWEN_TOKENIZER := $(ARL_MODEL_DIR)/qwen-tokenizer/tokenizer.json
 SMOLLM2_HF := $(ARL_MODEL_DIR)/SmolLM2-135M-Instruct-hf/model.safetensors
 # GSM-Symbolic math templates (TOML), for the math dataset loader's tests.
 export ARL_GSM_SYMBOLIC_DIR ?= $(ARL_CACHE)/data/gsm-symbolic-0.5.5
-SPEC ?= examples/smoke.toml
+SPEC ?= examples/arithmetic.toml
 # SWE-bench setup and test commands for `arl up` (image builder and reward service).
 export ARL_SWEBENCH_RECIPES ?= $(wildcard ../shared/data/swebench/instances.json)
 
-.PHONY: help deps system-deps models data vllm build run test lint fmt gen bench loadtest clean-cache gpu-test-bundle
+.PHONY: help deps system-deps models data vllm build build-release run learn-check test lint fmt gen bench loadtest clean-cache gpu-test-bundle
 
 help:
 	@echo "make run      install what is missing, build, and run $(SPEC) on this machine"
@@ -125,8 +125,16 @@ $(ARL_GSM_SYMBOLIC_DIR):
 build:
 	cargo build --workspace --bins
 
-run: deps $(SMOLLM2) build
+build-release:
+	cargo build --release --workspace --bins
+
+run: deps $(SMOLLM2) build-release
 	scripts/run-local.sh $(SPEC)
+
+# make run, then check that it learned (issue 19's criteria, from `arl run status --json`).
+learn-check: deps $(SMOLLM2) build-release
+	dir=$$(mktemp -d -t arl-learn-XXXXXX) && ARL_STATE_DIR=$$dir scripts/run-local.sh $(SPEC) \
+	  && scripts/check-learning.py $$dir/status.json
 
 fmt:
 	cargo fmt --all

@@ -3,8 +3,9 @@
 # nats-server unless NATS_URL is set), submit SPEC, follow it to the end with a progress
 # bar, print the summary, write the reward curve, and stop everything on exit.
 set -euo pipefail
-spec="${1:-examples/smoke.toml}"
-bin="${CARGO_TARGET_DIR:?}/debug"
+spec="${1:-examples/arithmetic.toml}"
+# Release binaries: the CPU engine and trainer are what the run's minutes buy.
+bin="${CARGO_TARGET_DIR:?}/release"
 state="${ARL_STATE_DIR:-$(mktemp -d -t arl-run-XXXXXX)}"
 up_args=(--state-dir "$state")
 if [ -n "${ARL_SWEBENCH_RECIPES:-}" ]; then up_args+=(--swebench-recipes "$ARL_SWEBENCH_RECIPES"); fi
@@ -22,6 +23,7 @@ status=0
 "$bin/arl" run watch "$run_id" --timeout-s "${ARL_RUN_TIMEOUT_S:-1800}" || status=$?
 echo
 "$bin/arl" run status "$run_id" || true
+"$bin/arl" run status "$run_id" --json > "$state/status.json" || true
 "$bin/arl" run plot "$run_id" --out "$state/reward-curve.svg" || true
-echo "took $(( $(date +%s) - started )) s; reward curve: $state/reward-curve.svg"
+echo "took $(( $(date +%s) - started )) s; reward curve: $state/reward-curve.svg; state: $state/status.json"
 exit "$status"

@@ -295,7 +295,7 @@ fn progress_line(state: &RunStateV1) -> String {
         state.trials_finished,
         state.failures.total()
     );
-    let idle = state.steps.iter().filter(|s| trained_nothing(s)).count();
+    let idle = state.steps.iter().filter(|s| s.trained_nothing()).count();
     if idle > 0 {
         line.push_str(&format!(" · {idle} step(s) trained nothing"));
     }
@@ -311,12 +311,6 @@ fn progress_line(state: &RunStateV1) -> String {
         _ => {}
     }
     line
-}
-
-/// A step whose update changed nothing: a zero gradient means every group's rewards were
-/// equal (GRPO's advantages are all zero) or there was no sample at all.
-fn trained_nothing(step: &arl_schemas::state::StepSummary) -> bool {
-    step.grad_norm == 0.0
 }
 
 async fn list_runs(args: &BusArgs, json: bool) -> Result<ExitCode, CliError> {
@@ -405,22 +399,32 @@ pub fn render_status(state: &RunStateV1) -> String {
         ));
     }
     if !state.steps.is_empty() {
-        out.push("steps:       step  policy  reward_mean   pg_loss  grad_norm  seconds".into());
+        out.push(
+            "steps:       step  policy  reward_mean   pg_loss  grad_norm  seconds  samples trained  zero-adv groups"
+                .into(),
+        );
         for s in &state.steps {
-            let note = if trained_nothing(s) {
+            let note = if s.trained_nothing() {
                 "  nothing trained"
             } else {
                 ""
             };
+            let (trained, flat) = match &s.batch {
+                Some(b) => (
+                    format!("{}/{}", b.samples_trained, b.trajectories),
+                    format!("{}/{}", b.zero_advantage_groups, b.groups),
+                ),
+                None => ("-".into(), "-".into()),
+            };
             out.push(format!(
-                "             {:>4}  {:>6}  {:>11.4}  {:>8.4}  {:>9.4}  {:>7.1}{note}",
+                "             {:>4}  {:>6}  {:>11.4}  {:>8.4}  {:>9.4}  {:>7.1}  {trained:>15}  {flat:>15}{note}",
                 s.step, s.policy_version, s.reward_mean, s.pg_loss, s.grad_norm, s.seconds
             ));
         }
         let idle: Vec<String> = state
             .steps
             .iter()
-            .filter(|s| trained_nothing(s))
+            .filter(|s| s.trained_nothing())
             .map(|s| s.step.to_string())
             .collect();
         if !idle.is_empty() {
@@ -641,6 +645,20 @@ mod tests {
         );
         assert!(progress_line(&idle).contains("1 step(s) trained nothing"));
         assert!(!render_status(&state()).contains("warning"));
+
+        // With batch counts, samples trained decide (not the gradient norm).
+        let mut counted = state();
+        counted.steps[2].batch = Some(arl_schemas::events::BatchCounts {
+            trajectories: 8,
+            masked: 0,
+            stale: 0,
+            groups: 2,
+            zero_advantage_groups: 2,
+            samples_trained: 0,
+        });
+        let status = render_status(&counted);
+        assert!(status.contains("0/8") && status.contains("2/2"), "{status}");
+        assert!(status.contains("steps trained nothing (step 3)"), "{status}");
     }
 
     #[test]

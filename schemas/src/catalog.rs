@@ -58,6 +58,7 @@ pub fn all_events() -> Vec<EventEntry> {
         entry::<events::RewardScoredV1>(),
         entry::<events::RewardScoredV2>(),
         entry::<events::TrainStepV1>(),
+        entry::<events::TrainStepV2>(),
         entry::<events::WeightsPublishedV1>(),
         entry::<events::EvaluationCompletedV1>(),
     ]

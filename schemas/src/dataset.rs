@@ -107,24 +107,66 @@ pub fn final_answer(solution: &str) -> Option<String> {
     })
 }
 
-/// Whether a trial's answer to a math task matches the expected final answer: the
-/// answer is read from a `#### N` line if there is one, else the last line is taken as
-/// the answer; equal strings or equal numbers match (`12.0` = `12`).
+/// Whether a trial's answer to a math task matches the expected final answer. The answer
+/// is the number right after the first `####` when there is one (lm-evaluation-harness's
+/// GSM8K "strict-match": the answer the model commits to first, whatever it writes after),
+/// else the last number in the text ("flexible-extract"); equal strings or equal numbers
+/// match (`12.0` = `12`, `1,234` = `1234`). Only one number is read, so listing guesses
+/// earns nothing.
 pub fn answer_matches(candidate: &str, expected: &str) -> bool {
-    let found = if candidate.contains("####") {
-        final_answer(candidate)
-    } else {
-        let last = candidate.trim().lines().last().unwrap_or_default();
-        final_answer(&format!("#### {}", last.trim().trim_end_matches('.')))
+    let found = match candidate.split_once("####") {
+        Some((_, tail)) => numbers(tail).into_iter().next().filter(|_| {
+            // Strict: the number must come first after the marker.
+            tail.trim_start()
+                .starts_with(|c: char| c.is_ascii_digit() || c == '-' || c == '$')
+        }),
+        None => numbers(candidate).pop(),
     };
     let Some(found) = found else {
         return false;
     };
+    let found = found.strip_suffix(".0").unwrap_or(&found);
     found == expected
         || matches!(
             (found.parse::<f64>(), expected.parse::<f64>()),
             (Ok(a), Ok(b)) if a == b
         )
+}
+
+/// The numbers of a text in order: an optional `-` or `$`, digits with `,` thousands
+/// separators and at most one decimal point (a trailing `.` or `,` is punctuation).
+fn numbers(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let chars: Vec<char> = text.chars().collect();
+    let mut i = 0;
+    while i < chars.len() {
+        if !chars[i].is_ascii_digit() {
+            i += 1;
+            continue;
+        }
+        let negative = i > 0
+            && chars[i - 1] == '-'
+            && (i < 2 || !chars[i - 2].is_ascii_alphanumeric());
+        let mut number = String::from(if negative { "-" } else { "" });
+        let mut seen_point = false;
+        while i < chars.len() {
+            let c = chars[i];
+            let next_is_digit = chars.get(i + 1).is_some_and(char::is_ascii_digit);
+            if c.is_ascii_digit() {
+                number.push(c);
+            } else if c == ',' && next_is_digit {
+                // thousands separator: dropped
+            } else if c == '.' && next_is_digit && !seen_point {
+                seen_point = true;
+                number.push(c);
+            } else {
+                break;
+            }
+            i += 1;
+        }
+        out.push(number);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -136,6 +178,18 @@ mod tests {
         assert!(answer_matches("so 5 + 7 = 12\n#### 12", "12"));
         assert!(answer_matches("12", "12"));
         assert!(answer_matches("The total is\n12.", "12"));
+        // Strict: the number right after the first ####, whatever follows it.
+        assert!(answer_matches("8 + 20 = 28.\n#### 28\nThe answer is: 28", "28"));
+        assert!(answer_matches("#### $1,234.", "1234"));
+        assert!(!answer_matches("#### 13\nno, 12", "12"));
+        assert!(!answer_matches("#### 13\n#### 12", "12"), "the first #### counts");
+        assert!(!answer_matches("12 #### the answer", "12"));
+        // Flexible: the last number of the text.
+        assert!(answer_matches("3 + 2 = 5", "5"));
+        assert!(answer_matches("She has 7 - 9 = -2 left.", "-2"));
+        assert!(answer_matches("x-3 is 3", "3"));
+        assert!(!answer_matches("5, 6, 7 or 8", "5"), "one guess only: the last");
+        assert!(answer_matches("It costs 0.5.", "0.5"));
         assert!(answer_matches("#### 1,234", "1234"));
         assert!(answer_matches("#### 12.0", "12"));
         assert!(answer_matches("#### 0.50", "0.5"));

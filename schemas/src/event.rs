@@ -85,13 +85,20 @@ pub enum DecodeError {
         version: u32,
         errors: Vec<FieldError>,
     },
+    #[error("{event_type} v{version} is newer than this build reads: upgrade the consumer")]
+    UnknownVersion {
+        event_type: &'static str,
+        version: u32,
+    },
 }
 
 impl DecodeError {
     /// The field errors, for a rejection event.
     pub fn field_errors(&self) -> Vec<FieldError> {
         match self {
-            DecodeError::WrongType { .. } => vec![FieldError::new("", self.to_string())],
+            DecodeError::WrongType { .. } | DecodeError::UnknownVersion { .. } => {
+                vec![FieldError::new("", self.to_string())]
+            }
             DecodeError::Invalid { errors, .. } => errors.clone(),
         }
     }

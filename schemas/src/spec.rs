@@ -117,6 +117,10 @@ pub struct RolloutSpec {
     /// Samples per validation task at each evaluation (VeRL `val_kwargs.n`); pass@k is
     /// reported for every k up to it.
     pub val_n: u32,
+    /// Sampling temperature of validation trials (VeRL `val_kwargs.temperature`): 0 is
+    /// greedy, so an evaluation measures the policy itself rather than sampling noise.
+    /// `val_n` above 1 needs a temperature above 0.
+    pub val_temperature: f64,
     /// What a failed trial becomes, per failure class.
     pub on_failure: FailurePolicy,
     /// Attempts of one trial under the `retry` action; the last failure is masked.
@@ -186,6 +190,7 @@ impl Default for RolloutSpec {
             agent: AgentKind::SweText,
             timeout_s: 600,
             val_n: 1,
+            val_temperature: 0.0,
             on_failure: FailurePolicy::default(),
             max_attempts: 3,
             max_observation_chars: 4000,
@@ -476,6 +481,21 @@ impl RunSpec {
             fail(
                 "rollout.val_n",
                 format!("must be in [1, 64], got {}", r.val_n),
+            );
+        }
+        if !(0.0..=2.0).contains(&r.val_temperature) {
+            fail(
+                "rollout.val_temperature",
+                format!("must be in [0, 2], got {}", r.val_temperature),
+            );
+        } else if r.val_n > 1 && r.val_temperature == 0.0 {
+            fail(
+                "rollout.val_temperature",
+                format!(
+                    "is 0 (greedy), so the {} samples of rollout.val_n would all be the same: \
+                     set rollout.val_temperature above 0 (e.g. 1.0) or rollout.val_n = 1",
+                    r.val_n
+                ),
             );
         }
         if !(0.0..=2.0).contains(&r.temperature) {

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::events::{FailureCounts, RunPhase};
+use crate::events::{BatchCounts, FailureCounts, RunPhase};
 use crate::spec::RunSpec;
 use crate::{FieldError, RunId};
 
@@ -61,6 +61,20 @@ pub struct StepSummary {
     pub pg_loss: f64,
     pub grad_norm: f64,
     pub seconds: f64,
+    /// What the step's batch held and trained on (absent for a version-1 `train.step`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchCounts>,
+}
+
+impl StepSummary {
+    /// The step changed no weight: no sample carried an advantage (or, for a step
+    /// reported without batch counts, the gradient was zero).
+    pub fn trained_nothing(&self) -> bool {
+        match &self.batch {
+            Some(batch) => batch.samples_trained == 0,
+            None => self.grad_norm == 0.0,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -99,6 +113,9 @@ pub struct RunStateV1 {
     pub steps: Vec<StepSummary>,
     #[serde(default)]
     pub evaluations: Vec<EvaluationSummary>,
+    /// Per training step, trials that failed for good as `infrastructure`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub infrastructure_failures: BTreeMap<u32, u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_uri: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics};
-use arl_schemas::events::{EvaluationCompletedV1, Example, TrainStepV1};
+use arl_schemas::events::{EvaluationCompletedV1, Example, TrainStepV2};
 use arl_schemas::state::{RunStateV1, RunStatus};
 use arl_schemas::{Bucket, Namespace, RunId};
 use arl_testkit::{NatsServer, built_binary, test_namespace, wait_for};
@@ -189,11 +189,11 @@ async fn a_killed_controller_restarts_with_the_run_intact_and_watch_sees_it_fini
     let run_id = RunId::new(text(&submitted.stdout).trim()).unwrap();
     let bus = deployment.bus().await;
 
-    let step = |n: u32| TrainStepV1 {
+    let step = |n: u32| TrainStepV2 {
         run_id: run_id.clone(),
         step: n,
         policy_version: u64::from(n),
-        ..TrainStepV1::example()
+        ..TrainStepV2::example()
     };
     bus.publish(&step(1)).await.unwrap();
     wait_for("step 1 recorded", Duration::from_secs(30), || async {

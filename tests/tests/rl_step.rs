@@ -13,7 +13,7 @@ use std::time::Duration;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics};
 use arl_schemas::events::{
-    CallSpan, SampleStatus, Split, TrainStepV1, TrajectoryBranch, TrajectoryV1, TrialSlot,
+    CallSpan, SampleStatus, Split, TrainStepV2, TrajectoryBranch, TrajectoryV1, TrialSlot,
 };
 use arl_schemas::state::RunStateV1;
 use arl_schemas::{Bucket, Event, RunId, TaskId, TrialId};
@@ -228,9 +228,22 @@ async fn one_grpo_step_flows_from_engine_to_trainer_and_back() {
         ))
         .await
         .unwrap();
-    let event = TrainStepV1::decode(&message.payload).unwrap();
+    let event = TrainStepV2::decode(&message.payload).unwrap();
     assert_eq!(
         (event.metrics.trajectories, event.metrics.reward_mean),
         (4, 0.5)
     );
+    // Two groups of two, rewards 0 and 1 in each: every sample carries an advantage.
+    assert_eq!(
+        (
+            event.batch.trajectories,
+            event.batch.groups,
+            event.batch.zero_advantage_groups,
+            event.batch.samples_trained
+        ),
+        (4, 2, 0, 4),
+        "{:?}",
+        event.batch
+    );
+    assert_eq!(step.batch.as_ref(), Some(&event.batch));
 }

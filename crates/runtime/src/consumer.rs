@@ -122,6 +122,28 @@ impl Delivery {
         E::decode(&self.payload)
     }
 
+    /// Decodes a `train.step` of the version its `Arl-Version` header names; without
+    /// headers, as the newest version it parses as.
+    pub fn decode_train_step(&self) -> Result<arl_schemas::events::TrainStep, DecodeError> {
+        use arl_schemas::events::{TrainStep, TrainStepV2};
+        let version = match headers::event_type(self.headers.as_ref()) {
+            Some((found_type, _)) if found_type != TrainStepV2::TYPE => {
+                return Err(DecodeError::WrongType {
+                    expected_type: TrainStepV2::TYPE,
+                    expected_version: TrainStepV2::VERSION,
+                    found_type,
+                    found_version: 0,
+                });
+            }
+            Some((_, version)) => version,
+            None => {
+                return TrainStep::decode(TrainStepV2::VERSION, &self.payload)
+                    .or_else(|newest| TrainStep::decode(1, &self.payload).map_err(|_| newest));
+            }
+        };
+        TrainStep::decode(version, &self.payload)
+    }
+
     /// The `Arl-Type` header, if present.
     pub fn event_type(&self) -> Option<String> {
         headers::event_type(self.headers.as_ref()).map(|(t, _)| t)

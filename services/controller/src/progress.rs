@@ -3,7 +3,7 @@
 
 use arl_schemas::events::{
     DatasetRegisteredV1, EvaluationCompletedV1, FailureClass, RunCompletedV1, RunFailedV1,
-    RunPhase, RunProgressV1, TrainStepV1, WeightsPublishedV1,
+    RunPhase, RunProgressV1, Split, TrainStep, TrialFailedV1, WeightsPublishedV1,
 };
 use arl_schemas::state::{EvaluationSummary, RunStateV1, RunStatus, StepSummary};
 use chrono::Utc;
@@ -25,20 +25,22 @@ fn start_running(state: &mut RunStateV1) {
     }
 }
 
-pub fn apply_train_step(state: &mut RunStateV1, event: &TrainStepV1) {
+pub fn apply_train_step(state: &mut RunStateV1, event: &TrainStep) {
     start_running(state);
-    if event.step > state.step {
-        state.step = event.step;
-        state.policy_version = state.policy_version.max(event.policy_version);
+    if event.step() > state.step {
+        state.step = event.step();
+        state.policy_version = state.policy_version.max(event.policy_version());
     }
-    if !state.steps.iter().any(|s| s.step == event.step) {
+    if !state.steps.iter().any(|s| s.step == event.step()) {
+        let metrics = event.metrics();
         state.steps.push(StepSummary {
-            step: event.step,
-            policy_version: event.policy_version,
-            reward_mean: event.metrics.reward_mean,
-            pg_loss: event.metrics.pg_loss,
-            grad_norm: event.metrics.grad_norm,
-            seconds: event.timing.total,
+            step: event.step(),
+            policy_version: event.policy_version(),
+            reward_mean: metrics.reward_mean,
+            pg_loss: metrics.pg_loss,
+            grad_norm: metrics.grad_norm,
+            seconds: event.timing().total,
+            batch: event.batch().cloned(),
         });
         state.steps.sort_by_key(|s| s.step);
     }
@@ -71,9 +73,16 @@ pub fn apply_trial_finished(state: &mut RunStateV1) {
     state.trials_finished += 1;
 }
 
-pub fn apply_trial_failed(state: &mut RunStateV1, class: FailureClass) {
+pub fn apply_trial_failed(state: &mut RunStateV1, event: &TrialFailedV1) {
     start_running(state);
-    state.failures.add(class);
+    state.failures.add(event.class);
+    let gave_up = !event.will_retry && event.class == FailureClass::Infrastructure;
+    if gave_up && event.slot.split == Split::Train {
+        *state
+            .infrastructure_failures
+            .entry(event.slot.step)
+            .or_insert(0) += 1;
+    }
 }
 
 pub fn apply_weights(state: &mut RunStateV1, event: &WeightsPublishedV1) {
@@ -87,6 +96,65 @@ pub fn apply_run_failed(state: &mut RunStateV1, event: &RunFailedV1) {
     }
     state.status = RunStatus::Failed;
     state.failure_reason = Some(format!("{}: {}", event.service, event.reason));
+}
+
+/// The service name the controller signs its own failure decisions with.
+pub const CONTROLLER: &str = "controller";
+
+/// Ends the run `failed` when it can no longer learn anything: every trial of a step
+/// failed as `infrastructure`, or every step is in and none trained a sample. Returns true
+/// when this call failed it. Order-independent: whichever of the trial failures and the
+/// step report arrives last decides.
+pub fn fail_if_fruitless(state: &mut RunStateV1) -> bool {
+    if state.status.is_terminal() {
+        return false;
+    }
+    let lost = state.steps.iter().find_map(|s| {
+        let batch = s.batch.as_ref()?;
+        let failed = state.infrastructure_failures.get(&s.step).copied()?;
+        (batch.trajectories > 0 && failed >= batch.trajectories).then_some((s.step, failed))
+    });
+    let reason = if let Some((step, failed)) = lost {
+        format!(
+            "every trial of step {step} ({failed}) failed as infrastructure, so the step had \
+             nothing to train on: check the sandbox and inference services (their logs and \
+             `arl run status`'s failures), then submit the run again"
+        )
+    } else if state.total_steps > 0
+        && state.steps.len() >= state.total_steps as usize
+        && state.steps.iter().all(StepSummary::trained_nothing)
+    {
+        let groups: u32 = state
+            .steps
+            .iter()
+            .filter_map(|s| s.batch.as_ref().map(|b| b.groups))
+            .sum();
+        format!(
+            "every step trained nothing: in all {} steps ({groups} groups) each group's \
+             trials got the same reward, so no sample had an advantage. The tasks are too \
+             hard (or too easy) for this model: choose easier tasks, raise rollout.n, or \
+             check the reward",
+            state.steps.len()
+        )
+    } else {
+        return false;
+    };
+    state.status = RunStatus::Failed;
+    state.failure_reason = Some(format!("{CONTROLLER}: {reason}"));
+    true
+}
+
+/// The `run.failed` the controller announces for its own decision (none when the run did
+/// not fail by the controller's hand).
+pub fn failed_event(state: &RunStateV1) -> Option<RunFailedV1> {
+    let reason = state.failure_reason.as_deref()?;
+    let reason = reason.strip_prefix(CONTROLLER)?.strip_prefix(": ")?;
+    (state.status == RunStatus::Failed).then(|| RunFailedV1 {
+        run_id: state.run_id.clone(),
+        failed_at: state.updated_at,
+        service: CONTROLLER.into(),
+        reason: reason.to_owned(),
+    })
 }
 
 /// Marks the run completed once every step is trained and the final evaluation is in.
@@ -134,7 +202,26 @@ pub fn completed_event(state: &RunStateV1) -> RunCompletedV1 {
 mod tests {
     use super::*;
     use arl_schemas::RunId;
-    use arl_schemas::events::{Example, FailureCounts};
+    use arl_schemas::events::{Example, FailureCounts, TrainStepV1, TrainStepV2};
+
+    fn failure(class: FailureClass, step: u32, will_retry: bool) -> TrialFailedV1 {
+        let mut event = TrialFailedV1::example();
+        event.class = class;
+        event.slot.step = step;
+        event.slot.split = Split::Train;
+        event.will_retry = will_retry;
+        event
+    }
+
+    fn step(n: u32, trajectories: u32, samples_trained: u32) -> TrainStep {
+        let mut event = TrainStepV2::example();
+        event.step = n;
+        event.policy_version = u64::from(n);
+        event.batch.trajectories = trajectories;
+        event.batch.masked = trajectories - samples_trained.min(trajectories);
+        event.batch.samples_trained = samples_trained;
+        TrainStep::V2(event)
+    }
 
     fn accepted(total_steps: u32) -> RunStateV1 {
         RunStateV1 {
@@ -157,6 +244,7 @@ mod tests {
             failures: FailureCounts::default(),
             steps: vec![],
             evaluations: vec![],
+            infrastructure_failures: Default::default(),
             checkpoint_uri: None,
             failure_reason: None,
             progress_sequence: 1,
@@ -168,7 +256,7 @@ mod tests {
     fn redeliveries_are_not_applied_twice() {
         let mut state = accepted(2);
         assert!(first_time(&mut state, "ARL_TRIALS", 5));
-        apply_trial_failed(&mut state, FailureClass::Timeout);
+        apply_trial_failed(&mut state, &failure(FailureClass::Timeout, 1, false));
         assert!(!first_time(&mut state, "ARL_TRIALS", 5));
         assert!(!first_time(&mut state, "ARL_TRIALS", 4));
         assert!(first_time(&mut state, "ARL_TRAIN", 5));
@@ -179,10 +267,10 @@ mod tests {
     #[test]
     fn completes_after_the_last_step_and_its_evaluation() {
         let mut state = accepted(2);
-        let mut step = TrainStepV1::example();
+        let mut step = TrainStepV2::example();
         step.step = 2;
         step.policy_version = 2;
-        apply_train_step(&mut state, &step);
+        apply_train_step(&mut state, &TrainStep::V2(step));
         assert_eq!(state.phase, RunPhase::Evaluating);
         assert!(!complete_if_done(&mut state));
         assert!(state.percent() > 90.0 && state.percent() < 100.0);
@@ -193,5 +281,66 @@ mod tests {
         assert!(!complete_if_done(&mut state));
         assert_eq!(state.percent(), 100.0);
         assert_eq!(completed_event(&state).final_policy_version, 2);
+    }
+
+    #[test]
+    fn a_step_whose_every_trial_failed_as_infrastructure_fails_the_run() {
+        // Failures first, then the step report.
+        let mut state = accepted(3);
+        for _ in 0..3 {
+            apply_trial_failed(&mut state, &failure(FailureClass::Infrastructure, 1, false));
+        }
+        // Retried failures and other classes do not count.
+        apply_trial_failed(&mut state, &failure(FailureClass::Infrastructure, 1, true));
+        apply_trial_failed(&mut state, &failure(FailureClass::Timeout, 1, false));
+        assert!(!fail_if_fruitless(&mut state));
+        apply_train_step(&mut state, &step(1, 4, 0));
+        assert!(!fail_if_fruitless(&mut state), "3 of 4 trials failed: not all");
+        apply_trial_failed(&mut state, &failure(FailureClass::Infrastructure, 1, false));
+        assert!(fail_if_fruitless(&mut state));
+        assert_eq!(state.status, RunStatus::Failed);
+        let reason = state.failure_reason.clone().unwrap();
+        assert!(reason.contains("every trial of step 1 (4) failed as infrastructure"), "{reason}");
+        let event = failed_event(&state).unwrap();
+        assert_eq!(event.service, CONTROLLER);
+        assert!(!fail_if_fruitless(&mut state), "decided once");
+
+        // The step report first, then the failures.
+        let mut state = accepted(3);
+        apply_train_step(&mut state, &step(2, 2, 0));
+        apply_trial_failed(&mut state, &failure(FailureClass::Infrastructure, 2, false));
+        assert!(!fail_if_fruitless(&mut state));
+        apply_trial_failed(&mut state, &failure(FailureClass::Infrastructure, 2, false));
+        assert!(fail_if_fruitless(&mut state));
+    }
+
+    #[test]
+    fn a_run_whose_every_step_trained_nothing_fails_and_one_that_trained_completes() {
+        let mut state = accepted(2);
+        apply_train_step(&mut state, &step(1, 8, 0));
+        assert!(!fail_if_fruitless(&mut state), "one idle step is a warning, not a failure");
+        apply_train_step(&mut state, &step(2, 8, 0));
+        assert!(fail_if_fruitless(&mut state));
+        let reason = state.failure_reason.clone().unwrap();
+        assert!(reason.contains("every step trained nothing"), "{reason}");
+        let mut eval = EvaluationCompletedV1::example();
+        eval.step = 2;
+        apply_evaluation(&mut state, &eval);
+        assert!(!complete_if_done(&mut state), "a failed run stays failed");
+
+        let mut state = accepted(2);
+        apply_train_step(&mut state, &step(1, 8, 0));
+        apply_train_step(&mut state, &step(2, 8, 5));
+        assert!(!fail_if_fruitless(&mut state));
+        apply_evaluation(&mut state, &eval);
+        assert!(complete_if_done(&mut state));
+        assert!(failed_event(&state).is_none());
+
+        // A step reported by a version-1 trainer has no counts: its gradient norm decides.
+        let mut state = accepted(1);
+        let mut v1 = TrainStepV1::example();
+        v1.step = 1;
+        apply_train_step(&mut state, &TrainStep::V1(v1));
+        assert!(!fail_if_fruitless(&mut state), "grad_norm 0.87 trained something");
     }
 }

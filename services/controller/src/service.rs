@@ -8,7 +8,7 @@ use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
     DatasetRegisteredV1, EvaluationCompletedV1, RunAcceptedV1, RunFailedV1, RunPhase,
-    RunRejectedV1, TrainStepV1, TrialFailedV1, TrialFinishedV1, WeightsPublishedV1,
+    RunRejectedV1, TrialFailedV1, TrialFinishedV1, WeightsPublishedV1,
 };
 use arl_schemas::state::{RunStateV1, RunStatus};
 use arl_schemas::{Domain, Event, RunId};
@@ -89,8 +89,15 @@ impl Controller {
             c.on_run_requested(&d).await
         });
 
-        self.fold::<TrainStepV1>(shutdown, Domain::Train, "step", |state, event| {
-            progress::apply_train_step(state, event);
+        // train.step comes in two versions: one consumer reads both.
+        let steps = ConsumerSpec::new(
+            Domain::Train,
+            FOLD,
+            vec![ns.event_filter(Domain::Train, "step")],
+        )
+        .ordered();
+        self.consume(shutdown, steps, |c, d| async move {
+            c.on_train_step(&d).await
         });
         self.fold::<EvaluationCompletedV1>(shutdown, Domain::Eval, "completed", |state, event| {
             progress::apply_evaluation(state, event);
@@ -160,6 +167,17 @@ impl Controller {
         });
     }
 
+    async fn on_train_step(&self, delivery: &Delivery) -> Result<(), HandlerError> {
+        let event = delivery
+            .decode_train_step()
+            .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+        let run_id = run_of(self, delivery)?;
+        self.apply(delivery, Domain::Train, &run_id, |state| {
+            progress::apply_train_step(state, &event);
+        })
+        .await
+    }
+
     async fn on_trial_outcome(&self, delivery: &Delivery) -> Result<(), HandlerError> {
         let run_id = run_of(self, delivery)?;
         let dead = |e: arl_schemas::DecodeError| HandlerError::DeadLetter(e.to_string());
@@ -177,7 +195,7 @@ impl Controller {
             Some(TrialFailedV1::TYPE) => {
                 let event = delivery.decode::<TrialFailedV1>().map_err(dead)?;
                 self.apply(delivery, Domain::Trial, &run_id, |state| {
-                    progress::apply_trial_failed(state, event.class);
+                    progress::apply_trial_failed(state, &event);
                 })
                 .await
             }
@@ -206,6 +224,7 @@ impl Controller {
                 // Late events (a trial that finished after the final evaluation) still
                 // count; only the status is final.
                 apply(state);
+                progress::fail_if_fruitless(state);
                 progress::complete_if_done(state);
                 state.progress_sequence += 1;
                 true
@@ -218,7 +237,16 @@ impl Controller {
             )));
         };
         // Publishing again after a redelivery is harmless: the message ids de-duplicate.
-        self.announce(&state).await
+        self.announce(&state).await?;
+        // The controller's own `run.failed` (not when folding a `run.failed`: that would
+        // only echo it).
+        if domain != Domain::Run
+            && let Some(failed) = progress::failed_event(&state)
+        {
+            tracing::warn!(run = %run_id, reason = %failed.reason, "run failed");
+            self.inner.bus.publish(&failed).await?;
+        }
+        Ok(())
     }
 
     async fn announce(&self, state: &RunStateV1) -> Result<(), HandlerError> {
@@ -359,6 +387,7 @@ fn initial_state(admission: Admission) -> RunStateV1 {
         failures: Default::default(),
         steps: vec![],
         evaluations: vec![],
+        infrastructure_failures: Default::default(),
         checkpoint_uri: None,
         failure_reason: None,
         progress_sequence: 1,

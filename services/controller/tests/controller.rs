@@ -9,7 +9,7 @@ use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown, headers};
 use arl_schemas::events::{
     EvaluationCompletedV1, Example, FailureClass, RunAcceptedV1, RunCompletedV1, RunProgressV1,
-    RunRejectedV1, RunRequestedV1, TrainStepV1, TrialFailedV1, TrialFinishedV1,
+    RunRejectedV1, RunRequestedV1, TrainStepV2, TrialFailedV1, TrialFinishedV1,
 };
 use arl_schemas::spec::RunSpec;
 use arl_schemas::state::{RunStateV1, RunStatus};
@@ -302,12 +302,12 @@ async fn undecodable_bytes_are_rejected_not_dropped() {
     stop(controller).await;
 }
 
-fn step(run_id: &RunId, step: u32) -> TrainStepV1 {
-    TrainStepV1 {
+fn step(run_id: &RunId, step: u32) -> TrainStepV2 {
+    TrainStepV2 {
         run_id: run_id.clone(),
         step,
         policy_version: u64::from(step),
-        ..TrainStepV1::example()
+        ..TrainStepV2::example()
     }
 }
 

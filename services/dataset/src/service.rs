@@ -12,7 +12,7 @@ use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::dataset::DatasetManifestV1;
 use arl_schemas::events::{
-    DatasetRegisteredV1, RunAcceptedV1, RunFailedV1, Split, TaskBatchV1, TaskRef, TrainStepV1,
+    DatasetRegisteredV1, RunAcceptedV1, RunFailedV1, Split, TaskBatchV1, TaskRef,
 };
 use arl_schemas::state::RunStateV1;
 use arl_schemas::{Domain, ObjectStore, RunId};
@@ -128,19 +128,19 @@ impl DatasetService {
     }
 
     async fn on_train_step(&self, delivery: Delivery) -> Result<(), HandlerError> {
-        let trained: TrainStepV1 = delivery
-            .decode()
+        let trained = delivery
+            .decode_train_step()
             .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
-        let state = self.run_state(&trained.run_id).await?;
+        let state = self.run_state(trained.run_id()).await?;
         let Some(spec) = state.spec.clone() else {
             return Ok(());
         };
-        let next = trained.step + 1 + spec.algorithm.max_staleness;
+        let next = trained.step() + 1 + spec.algorithm.max_staleness;
         if next > state.total_steps {
             return Ok(());
         }
         let manifest = self.manifest(&state).await?;
-        self.publish_batch(&trained.run_id, &spec, &manifest, next)
+        self.publish_batch(trained.run_id(), &spec, &manifest, next)
             .await
     }
 

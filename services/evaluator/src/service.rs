@@ -13,7 +13,7 @@ use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
     DatasetRegisteredV1, EvaluationCompletedV1, PassAtK, RewardScoredV2, Split, TaskBatchV1,
-    TaskRef, TrainStepV1, TrialFailedV1, TrialSlot,
+    TaskRef, TrainStep, TrainStepV2, TrialFailedV1, TrialSlot,
 };
 use arl_schemas::{Bucket, Domain, Event, RunId, TaskId};
 use serde::{Deserialize, Serialize};
@@ -169,7 +169,10 @@ impl Evaluator {
     async fn on_event(&self, delivery: Delivery) -> Result<(), HandlerError> {
         let dead = |e: arl_schemas::DecodeError| HandlerError::DeadLetter(e.to_string());
         match delivery.event_type().as_deref() {
-            Some(TrainStepV1::TYPE) => self.on_train_step(delivery.decode().map_err(dead)?).await,
+            Some(TrainStepV2::TYPE) => {
+                self.on_train_step(delivery.decode_train_step().map_err(dead)?)
+                    .await
+            }
             Some(DatasetRegisteredV1::TYPE) => {
                 self.on_dataset(delivery.decode().map_err(dead)?).await
             }
@@ -212,25 +215,24 @@ impl Evaluator {
             .await
     }
 
-    async fn on_train_step(&self, trained: TrainStepV1) -> Result<(), HandlerError> {
-        let state =
-            self.bus.run_state(&trained.run_id).await?.ok_or_else(|| {
-                HandlerError::Retry(format!("run {} has no state", trained.run_id))
-            })?;
+    async fn on_train_step(&self, trained: TrainStep) -> Result<(), HandlerError> {
+        let run_id = trained.run_id();
+        let state = self
+            .bus
+            .run_state(run_id)
+            .await?
+            .ok_or_else(|| HandlerError::Retry(format!("run {run_id} has no state")))?;
         let spec = state.spec.clone().unwrap_or_default();
-        if !is_eval_step(trained.step, spec.trainer.eval_every, state.total_steps) {
+        if !is_eval_step(trained.step(), spec.trainer.eval_every, state.total_steps) {
             return Ok(());
         }
         let digest = state.dataset_digest.clone().ok_or_else(|| {
-            HandlerError::Retry(format!(
-                "run {} has no registered dataset yet",
-                trained.run_id
-            ))
+            HandlerError::Retry(format!("run {run_id} has no registered dataset yet"))
         })?;
         self.evaluate(
-            &trained.run_id,
-            trained.step,
-            trained.policy_version,
+            run_id,
+            trained.step(),
+            trained.policy_version(),
             &digest,
             &spec,
         )

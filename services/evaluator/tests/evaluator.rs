@@ -15,7 +15,7 @@ use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown};
 use arl_schemas::events::{
     EvaluationCompletedV1, Example, FailureClass, RewardScoredV2, RunRequestedV1, Split,
-    TaskBatchV1, TrainStepV1, TrialFailedV1, TrialSlot,
+    TaskBatchV1, TrainStepV1, TrainStepV2, TrialFailedV1, TrialSlot,
 };
 use arl_schemas::spec::RunSpec;
 use arl_schemas::{Domain, Event, Namespace, RunId, TaskId, TrialId};
@@ -72,6 +72,7 @@ async fn validation_runs_after_evaluation_steps_and_its_rate_reaches_the_run() {
         .to_string();
     spec.data.val_size = 2;
     spec.rollout.val_n = 2;
+    spec.rollout.val_temperature = 1.0;
     spec.trainer.total_steps = 3;
     spec.trainer.eval_every = 2;
     let run = RunId::generate();
@@ -250,11 +251,11 @@ async fn validation_runs_after_evaluation_steps_and_its_rate_reaches_the_run() {
     assert!(shown.contains("registered  sha256:"), "{shown}");
 
     // The last step is always evaluated.
-    bus.publish(&TrainStepV1 {
+    bus.publish(&TrainStepV2 {
         run_id: run.clone(),
         step: 3,
         policy_version: 3,
-        ..TrainStepV1::example()
+        ..TrainStepV2::example()
     })
     .await
     .unwrap();

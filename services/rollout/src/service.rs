@@ -299,7 +299,10 @@ impl Rollout {
             base_url: &key.base_url,
             instruction: &trial.task.instruction,
             sampling: Sampling {
-                temperature: spec.rollout.temperature,
+                temperature: match trial.request.slot.split {
+                    Split::Train => spec.rollout.temperature,
+                    Split::Validation => spec.rollout.val_temperature,
+                },
                 top_p: spec.rollout.top_p,
                 max_tokens: spec.rollout.max_response_tokens,
             },

@@ -18,7 +18,7 @@ use arl_model::cuda::Cuda;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, BusError, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
-    RunFailedV1, Split, StepTiming, TrainMetrics, TrainStepV1, TrajectoryV1, WeightsFormat,
+    BatchCounts, RunFailedV1, Split, StepTiming, TrainMetrics, TrainStepV2, TrajectoryV1, WeightsFormat,
     WeightsPublishedV1,
 };
 use arl_schemas::spec::{Device, KlLossType, LossAggMode, LrScheduler, OldLogprobSource, RunSpec};
@@ -357,7 +357,7 @@ impl Trainer {
         };
         let total = started.elapsed().as_secs_f64();
         let update = (total - save_seconds - step_metrics.old_logprob_seconds).max(0.0);
-        let train_step_event = TrainStepV1 {
+        let train_step_event = TrainStepV2 {
             run_id: run.run_id.clone(),
             step,
             policy_version: u64::from(step),
@@ -375,6 +375,14 @@ impl Trainer {
                 tokens_per_second: step_metrics.tokens_per_second,
                 trajectories: assembled.trajectories as u32,
                 groups_dropped: step_metrics.groups_dropped as u32,
+            },
+            batch: BatchCounts {
+                trajectories: count(assembled.trajectories),
+                masked: count(assembled.masked),
+                stale: count(assembled.stale),
+                groups: count(step_metrics.groups),
+                zero_advantage_groups: count(step_metrics.zero_advantage_groups),
+                samples_trained: count(step_metrics.samples_trained),
             },
             timing: StepTiming {
                 wait_for_trajectories: waited,
@@ -397,8 +405,16 @@ impl Trainer {
         }
         tracing::info!(
             run = %run.run_id, step, pg_loss = step_metrics.pg_loss, grad_norm = step_metrics.grad_norm,
-            reward_mean = step_metrics.reward_mean, samples = assembled.samples.len(), "step trained"
+            reward_mean = step_metrics.reward_mean, samples = assembled.samples.len(),
+            samples_trained = step_metrics.samples_trained,
+            zero_advantage_groups = step_metrics.zero_advantage_groups, "step trained"
         );
+        if step_metrics.samples_trained == 0 {
+            tracing::warn!(
+                run = %run.run_id, step, groups = step_metrics.groups, masked = assembled.masked,
+                "step trained nothing: every group's rewards were equal or every trial was masked"
+            );
+        }
         if is_checkpoint {
             run.step = step;
             for waiter in run.uncommitted.drain(..) {
@@ -457,6 +473,9 @@ impl Trainer {
                 response_length_mean: metrics.response_length_mean,
                 tokens_per_second: (tokens * config.epochs.max(1)) as f64 / seconds.max(1e-9),
                 groups_dropped: metrics.groups_dropped,
+                groups: metrics.groups,
+                zero_advantage_groups: metrics.zero_advantage_groups,
+                samples_trained: metrics.samples_trained,
                 old_logprob_seconds: metrics.old_logprob_seconds,
             };
             let save_started = Instant::now();
@@ -659,7 +678,14 @@ struct StepOutcome {
     response_length_mean: f64,
     tokens_per_second: f64,
     groups_dropped: usize,
+    groups: usize,
+    zero_advantage_groups: usize,
+    samples_trained: usize,
     old_logprob_seconds: f64,
+}
+
+fn count(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 fn hostname() -> String {

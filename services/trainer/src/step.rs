@@ -91,6 +91,12 @@ pub struct StepMetrics {
     pub reward_max: f64,
     pub response_length_mean: f64,
     pub trained_tokens: usize,
+    /// Groups (tasks) in the batch.
+    pub groups: usize,
+    /// Groups whose advantages are all zero (equal rewards): they teach nothing.
+    pub zero_advantage_groups: usize,
+    /// Samples whose loss carries a non-zero advantage.
+    pub samples_trained: usize,
     pub groups_dropped: usize,
     pub updates: usize,
     /// Time spent on old and reference log-probabilities (the rest is the update).
@@ -125,16 +131,20 @@ pub fn train_step<B: Backend>(
     }
     let mut advantage = vec![0f64; samples.len()];
     let mut kept = Vec::new();
+    metrics.groups = groups.len();
     for members in groups.values() {
         let rewards: Vec<f64> = members.iter().map(|i| samples[*i].reward).collect();
+        let advantages = objective::advantages(config.estimator, &rewards);
+        let signal = advantages.iter().filter(|a| a.abs() > 1e-9).count();
+        metrics.samples_trained += signal;
+        if signal == 0 {
+            metrics.zero_advantage_groups += 1;
+        }
         if config.dynamic_sampling && objective::is_flat(&rewards) {
             metrics.groups_dropped += 1;
             continue;
         }
-        for (i, a) in members
-            .iter()
-            .zip(objective::advantages(config.estimator, &rewards))
-        {
+        for (i, a) in members.iter().zip(advantages) {
             advantage[*i] = a;
             kept.push(*i);
         }

@@ -13,7 +13,7 @@ use arl_model::weights::Weights;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown};
 use arl_schemas::events::{
-    CallSpan, Example, SampleStatus, Split, TrainStepV1, TrajectoryBranch, TrajectoryV1,
+    CallSpan, Example, SampleStatus, Split, TrainStepV2, TrajectoryBranch, TrajectoryV1,
     WeightsPublishedV1,
 };
 use arl_schemas::spec::RunSpec;
@@ -234,14 +234,14 @@ async fn trains_steps_publishes_versions_and_resumes_after_a_restart() {
     .await;
     tokio::time::sleep(Duration::from_secs(3)).await; // past ack_wait: still held, not trained
     assert_eq!(held(&bus).await, 3);
-    assert!(events::<TrainStepV1>(&bus, &run).await.is_empty());
+    assert!(events::<TrainStepV2>(&bus, &run).await.is_empty());
     // The fourth completes the batch: the step trains and every message is acked.
     bus.publish(&batch[3]).await.unwrap();
     until("step 1 published", 120, || async {
         events::<WeightsPublishedV1>(&bus, &run).await.len() == 1
     })
     .await;
-    let steps = events::<TrainStepV1>(&bus, &run).await;
+    let steps = events::<TrainStepV2>(&bus, &run).await;
     let m = &steps[0].metrics;
     assert!(m.pg_loss.is_finite() && m.grad_norm > 0.0, "{m:?}");
     assert_eq!(
@@ -302,7 +302,7 @@ async fn trains_steps_publishes_versions_and_resumes_after_a_restart() {
         events::<WeightsPublishedV1>(&bus, &run).await.len() == 2
     })
     .await;
-    let steps = events::<TrainStepV1>(&bus, &run).await;
+    let steps = events::<TrainStepV2>(&bus, &run).await;
     assert_eq!(steps.len(), 2);
     assert_eq!(steps[1].metrics.trajectories, 4);
     let (_, state) = checkpoint::latest_checkpoint(&runs_dir.join(run.as_str())).unwrap();
@@ -473,7 +473,7 @@ async fn a_gpu_trainer_trains_real_smollm2_trajectories() {
         events::<WeightsPublishedV1>(&bus, &run).await.len() == 1
     })
     .await;
-    let step = &events::<TrainStepV1>(&bus, &run).await[0];
+    let step = &events::<TrainStepV2>(&bus, &run).await[0];
     eprintln!("GPU step metrics: {:?}", step.metrics);
     assert!(step.metrics.grad_norm > 0.0 && step.metrics.pg_loss.is_finite());
     let published = &events::<WeightsPublishedV1>(&bus, &run).await[0];

@@ -2,5 +2,7 @@
 //! published.
 
 mod reward;
+mod train;
 
 pub use reward::*;
+pub use train::*;
