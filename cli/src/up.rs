@@ -345,7 +345,7 @@ pub async fn execute(
         "ops endpoints (/ready /health /metrics): {}",
         endpoints.join(" ")
     );
-    println!("submit a run with: NATS_URL={url} arl run submit examples/smoke.toml");
+    println!("submit a run with: NATS_URL={url} arl run submit examples/arithmetic.toml");
     loop {
         tokio::select! {
             _ = &mut interrupt => break,
