@@ -658,7 +658,10 @@ mod tests {
         });
         let status = render_status(&counted);
         assert!(status.contains("0/8") && status.contains("2/2"), "{status}");
-        assert!(status.contains("steps trained nothing (step 3)"), "{status}");
+        assert!(
+            status.contains("steps trained nothing (step 3)"),
+            "{status}"
+        );
     }
 
     #[test]

@@ -144,9 +144,8 @@ fn numbers(text: &str) -> Vec<String> {
             i += 1;
             continue;
         }
-        let negative = i > 0
-            && chars[i - 1] == '-'
-            && (i < 2 || !chars[i - 2].is_ascii_alphanumeric());
+        let negative =
+            i > 0 && chars[i - 1] == '-' && (i < 2 || !chars[i - 2].is_ascii_alphanumeric());
         let mut number = String::from(if negative { "-" } else { "" });
         let mut seen_point = false;
         while i < chars.len() {
@@ -179,16 +178,25 @@ mod tests {
         assert!(answer_matches("12", "12"));
         assert!(answer_matches("The total is\n12.", "12"));
         // Strict: the number right after the first ####, whatever follows it.
-        assert!(answer_matches("8 + 20 = 28.\n#### 28\nThe answer is: 28", "28"));
+        assert!(answer_matches(
+            "8 + 20 = 28.\n#### 28\nThe answer is: 28",
+            "28"
+        ));
         assert!(answer_matches("#### $1,234.", "1234"));
         assert!(!answer_matches("#### 13\nno, 12", "12"));
-        assert!(!answer_matches("#### 13\n#### 12", "12"), "the first #### counts");
+        assert!(
+            !answer_matches("#### 13\n#### 12", "12"),
+            "the first #### counts"
+        );
         assert!(!answer_matches("12 #### the answer", "12"));
         // Flexible: the last number of the text.
         assert!(answer_matches("3 + 2 = 5", "5"));
         assert!(answer_matches("She has 7 - 9 = -2 left.", "-2"));
         assert!(answer_matches("x-3 is 3", "3"));
-        assert!(!answer_matches("5, 6, 7 or 8", "5"), "one guess only: the last");
+        assert!(
+            !answer_matches("5, 6, 7 or 8", "5"),
+            "one guess only: the last"
+        );
         assert!(answer_matches("It costs 0.5.", "0.5"));
         assert!(answer_matches("#### 1,234", "1234"));
         assert!(answer_matches("#### 12.0", "12"));

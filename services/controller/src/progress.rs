@@ -295,12 +295,18 @@ mod tests {
         apply_trial_failed(&mut state, &failure(FailureClass::Timeout, 1, false));
         assert!(!fail_if_fruitless(&mut state));
         apply_train_step(&mut state, &step(1, 4, 0));
-        assert!(!fail_if_fruitless(&mut state), "3 of 4 trials failed: not all");
+        assert!(
+            !fail_if_fruitless(&mut state),
+            "3 of 4 trials failed: not all"
+        );
         apply_trial_failed(&mut state, &failure(FailureClass::Infrastructure, 1, false));
         assert!(fail_if_fruitless(&mut state));
         assert_eq!(state.status, RunStatus::Failed);
         let reason = state.failure_reason.clone().unwrap();
-        assert!(reason.contains("every trial of step 1 (4) failed as infrastructure"), "{reason}");
+        assert!(
+            reason.contains("every trial of step 1 (4) failed as infrastructure"),
+            "{reason}"
+        );
         let event = failed_event(&state).unwrap();
         assert_eq!(event.service, CONTROLLER);
         assert!(!fail_if_fruitless(&mut state), "decided once");
@@ -318,7 +324,10 @@ mod tests {
     fn a_run_whose_every_step_trained_nothing_fails_and_one_that_trained_completes() {
         let mut state = accepted(2);
         apply_train_step(&mut state, &step(1, 8, 0));
-        assert!(!fail_if_fruitless(&mut state), "one idle step is a warning, not a failure");
+        assert!(
+            !fail_if_fruitless(&mut state),
+            "one idle step is a warning, not a failure"
+        );
         apply_train_step(&mut state, &step(2, 8, 0));
         assert!(fail_if_fruitless(&mut state));
         let reason = state.failure_reason.clone().unwrap();
@@ -341,6 +350,9 @@ mod tests {
         let mut v1 = TrainStepV1::example();
         v1.step = 1;
         apply_train_step(&mut state, &TrainStep::V1(v1));
-        assert!(!fail_if_fruitless(&mut state), "grad_norm 0.87 trained something");
+        assert!(
+            !fail_if_fruitless(&mut state),
+            "grad_norm 0.87 trained something"
+        );
     }
 }

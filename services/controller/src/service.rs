@@ -96,9 +96,11 @@ impl Controller {
             vec![ns.event_filter(Domain::Train, "step")],
         )
         .ordered();
-        self.consume(shutdown, steps, |c, d| async move {
-            c.on_train_step(&d).await
-        });
+        self.consume(
+            shutdown,
+            steps,
+            |c, d| async move { c.on_train_step(&d).await },
+        );
         self.fold::<EvaluationCompletedV1>(shutdown, Domain::Eval, "completed", |state, event| {
             progress::apply_evaluation(state, event);
         });

@@ -18,8 +18,8 @@ use arl_model::cuda::Cuda;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, BusError, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
-    BatchCounts, RunFailedV1, Split, StepTiming, TrainMetrics, TrainStepV2, TrajectoryV1, WeightsFormat,
-    WeightsPublishedV1,
+    BatchCounts, RunFailedV1, Split, StepTiming, TrainMetrics, TrainStepV2, TrajectoryV1,
+    WeightsFormat, WeightsPublishedV1,
 };
 use arl_schemas::spec::{Device, KlLossType, LossAggMode, LrScheduler, OldLogprobSource, RunSpec};
 use arl_schemas::state::{GpuDeviceV1, RunStateV1, TRAINER_TTL_SECONDS, TrainerAnnouncementV1};
