@@ -1,8 +1,8 @@
 //! The reduced end-to-end run `make test` includes: `arl up` starts every service (and a
 //! private nats-server), a run over the bundled Harbor tasks with SmolLM2 (n = 2, one
-//! GRPO step, one evaluation) is submitted and followed with `arl run watch` to 100%: every
-//! trial reached the agent loop, the step trained and wrote a checkpoint, the evaluation
-//! ran, and no service exited on the way. Build the binaries first (`make test` does).
+//! GRPO step, one evaluation) is submitted and followed with `arl run watch` to its end:
+//! completed when the step trained, failed saying so when it trained nothing; every trial
+//! reached the agent loop, the step wrote its weights, and no service exited on the way. Build the binaries first (`make test` does).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::Path;
@@ -74,12 +74,6 @@ async fn arl_up_runs_a_reduced_training_run_to_completion() {
         .trim()
         .to_owned();
     let watched = arl_at(&["run", "watch", &run, "--timeout-s", "900"]);
-    assert!(
-        watched.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&watched.stdout),
-        String::from_utf8_lossy(&watched.stderr)
-    );
     // No service exited on the way (arl up stops everything when one does).
     assert!(
         up.0[0].try_wait().unwrap().is_none(),
@@ -94,8 +88,6 @@ async fn arl_up_runs_a_reduced_training_run_to_completion() {
     .unwrap();
     let run_id = RunId::new(run.as_str()).unwrap();
     let state_record = bus.run_state(&run_id).await.unwrap().unwrap();
-    assert_eq!(state_record.status, RunStatus::Completed);
-    assert_eq!(state_record.percent(), 100.0);
     // Submitted only once `arl up` was ready: no trial met an engine still loading.
     assert_eq!(
         state_record.failures.infrastructure, 0,
@@ -103,14 +95,43 @@ async fn arl_up_runs_a_reduced_training_run_to_completion() {
         state_record.failures
     );
     assert_eq!(state_record.steps.len(), 1);
-    assert!(
-        state_record.steps[0].pg_loss.is_finite() && state_record.steps[0].grad_norm.is_finite()
-    );
+    let step = &state_record.steps[0];
+    assert!(step.pg_loss.is_finite() && step.grad_norm.is_finite());
     assert_eq!(state_record.policy_version, 1);
-    // Before training (val_before_train) and after the last step.
-    let evaluated: Vec<u32> = state_record.evaluations.iter().map(|e| e.step).collect();
-    assert_eq!(evaluated, vec![0, 1]);
-    let checkpoint = state_record.checkpoint_uri.clone().unwrap();
+    let batch = step
+        .batch
+        .clone()
+        .expect("the trainer reports batch counts");
+    assert_eq!(batch.trajectories, 2);
+    let shown = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&watched.stdout),
+        String::from_utf8_lossy(&watched.stderr)
+    );
+    // SmolLM2 rarely solves a Harbor task: the one step trains only when the two trials'
+    // rewards differ. Either way the run's end says what happened.
+    if batch.samples_trained > 0 {
+        assert!(watched.status.success(), "{shown}");
+        assert_eq!(state_record.status, RunStatus::Completed);
+        assert_eq!(state_record.percent(), 100.0);
+        // Before training (val_before_train) and after the last step.
+        let evaluated: Vec<u32> = state_record.evaluations.iter().map(|e| e.step).collect();
+        assert_eq!(evaluated, vec![0, 1]);
+    } else {
+        assert!(
+            !watched.status.success(),
+            "a run that trained nothing: {shown}"
+        );
+        assert_eq!(state_record.status, RunStatus::Failed);
+        let reason = state_record.failure_reason.clone().unwrap_or_default();
+        assert!(reason.contains("every step trained nothing"), "{reason}");
+        assert!(shown.contains("nothing trained"), "{shown}");
+    }
+    // The step's weights (published before its train.step; folded on their own stream).
+    let checkpoint = arl_testkit::wait_for("the checkpoint", Duration::from_secs(30), || async {
+        bus.run_state(&run_id).await.ok()??.checkpoint_uri
+    })
+    .await;
     let dir = checkpoint.strip_prefix("file://").unwrap();
     assert!(
         Path::new(dir).join("config.json").exists() || Path::new(dir).exists(),
