@@ -222,7 +222,13 @@ impl Evaluator {
             .run_state(run_id)
             .await?
             .ok_or_else(|| HandlerError::Retry(format!("run {run_id} has no state")))?;
-        let spec = state.spec.clone().unwrap_or_default();
+        // A run state without a spec (a rejected request) has nothing to evaluate with:
+        // default settings would measure something the user never asked for.
+        let Some(spec) = state.spec.clone() else {
+            return Err(HandlerError::DeadLetter(format!(
+                "run {run_id} has no accepted spec; it cannot be evaluated"
+            )));
+        };
         if !is_eval_step(trained.step(), spec.trainer.eval_every, state.total_steps) {
             return Ok(());
         }
