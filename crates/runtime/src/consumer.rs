@@ -127,12 +127,12 @@ impl Delivery {
     pub fn decode_train_step(&self) -> Result<arl_schemas::events::TrainStep, DecodeError> {
         use arl_schemas::events::{TrainStep, TrainStepV2};
         let version = match headers::event_type(self.headers.as_ref()) {
-            Some((found_type, _)) if found_type != TrainStepV2::TYPE => {
+            Some((found_type, found_version)) if found_type != TrainStepV2::TYPE => {
                 return Err(DecodeError::WrongType {
                     expected_type: TrainStepV2::TYPE,
                     expected_version: TrainStepV2::VERSION,
                     found_type,
-                    found_version: 0,
+                    found_version,
                 });
             }
             Some((_, version)) => version,

@@ -89,17 +89,13 @@ impl Controller {
             c.on_run_requested(&d).await
         });
 
-        // train.step comes in two versions: one consumer reads both.
-        let steps = ConsumerSpec::new(
-            Domain::Train,
-            FOLD,
-            vec![ns.event_filter(Domain::Train, "step")],
-        )
-        .ordered();
-        self.consume(
+        // train.step comes in two versions: its fold reads both.
+        self.fold_decoded(
             shutdown,
-            steps,
-            |c, d| async move { c.on_train_step(&d).await },
+            Domain::Train,
+            "step",
+            Delivery::decode_train_step,
+            progress::apply_train_step,
         );
         self.fold::<EvaluationCompletedV1>(shutdown, Domain::Eval, "completed", |state, event| {
             progress::apply_evaluation(state, event);
@@ -150,6 +146,19 @@ impl Controller {
         event: &str,
         apply: fn(&mut RunStateV1, &E),
     ) {
+        self.fold_decoded(shutdown, domain, event, Delivery::decode::<E>, apply);
+    }
+
+    /// [`Controller::fold`] for an event read by `decode` (one that comes in several
+    /// versions).
+    fn fold_decoded<T: Send + Sync + 'static>(
+        &self,
+        shutdown: &Shutdown,
+        domain: Domain,
+        event: &str,
+        decode: fn(&Delivery) -> Result<T, arl_schemas::DecodeError>,
+        apply: fn(&mut RunStateV1, &T),
+    ) {
         let ns = self.inner.bus.namespace();
         let durable = if domain == Domain::Run {
             format!("{FOLD}-{event}")
@@ -159,25 +168,12 @@ impl Controller {
         let spec =
             ConsumerSpec::new(domain, durable, vec![ns.event_filter(domain, event)]).ordered();
         self.consume(shutdown, spec, move |controller, delivery| async move {
-            let event: E = delivery
-                .decode()
-                .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+            let event = decode(&delivery).map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
             let run_id = run_of(&controller, &delivery)?;
             controller
                 .apply(&delivery, domain, &run_id, |state| apply(state, &event))
                 .await
         });
-    }
-
-    async fn on_train_step(&self, delivery: &Delivery) -> Result<(), HandlerError> {
-        let event = delivery
-            .decode_train_step()
-            .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
-        let run_id = run_of(self, delivery)?;
-        self.apply(delivery, Domain::Train, &run_id, |state| {
-            progress::apply_train_step(state, &event);
-        })
-        .await
     }
 
     async fn on_trial_outcome(&self, delivery: &Delivery) -> Result<(), HandlerError> {
