@@ -40,11 +40,22 @@ pub struct TrainPass<B: Backend = Cpu> {
     x_final: B::Buf, // (N, C)
     rstd_final: B::Buf,
     h_final: B::Buf, // (N, C)
-    /// Per row: log Σ exp(logits), to rebuild probabilities in the backward pass.
+    /// The rows the head scores (all rows, or those a mask asks for): (M).
+    scored: Scored,
+    /// h_final at the scored rows: (M, C) (h_final itself when every row is scored).
+    h_scored: Option<B::Buf>,
+    /// Per scored row: log Σ exp(logits), to rebuild probabilities in the backward pass.
     lse: B::Buf,
     entropy: B::Buf,
-    /// The entropy rows in host memory.
+    /// The entropy of every row in host memory (0 on rows not scored).
     entropy_rows: Vec<f32>,
+}
+
+/// Which rows of a pass go through the vocabulary head.
+enum Scored {
+    All,
+    /// Ascending row indices.
+    Rows(Vec<usize>),
 }
 
 impl<B: Backend> TrainPass<B> {
@@ -70,10 +81,27 @@ impl<B: Backend> Model<B> {
     /// Returns the pass and, per sequence, the log-probabilities of its next tokens.
     pub fn forward_train(&self, sequences: &[&[u32]]) -> (TrainPass<B>, Vec<Vec<f32>>) {
         self.backend
-            .scope(|| self.forward_train_in_scope(sequences))
+            .scope(|| self.forward_train_in_scope(sequences, None))
     }
 
-    fn forward_train_in_scope(&self, sequences: &[&[u32]]) -> (TrainPass<B>, Vec<Vec<f32>>) {
+    /// [`Self::forward_train`], scoring only the tokens a mask marks: `masks[s][t] == 1`
+    /// asks for the log-probability of token t of sequence s (masks align with the
+    /// tokens, as a trajectory's loss mask does). Other predictions are 0, skip the
+    /// vocabulary head (a fifth of SmolLM2's compute per row) and carry no gradient.
+    pub fn forward_train_masked(
+        &self,
+        sequences: &[&[u32]],
+        masks: &[&[u8]],
+    ) -> (TrainPass<B>, Vec<Vec<f32>>) {
+        self.backend
+            .scope(|| self.forward_train_in_scope(sequences, Some(masks)))
+    }
+
+    fn forward_train_in_scope(
+        &self,
+        sequences: &[&[u32]],
+        masks: Option<&[&[u8]]>,
+    ) -> (TrainPass<B>, Vec<Vec<f32>>) {
         let (cfg, be) = (&self.config, &self.backend);
         let (c, kv, hd, i_dim) = (
             cfg.hidden_size,
@@ -185,17 +213,35 @@ impl<B: Backend> Model<B> {
         );
 
         let targets = next_tokens(&tokens, &spans);
-        let (mut lse, mut entropy, mut logprob) = (be.zeros(n), be.zeros(n), be.zeros(n));
-        be.head_forward(
-            &mut lse,
-            &mut entropy,
-            &mut logprob,
-            &h_final,
-            &self.weights.head().data,
-            &targets,
-            c,
-            cfg.vocab_size,
-        );
+        let scored = match masks {
+            None => Scored::All,
+            Some(masks) => Scored::Rows(scored_rows(masks, &spans)),
+        };
+        let h_scored = match &scored {
+            Scored::All => None,
+            Scored::Rows(rows) => {
+                let mut h = be.zeros(rows.len() * c);
+                be.gather_rows(&mut h, &h_final, rows, c);
+                Some(h)
+            }
+        };
+        let m = scored.count(n);
+        let scored_targets = scored.pick(&targets);
+        let (mut lse, mut entropy, mut logprob) = (be.zeros(m), be.zeros(m), be.zeros(m));
+        if m > 0 {
+            be.head_forward(
+                &mut lse,
+                &mut entropy,
+                &mut logprob,
+                h_scored.as_ref().unwrap_or(&h_final),
+                &self.weights.head().data,
+                &scored_targets,
+                c,
+                cfg.vocab_size,
+            );
+        }
+        let entropy_rows = scored.spread(&be.download(&entropy), n);
+        let logprob_rows = scored.spread(&be.download(&logprob), n);
         let pass = TrainPass {
             tokens,
             spans,
@@ -205,11 +251,13 @@ impl<B: Backend> Model<B> {
             x_final: x,
             rstd_final,
             h_final,
+            scored,
+            h_scored,
             lse,
-            entropy_rows: be.download(&entropy),
             entropy,
+            entropy_rows,
         };
-        let logprobs = pass.per_sequence(&be.download(&logprob));
+        let logprobs = pass.per_sequence(&logprob_rows);
         (pass, logprobs)
     }
 
@@ -232,25 +280,34 @@ impl<B: Backend> Model<B> {
         let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let n = pass.tokens.len();
 
-        // Per-row upstream gradients (0 on each sequence's last row: it predicts nothing).
+        // Per-row upstream gradients (0 on each sequence's last row: it predicts nothing,
+        // and on rows the pass did not score).
         let (d_lp, d_h) = (
-            rows_from(d_logprob, &pass.spans, n),
-            rows_from(d_entropy, &pass.spans, n),
+            pass.scored.pick(&rows_from(d_logprob, &pass.spans, n)),
+            pass.scored.pick(&rows_from(d_entropy, &pass.spans, n)),
         );
-        let mut dh_final = be.zeros(n * c);
-        be.head_backward(
-            &mut dh_final,
-            &mut grads.head_mut().data,
-            &pass.h_final,
-            &self.weights.head().data,
-            &pass.lse,
-            &pass.entropy,
-            &pass.targets,
-            &d_lp,
-            &d_h,
-            c,
-            cfg.vocab_size,
-        );
+        let dh_final = match &pass.scored {
+            Scored::All => {
+                let mut dh = be.zeros(n * c);
+                self.head_backward(&mut dh, grads, &pass.h_final, pass, &d_lp, &d_h);
+                dh
+            }
+            Scored::Rows(rows) => {
+                // (M + 1, C): the scored rows' gradient and a zero row, spread back to (N, C)
+                // by a gather in which every unscored row reads the zero row.
+                let m = rows.len();
+                let mut dh_scored = be.zeros((m + 1) * c);
+                let h = pass.h_scored.as_ref().unwrap_or(&pass.h_final);
+                self.head_backward(&mut dh_scored, grads, h, pass, &d_lp, &d_h);
+                let mut from = vec![m; n];
+                for (j, &r) in rows.iter().enumerate() {
+                    from[r] = j;
+                }
+                let mut dh = be.zeros(n * c);
+                be.gather_rows(&mut dh, &dh_scored, &from, c);
+                dh
+            }
+        };
 
         let mut dx = be.zeros(n * c);
         be.rmsnorm_backward(
@@ -365,6 +422,35 @@ impl<B: Backend> Model<B> {
         be.embedding_backward(&mut grads.embed.data, &dx, &pass.tokens);
     }
 
+    /// The head's backward over the pass's scored rows (h: their (M, C) rows).
+    fn head_backward(
+        &self,
+        dh: &mut B::Buf,
+        grads: &mut Weights<B::Buf>,
+        h: &B::Buf,
+        pass: &TrainPass<B>,
+        d_lp: &[f32],
+        d_h: &[f32],
+    ) {
+        let targets = pass.scored.pick(&pass.targets);
+        if targets.is_empty() {
+            return;
+        }
+        self.backend.head_backward(
+            dh,
+            &mut grads.head_mut().data,
+            h,
+            &self.weights.head().data,
+            &pass.lse,
+            &pass.entropy,
+            &targets,
+            d_lp,
+            d_h,
+            self.config.hidden_size,
+            self.config.vocab_size,
+        );
+    }
+
     /// The global L2 norm of all gradients.
     pub fn grad_norm(&self, grads: &Weights<B::Buf>) -> f32 {
         grads
@@ -393,6 +479,51 @@ fn rows_from(per_sequence: &[Vec<f32>], spans: &[Span], n: usize) -> Vec<f32> {
                 .and_then(|d| d.get(t))
                 .copied()
                 .unwrap_or(0.0);
+        }
+    }
+    rows
+}
+
+impl Scored {
+    fn count(&self, n: usize) -> usize {
+        match self {
+            Scored::All => n,
+            Scored::Rows(rows) => rows.len(),
+        }
+    }
+
+    /// The scored rows' values of a per-row vector.
+    fn pick<T: Copy>(&self, per_row: &[T]) -> Vec<T> {
+        match self {
+            Scored::All => per_row.to_vec(),
+            Scored::Rows(rows) => rows.iter().map(|&r| per_row[r]).collect(),
+        }
+    }
+
+    /// Per-row values from the scored rows' (0 elsewhere).
+    fn spread(&self, scored: &[f32], n: usize) -> Vec<f32> {
+        match self {
+            Scored::All => scored.to_vec(),
+            Scored::Rows(rows) => {
+                let mut out = vec![0f32; n];
+                for (&r, &v) in rows.iter().zip(scored) {
+                    out[r] = v;
+                }
+                out
+            }
+        }
+    }
+}
+
+/// Rows whose prediction a mask asks for: row start+t predicts token t+1 of its sequence.
+fn scored_rows(masks: &[&[u8]], spans: &[Span]) -> Vec<usize> {
+    let mut rows = Vec::new();
+    for (s, &(start, len)) in spans.iter().enumerate() {
+        let mask = masks.get(s).copied().unwrap_or_default();
+        for t in 0..len.saturating_sub(1) {
+            if mask.get(t + 1).is_some_and(|m| *m != 0) {
+                rows.push(start + t);
+            }
         }
     }
     rows

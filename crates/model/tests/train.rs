@@ -141,3 +141,49 @@ fn training_overfits_a_tiny_batch() {
     let end = mean_nll(&model);
     assert!(end < 0.05, "loss {start:.3} → {end:.4}");
 }
+
+/// A masked pass scores only the marked tokens: there it agrees with the full pass, its
+/// other predictions are 0, and its gradients equal the full pass's with zero upstream
+/// gradient on the unmarked rows.
+#[test]
+fn a_masked_pass_scores_only_marked_tokens_with_the_same_gradients() {
+    for architecture in [Architecture::Llama, Architecture::Qwen2] {
+        let config = tiny(architecture);
+        let model = Model::new(config.clone(), Weights::random(&config, 11, 0.4));
+        // Token-aligned masks, as a trajectory's loss mask: a response after a prompt; the
+        // second sequence has nothing to score.
+        let masks: [&[u8]; 2] = [&[0, 0, 0, 1, 1, 0, 1], &[0, 0, 0, 0, 0]];
+        let (full_pass, full) = model.forward_train(&SEQUENCES);
+        let (pass, masked) = model.forward_train_masked(&SEQUENCES, &masks);
+        let (full_entropy, entropy) = (full_pass.entropies(), pass.entropies());
+        let mut d: Vec<Vec<f32>> = Vec::new();
+        for (s, mask) in masks.iter().enumerate() {
+            let mut ds = Vec::new();
+            for t in 0..full[s].len() {
+                if mask[t + 1] == 1 {
+                    assert!(
+                        (masked[s][t] - full[s][t]).abs() < 1e-5,
+                        "{architecture:?} [{s}][{t}]"
+                    );
+                    assert!((entropy[s][t] - full_entropy[s][t]).abs() < 1e-5);
+                } else {
+                    assert_eq!((masked[s][t], entropy[s][t]), (0.0, 0.0));
+                }
+                ds.push(if mask[t + 1] == 1 {
+                    0.5 - 0.1 * t as f32
+                } else {
+                    0.0
+                });
+            }
+            d.push(ds);
+        }
+        let (mut want, mut got) = (model.weights().zeros_like(), model.weights().zeros_like());
+        model.backward(&full_pass, &d, &d, &mut want);
+        model.backward(&pass, &d, &d, &mut got);
+        for ((name, w), (_, g)) in want.named().iter().zip(got.named()) {
+            for (a, b) in w.data.iter().zip(&g.data) {
+                assert!((a - b).abs() < 1e-5, "{architecture:?} {name}: {a} vs {b}");
+            }
+        }
+    }
+}

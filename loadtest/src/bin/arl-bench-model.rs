@@ -57,6 +57,7 @@ fn llama_cpp(model: &Path, prompt: &[u32]) -> anyhow::Result<(f64, f64)> {
 }
 
 fn main() -> anyhow::Result<()> {
+    arl_model::ops::retain_freed_memory();
     let path = std::env::var_os("ARL_MODEL_DIR")
         .map(PathBuf::from)
         .unwrap_or(cache_dir().join("models"))

@@ -62,6 +62,8 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // Each step frees and re-allocates gigabytes of activations: keep them in the process.
+    arl_model::ops::retain_freed_memory();
     let telemetry = telemetry::init("arl-inference", telemetry::otlp_endpoint_from_env())?;
     let namespace = args.common.namespace()?;
     let run = args

@@ -84,6 +84,8 @@ impl Default for StepConfig {
 pub struct StepMetrics {
     pub pg_loss: f64,
     pub kl: f64,
+    /// Mean entropy, clip fraction and token count over the tokens that went through the
+    /// update (samples with a zero advantage and no KL or entropy term are skipped).
     pub entropy: f64,
     pub clip_fraction: f64,
     pub grad_norm: f64,
@@ -153,17 +155,24 @@ pub fn train_step<B: Backend>(
         return metrics;
     }
 
+    // A sample with zero advantage has zero policy-gradient loss and gradient; unless a KL
+    // or entropy term gives it one, its forward and backward passes are skipped (the token
+    // weights below still count its tokens, so every other sample's gradient is unchanged).
+    let reference = reference.filter(|_| config.kl.is_some());
+    let needs_pass: Vec<bool> = kept
+        .iter()
+        .map(|&i| advantage[i] != 0.0 || reference.is_some() || config.entropy_coef != 0.0)
+        .collect();
+
     let started = std::time::Instant::now();
     let old: Vec<Vec<f32>> = match config.old_logprobs {
-        OldLogprobs::Recompute => logprobs_of(model, samples, &kept, config.micro_batch_tokens),
+        OldLogprobs::Recompute => logprobs_of(model, samples, &kept, &needs_pass, config),
         OldLogprobs::Rollout => kept
             .iter()
             .map(|&i| samples[i].rollout_logprobs[1..].to_vec())
             .collect(),
     };
-    let reference_lp = reference
-        .filter(|_| config.kl.is_some())
-        .map(|r| logprobs_of(r, samples, &kept, config.micro_batch_tokens));
+    let reference_lp = reference.map(|r| logprobs_of(r, samples, &kept, &needs_pass, config));
     metrics.old_logprob_seconds = started.elapsed().as_secs_f64();
 
     let (mut loss_sum, mut kl_sum, mut entropy_sum, mut clipped, mut counted) =
@@ -184,8 +193,9 @@ pub fn train_step<B: Backend>(
                 .collect();
             let weights = objective::token_weights(config.aggregation, &lengths);
             let mut grads = model.zeros_like_weights();
+            let passed: Vec<usize> = batch.iter().copied().filter(|&k| needs_pass[k]).collect();
             for micro in micro_batches(
-                &batch,
+                &passed,
                 |k| samples[kept[k]].tokens.len(),
                 config.micro_batch_tokens,
             ) {
@@ -193,7 +203,11 @@ pub fn train_step<B: Backend>(
                     .iter()
                     .map(|&k| &samples[kept[k]].tokens[..])
                     .collect();
-                let (pass, logprobs) = model.forward_train(&sequences);
+                let masks: Vec<&[u8]> = micro
+                    .iter()
+                    .map(|&k| &samples[kept[k]].loss_mask[..])
+                    .collect();
+                let (pass, logprobs) = model.forward_train_masked(&sequences, &masks);
                 let entropies = pass.entropies();
                 let mut d_lp = Vec::with_capacity(micro.len());
                 let mut d_h = Vec::with_capacity(micro.len());
@@ -266,21 +280,28 @@ pub fn train_step<B: Backend>(
     metrics
 }
 
-/// Log-probabilities (index t scores token t+1) of the kept samples, without gradients.
+/// Log-probabilities (index t scores token t+1, 0 where the loss mask is 0) of the kept
+/// samples that go through a pass, without gradients; empty for the others.
 fn logprobs_of<B: Backend>(
     model: &Model<B>,
     samples: &[Sample],
     kept: &[usize],
-    budget: usize,
+    needs_pass: &[bool],
+    config: &StepConfig,
 ) -> Vec<Vec<f32>> {
-    let positions: Vec<usize> = (0..kept.len()).collect();
+    let positions: Vec<usize> = (0..kept.len()).filter(|&k| needs_pass[k]).collect();
     let mut out = vec![Vec::new(); kept.len()];
-    for micro in micro_batches(&positions, |k| samples[kept[k]].tokens.len(), budget) {
+    let len = |k: usize| samples[kept[k]].tokens.len();
+    for micro in micro_batches(&positions, len, config.micro_batch_tokens) {
         let sequences: Vec<&[u32]> = micro
             .iter()
             .map(|&k| &samples[kept[k]].tokens[..])
             .collect();
-        let (_, logprobs) = model.forward_train(&sequences);
+        let masks: Vec<&[u8]> = micro
+            .iter()
+            .map(|&k| &samples[kept[k]].loss_mask[..])
+            .collect();
+        let (_, logprobs) = model.forward_train_masked(&sequences, &masks);
         for (k, lp) in micro.into_iter().zip(logprobs) {
             out[k] = lp;
         }

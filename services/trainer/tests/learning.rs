@@ -165,3 +165,55 @@ fn equal_rewards_give_no_gradient_and_dynamic_sampling_drops_them() {
         .all(|((_, a), (_, b))| a.data == b.data);
     assert!(unchanged, "flat groups must not move the weights");
 }
+
+/// Skipping the passes of zero-advantage samples changes nothing: the same step with a
+/// zero-weight KL term (which forces every sample through its passes) leaves the same
+/// weights, for one group with signal beside one without.
+#[test]
+fn skipping_zero_advantage_samples_leaves_the_update_exact() {
+    let mut samples = rollouts(&tiny(), 5);
+    samples
+        .iter_mut()
+        .filter(|s| s.group == 1)
+        .for_each(|s| s.reward = 0.0);
+    samples
+        .iter_mut()
+        .filter(|s| s.group == 0)
+        .enumerate()
+        .for_each(|(i, s)| s.reward = f64::from(u8::from(i % 3 == 0)));
+    let step = |kl: Option<(arl_trainer::objective::KlEstimator, f64)>| {
+        let mut model = tiny();
+        let reference = tiny();
+        let mut optimizer = AdamW::new(&model, 0.0);
+        let config = StepConfig {
+            kl,
+            ..StepConfig::default()
+        };
+        let metrics = train_step(
+            &mut model,
+            Some(&reference),
+            &mut optimizer,
+            &samples,
+            &config,
+            1e-2,
+        );
+        (model, metrics)
+    };
+    let (skipped, m1) = step(None);
+    let (passed, m2) = step(Some((arl_trainer::objective::KlEstimator::K1, 0.0)));
+    assert_eq!(m1.samples_trained, 8, "{m1:?}");
+    assert!(
+        (m1.grad_norm - m2.grad_norm).abs() < 1e-6 * m2.grad_norm.max(1.0),
+        "{m1:?} {m2:?}"
+    );
+    for ((name, a), (_, b)) in skipped
+        .weights()
+        .named()
+        .iter()
+        .zip(passed.weights().named())
+    {
+        for (x, y) in a.data.iter().zip(&b.data) {
+            assert!((x - y).abs() < 1e-6, "{name}: {x} vs {y}");
+        }
+    }
+}

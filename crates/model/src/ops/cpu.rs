@@ -5,12 +5,8 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::{PackedMatrix, gemm};
+use super::{PackedMatrix, gemm, head};
 use crate::backend::{AdamStep, Backend, Span};
-
-/// Rows of the (rows, V) logits block the head works on at once: bounds the memory of the
-/// vocabulary projection to HEAD_CHUNK·V floats per thread.
-const HEAD_CHUNK: usize = 32;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cpu;
@@ -26,7 +22,7 @@ impl Backend for Cpu {
     }
 
     fn zeros(&self, len: usize) -> Buf {
-        vec![0.0; len]
+        super::zeroed(len)
     }
 
     fn upload(&self, host: &[f32]) -> Buf {
@@ -279,27 +275,7 @@ impl Backend for Cpu {
         c: usize,
         vocab: usize,
     ) {
-        let stats: Vec<(f32, f32, f32)> = h
-            .par_chunks(HEAD_CHUNK * c)
-            .zip(targets.par_chunks(HEAD_CHUNK))
-            .flat_map_iter(|(h, targets)| {
-                let rows = h.len() / c;
-                let mut logits = vec![0f32; rows * vocab];
-                gemm::matmul_forward(&mut logits, h, w, None, rows, c, vocab);
-                logits
-                    .chunks(vocab)
-                    .zip(targets)
-                    .map(|(z, target)| {
-                        let (lse, entropy) = super::logsumexp_entropy(z);
-                        let logprob = target.map_or(0.0, |t| z[t as usize] - lse);
-                        (lse, entropy, logprob)
-                    })
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        for (r, (l, e, p)) in stats.into_iter().enumerate() {
-            (lse[r], entropy[r], logprob[r]) = (l, e, p);
-        }
+        head::head_forward(lse, entropy, logprob, h, w, targets, c, vocab);
     }
 
     fn head_backward(
@@ -316,45 +292,9 @@ impl Backend for Cpu {
         c: usize,
         vocab: usize,
     ) {
-        let n = targets.len();
-        for chunk in 0..n.div_ceil(HEAD_CHUNK) {
-            let (r0, r1) = (chunk * HEAD_CHUNK, ((chunk + 1) * HEAD_CHUNK).min(n));
-            let rows = r1 - r0;
-            if (r0..r1).all(|r| d_logprob[r] == 0.0 && d_entropy[r] == 0.0) {
-                continue;
-            }
-            let h = &h[r0 * c..r1 * c];
-            let mut dlogits = vec![0f32; rows * vocab];
-            gemm::matmul_forward(&mut dlogits, h, w, None, rows, c, vocab);
-            dlogits
-                .par_chunks_mut(vocab)
-                .enumerate()
-                .for_each(|(i, z)| {
-                    let r = r0 + i;
-                    let (lse, entropy) = (lse[r], entropy[r]);
-                    let (d_lp, d_h) = (d_logprob[r], d_entropy[r]);
-                    for zj in z.iter_mut() {
-                        let logp = *zj - lse;
-                        let p = logp.exp();
-                        // ∂logp_t/∂z_j = δ_tj - p_j ; ∂H/∂z_j = -p_j (log p_j + H)
-                        *zj = -d_lp * p - d_h * p * (logp + entropy);
-                    }
-                    if let Some(t) = targets[r] {
-                        z[t as usize] += d_lp;
-                    }
-                });
-            gemm::matmul_backward(
-                &mut dh[r0 * c..r1 * c],
-                dw,
-                None,
-                &dlogits,
-                h,
-                w,
-                rows,
-                c,
-                vocab,
-            );
-        }
+        head::head_backward(
+            dh, dw, h, w, lse, entropy, targets, d_logprob, d_entropy, c, vocab,
+        );
     }
 
     fn adamw(&self, param: &mut Buf, grad: &Buf, m: &mut Buf, v: &mut Buf, s: AdamStep) {

@@ -6,8 +6,8 @@
 
 use rayon::prelude::*;
 
-/// Rows handed to one sgemm call.
-const ROW_BLOCK: usize = 64;
+/// Fewest rows handed to one sgemm call.
+const MIN_ROW_BLOCK: usize = 64;
 /// Below this many rows, the dot-product path wins (no packing).
 const THIN: usize = 4;
 
@@ -28,9 +28,10 @@ pub fn matmul_forward(
     if n <= THIN {
         thin_forward(&mut out[..n * o], &x[..n * i], &w[..o * i], n, i, o);
     } else {
+        let block = row_block(n);
         out[..n * o]
-            .par_chunks_mut(ROW_BLOCK * o)
-            .zip(x[..n * i].par_chunks(ROW_BLOCK * i))
+            .par_chunks_mut(block * o)
+            .zip(x[..n * i].par_chunks(block * i))
             .for_each(|(out, x)| {
                 let rows = x.len() / i;
                 sgemm(rows, i, o, x, i, 1, w, 1, i, out, o, 0.0);
@@ -61,21 +62,23 @@ pub fn matmul_backward(
         "matmul shapes"
     );
     // dx (N, I) += dout (N, O) · w (O, I)
+    let block = row_block(n);
     dx[..n * i]
-        .par_chunks_mut(ROW_BLOCK * i)
-        .zip(dout[..n * o].par_chunks(ROW_BLOCK * o))
+        .par_chunks_mut(block * i)
+        .zip(dout[..n * o].par_chunks(block * o))
         .for_each(|(dx, dout)| {
             let rows = dout.len() / o;
             sgemm(rows, o, i, dout, o, 1, w, i, 1, dx, i, 1.0);
         });
     // dw (O, I) += doutᵀ (O, N) · x (N, I), split over blocks of W's rows.
+    let block = row_block(o);
     dw[..o * i]
-        .par_chunks_mut(ROW_BLOCK * i)
+        .par_chunks_mut(block * i)
         .enumerate()
-        .for_each(|(block, dw)| {
+        .for_each(|(b, dw)| {
             let rows = dw.len() / i;
-            let dout_t = &dout[block * ROW_BLOCK..];
-            // A = doutᵀ restricted to outputs [block*64, +rows): element (r, t) at dout[t*o + r].
+            let dout_t = &dout[b * block..];
+            // A = doutᵀ restricted to outputs [b*block, +rows): element (r, t) at dout[t*o + r].
             sgemm(rows, n, i, dout_t, 1, o, x, i, 1, dw, i, 1.0);
         });
     if let Some(db) = db {
@@ -83,6 +86,14 @@ pub fn matmul_backward(
             db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
         }
     }
+}
+
+/// Rows per sgemm call: a few calls per thread. Each call packs the whole other operand
+/// again, so small blocks spend as long packing as multiplying; a few per thread still
+/// lets work-stealing even out a machine shared with other processes.
+fn row_block(rows: usize) -> usize {
+    let calls = 2 * rayon::current_num_threads().max(1);
+    rows.div_ceil(calls).next_multiple_of(8).max(MIN_ROW_BLOCK)
 }
 
 fn thin_forward(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usize) {
@@ -121,7 +132,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// C (m, n) = A (m, k) · B (k, n) + beta · C, with explicit row/column strides for A and
 /// B and row-major C. Bounds are checked here; this is the only unsafe call.
 #[allow(clippy::too_many_arguments)]
-fn sgemm(
+pub(super) fn sgemm(
     m: usize,
     k: usize,
     n: usize,

@@ -8,10 +8,13 @@
 
 mod cpu;
 mod gemm;
+mod head;
+mod memory;
 mod packed;
 
 pub use cpu::Cpu;
 pub use gemm::{matmul_backward, matmul_forward};
+pub use memory::{retain_freed_memory, zeroed};
 pub use packed::PackedMatrix;
 
 use rayon::prelude::*;
@@ -130,9 +133,11 @@ pub fn swiglu_backward(dgate: &mut [f32], dup: &mut [f32], dout: &[f32], gate: &
         });
 }
 
-/// Causal self-attention of one sequence with grouped-query heads.
-#[allow(clippy::too_many_arguments)]
+/// Causal self-attention of one sequence with grouped-query heads. Per head, the scores
+/// and the weighted sum are two sgemm products (the masked upper triangle is computed and
+/// discarded: at these lengths the packed SIMD kernels more than pay for it).
 /// q: (T, nh, hd); k, v: (T, nkv, hd); out: (T, nh, hd); att: (nh, T, T) probabilities.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
     out: &mut [f32],
     att: &mut [f32],
@@ -146,38 +151,48 @@ pub fn attention_forward(
 ) {
     let group = heads / kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
+    let (qs, kvs) = (heads * hd, kv_heads * hd);
     let head_outputs: Vec<Vec<f32>> = att
         .par_chunks_mut(t * t)
         .enumerate()
         .map(|(h, att_h)| {
             let kvh = h / group;
-            let mut out_h = vec![0f32; t * hd];
-            for i in 0..t {
-                let qi = &q[(i * heads + h) * hd..][..hd];
-                let row = &mut att_h[i * t..][..t];
-                let mut max = f32::NEG_INFINITY;
-                for j in 0..=i {
-                    let kj = &k[(j * kv_heads + kvh) * hd..][..hd];
-                    let s = qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    row[j] = s;
-                    max = max.max(s);
-                }
-                let mut sum = 0.0;
-                for s in row[..=i].iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                for s in row[..=i].iter_mut() {
-                    *s /= sum;
-                }
+            // S (T, T) = Q_h (T, hd) · K_hᵀ (hd, T)
+            gemm::sgemm(
+                t,
+                hd,
+                t,
+                &q[h * hd..],
+                qs,
+                1,
+                &k[kvh * hd..],
+                1,
+                kvs,
+                att_h,
+                t,
+                0.0,
+            );
+            for (i, row) in att_h.chunks_mut(t).enumerate() {
+                row[..=i].iter_mut().for_each(|s| *s *= scale);
+                softmax(&mut row[..=i]);
                 row[i + 1..].iter_mut().for_each(|s| *s = 0.0);
-                let oi = &mut out_h[i * hd..][..hd];
-                for j in 0..=i {
-                    let p = row[j];
-                    let vj = &v[(j * kv_heads + kvh) * hd..][..hd];
-                    oi.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
-                }
             }
+            // O_h (T, hd) = P (T, T) · V_h (T, hd)
+            let mut out_h = vec![0f32; t * hd];
+            gemm::sgemm(
+                t,
+                t,
+                hd,
+                att_h,
+                t,
+                1,
+                &v[kvh * hd..],
+                kvs,
+                1,
+                &mut out_h,
+                hd,
+                0.0,
+            );
             out_h
         })
         .collect();
@@ -226,7 +241,7 @@ pub fn attention_cached(
         });
 }
 
-/// Backward of [`attention_forward`]: dq, dk, dv += from dout.
+/// Backward of [`attention_forward`]: dq, dk, dv += from dout, per head as sgemm products.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     dq: &mut [f32],
@@ -244,43 +259,31 @@ pub fn attention_backward(
 ) {
     let group = heads / kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
+    let (qs, kvs) = (heads * hd, kv_heads * hd);
     // Per head: (dq_h, dk_h, dv_h) computed in parallel, then added (kv heads are shared).
     let grads: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..heads)
         .into_par_iter()
         .map(|h| {
             let kvh = h / group;
-            let att_h = &att[h * t * t..][..t * t];
+            let p = &att[h * t * t..][..t * t];
+            let (q_h, do_h) = (&q[h * hd..], &dout[h * hd..]);
+            let (k_h, v_h) = (&k[kvh * hd..], &v[kvh * hd..]);
             let (mut dq_h, mut dk_h, mut dv_h) =
                 (vec![0f32; t * hd], vec![0f32; t * hd], vec![0f32; t * hd]);
-            let mut datt = vec![0f32; t];
-            for i in 0..t {
-                let doi = &dout[(i * heads + h) * hd..][..hd];
-                let row = &att_h[i * t..][..t];
-                // dP_ij = dout_i · v_j ; dv_j += P_ij dout_i
-                for j in 0..=i {
-                    let vj = &v[(j * kv_heads + kvh) * hd..][..hd];
-                    datt[j] = doi.iter().zip(vj).map(|(a, b)| a * b).sum();
-                    dv_h[j * hd..][..hd]
-                        .iter_mut()
-                        .zip(doi)
-                        .for_each(|(d, o)| *d += row[j] * o);
-                }
-                // softmax backward: dS_ij = P_ij (dP_ij - Σ_l P_il dP_il)
-                let dot: f32 = (0..=i).map(|j| row[j] * datt[j]).sum();
-                let qi = &q[(i * heads + h) * hd..][..hd];
-                for j in 0..=i {
-                    let ds = row[j] * (datt[j] - dot) * scale;
-                    let kj = &k[(j * kv_heads + kvh) * hd..][..hd];
-                    dq_h[i * hd..][..hd]
-                        .iter_mut()
-                        .zip(kj)
-                        .for_each(|(d, k)| *d += ds * k);
-                    dk_h[j * hd..][..hd]
-                        .iter_mut()
-                        .zip(qi)
-                        .for_each(|(d, q)| *d += ds * q);
+            // dP (T, T) = dO_h (T, hd) · V_hᵀ ; dV_h (T, hd) = Pᵀ (T, T) · dO_h
+            let mut ds = vec![0f32; t * t];
+            gemm::sgemm(t, hd, t, do_h, qs, 1, v_h, 1, kvs, &mut ds, t, 0.0);
+            gemm::sgemm(t, t, hd, p, 1, t, do_h, qs, 1, &mut dv_h, hd, 0.0);
+            // softmax backward: dS_ij = P_ij (dP_ij − Σ_l P_il dP_il), times the score scale
+            for (p_i, ds_i) in p.chunks(t).zip(ds.chunks_mut(t)) {
+                let dot: f32 = p_i.iter().zip(ds_i.iter()).map(|(a, b)| a * b).sum();
+                for (d, &pij) in ds_i.iter_mut().zip(p_i) {
+                    *d = pij * (*d - dot) * scale;
                 }
             }
+            // dQ_h (T, hd) = dS · K_h ; dK_h (T, hd) = dSᵀ · Q_h
+            gemm::sgemm(t, t, hd, &ds, t, 1, k_h, kvs, 1, &mut dq_h, hd, 0.0);
+            gemm::sgemm(t, t, hd, &ds, 1, t, q_h, qs, 1, &mut dk_h, hd, 0.0);
             (dq_h, dk_h, dv_h)
         })
         .collect();

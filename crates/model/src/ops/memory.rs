@@ -1,0 +1,63 @@
+//! Large host buffers on transparent huge pages.
+//!
+//! A training pass allocates gigabytes of fresh activations per step. On 4 KiB pages the
+//! kernel takes one fault (and one page clear) per page, and freeing them shoots down TLBs
+//! on every core: measured on SmolLM2 (24 × 140 tokens, 2 cores) that was ~45% of a
+//! training step. Asking for huge pages (`MADV_HUGEPAGE`, honoured where
+//! `/sys/kernel/mm/transparent_hugepage/enabled` is `always` or `madvise`) before the
+//! buffer is first touched makes those faults 512× fewer. Elsewhere it is a no-op.
+#![allow(unsafe_code)]
+
+/// Buffers at least this large are advised; smaller ones come from malloc's reused heap.
+const HUGE_MIN_BYTES: usize = 4 << 20;
+const HUGE_PAGE: usize = 2 << 20;
+
+/// A zero-filled buffer of `len` floats, on huge pages where the kernel offers them.
+pub fn zeroed(len: usize) -> Vec<f32> {
+    let buf = vec![0f32; len];
+    advise_huge_pages(&buf);
+    buf
+}
+
+#[cfg(target_os = "linux")]
+fn advise_huge_pages(buf: &[f32]) {
+    let bytes = std::mem::size_of_val(buf);
+    if bytes < HUGE_MIN_BYTES {
+        return;
+    }
+    // The whole huge pages inside the buffer.
+    let start = (buf.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+    let end = (buf.as_ptr() as usize + bytes) / HUGE_PAGE * HUGE_PAGE;
+    if end > start {
+        // SAFETY: [start, end) lies inside `buf`'s allocation, which outlives the call;
+        // MADV_HUGEPAGE changes only how the kernel backs those pages, never their
+        // contents, and its failure (an old kernel, THP disabled) is harmless.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+        }
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn advise_huge_pages(_buf: &[f32]) {}
+
+/// Keeps freed memory in the process for the next allocation instead of handing it back
+/// to the kernel: a training step frees gigabytes of activations that the next step
+/// allocates again, and fresh pages cost a fault and a clear each (page faults were a third
+/// of a CPU training step on 2 cores). glibc's defaults return any free block over 128 KiB
+/// (then up to 32 MiB, adaptively) with `munmap`, and trim the heap top beyond twice that.
+/// Call once at start, in processes that train or serve a model on the CPU. Elsewhere (not
+/// glibc) a no-op.
+pub fn retain_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // Blocks below 32 MiB (glibc's largest threshold) come from the heap and go back to
+        // it; the heap is never trimmed. Larger ones (whole weight tensors) stay mmapped.
+        // SAFETY: mallopt only changes allocator parameters; it is called with valid
+        // options and values, and a rejected value leaves the defaults.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+        }
+    }
+}
