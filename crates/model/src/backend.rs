@@ -20,6 +20,16 @@ use crate::ops::PackedMatrix;
 /// One sequence's rows in a batch of concatenated sequences: (first row, length).
 pub type Span = (usize, usize);
 
+/// One sequence of a batched cached attention: its new query rows (in q and out), its
+/// key/value caches ((start + rows.len(), nkv, hd) each), and the position of its first new row.
+#[derive(Debug)]
+pub struct CachedSeq<'a, Buf> {
+    pub rows: Range<usize>,
+    pub k: &'a Buf,
+    pub v: &'a Buf,
+    pub start: usize,
+}
+
 /// One AdamW update's constants.
 #[derive(Clone, Copy, Debug)]
 pub struct AdamStep {
@@ -221,6 +231,32 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         kv_heads: usize,
         hd: usize,
     );
+    /// [`Self::attention_cached`] for every sequence of a decode step. A backend may run
+    /// them together (the CPU spreads all (row, head) pairs over its threads); by default
+    /// they run one after another.
+    fn attention_cached_batch(
+        &self,
+        out: &mut Self::Buf,
+        q: &Self::Buf,
+        seqs: &[CachedSeq<'_, Self::Buf>],
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    ) {
+        for s in seqs {
+            self.attention_cached(
+                out,
+                q,
+                s.rows.clone(),
+                s.k,
+                s.v,
+                s.start,
+                heads,
+                kv_heads,
+                hd,
+            );
+        }
+    }
 
     /// The head without materializing (N, V) logits: per row of h (N, C), with logits
     /// z = h · Wᵀ (W: (V, C)), writes lse = log Σ exp z, the entropy of softmax z, and

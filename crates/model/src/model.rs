@@ -2,7 +2,7 @@
 //! attention with RoPE → residual, RMSNorm → SwiGLU MLP → residual), final RMSNorm, head.
 //! This file holds inference with a KV cache; `train.rs` the training forward/backward.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, CachedSeq};
 use crate::config::ModelConfig;
 use crate::ops::{Cpu, PackedMatrix};
 use crate::tensor::Tensor;
@@ -263,21 +263,20 @@ impl<B: Backend> Model<B> {
                 offset += seq.tokens.len();
             }
             let mut offset = 0;
-            for seq in inputs.iter() {
-                let t = seq.tokens.len();
-                be.attention_cached(
-                    &mut att_out,
-                    &q,
-                    offset..offset + t,
-                    &seq.cache.k[l],
-                    &seq.cache.v[l],
-                    seq.cache.len,
-                    heads,
-                    kv_heads,
-                    hd,
-                );
-                offset += t;
-            }
+            let seqs: Vec<CachedSeq<'_, B::Buf>> = inputs
+                .iter()
+                .map(|seq| {
+                    let t = seq.tokens.len();
+                    offset += t;
+                    CachedSeq {
+                        rows: offset - t..offset,
+                        k: &seq.cache.k[l],
+                        v: &seq.cache.v[l],
+                        start: seq.cache.len,
+                    }
+                })
+                .collect();
+            be.attention_cached_batch(&mut att_out, &q, &seqs, heads, kv_heads, hd);
             self.linear(&mut proj, &att_out, &w.wo, p.wo.as_ref(), None, n);
             be.add_assign(&mut x, &proj);
 

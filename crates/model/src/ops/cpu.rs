@@ -6,7 +6,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::{PackedMatrix, gemm, head};
-use crate::backend::{AdamStep, Backend, Span};
+use crate::backend::{AdamStep, Backend, CachedSeq, Span};
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cpu;
@@ -262,6 +262,59 @@ impl Backend for Cpu {
             kv_heads,
             hd,
         );
+    }
+
+    fn attention_cached_batch(
+        &self,
+        out: &mut Buf,
+        q: &Buf,
+        seqs: &[CachedSeq<'_, Buf>],
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    ) {
+        // One parallel loop over every (row, head) of the step, not one per sequence: the
+        // sequences' rows follow each other (as Model::forward lays them out).
+        let first = seqs.first().map_or(0, |s| s.rows.start);
+        let contiguous = seqs
+            .iter()
+            .scan(first, |next, s| {
+                let ok = s.rows.start == *next;
+                *next = s.rows.end;
+                Some(ok)
+            })
+            .all(|ok| ok);
+        if !contiguous {
+            for s in seqs {
+                self.attention_cached(
+                    out,
+                    q,
+                    s.rows.clone(),
+                    s.k,
+                    s.v,
+                    s.start,
+                    heads,
+                    kv_heads,
+                    hd,
+                );
+            }
+            return;
+        }
+        let rows: Vec<(&CachedSeq<'_, Buf>, usize)> = seqs
+            .iter()
+            .flat_map(|s| (0..s.rows.len()).map(move |i| (s, s.start + i + 1)))
+            .collect();
+        let group = heads / kv_heads;
+        out[first * heads * hd..(first + rows.len()) * heads * hd]
+            .par_chunks_mut(hd)
+            .enumerate()
+            .with_min_len(4)
+            .for_each_init(Vec::new, |scores, (j, o)| {
+                let (row, h) = (j / heads, j % heads);
+                let (seq, visible) = rows[row];
+                let qi = &q[((first + row) * heads + h) * hd..][..hd];
+                super::attend_row(o, qi, seq.k, seq.v, visible, h / group, kv_heads, scores);
+            });
     }
 
     fn head_forward(

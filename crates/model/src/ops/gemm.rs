@@ -8,8 +8,9 @@ use rayon::prelude::*;
 
 /// Fewest rows handed to one sgemm call.
 const MIN_ROW_BLOCK: usize = 64;
-/// Below this many rows, the dot-product path wins (no packing).
-const THIN: usize = 4;
+/// Up to this many rows, the thin kernel wins: it reads W once for all rows, where sgemm
+/// would first copy (pack) all of W.
+const THIN: usize = 16;
 
 /// out = x · Wᵀ + b. x: (N, I); w: (O, I); b: (O); out: (N, O), overwritten.
 pub fn matmul_forward(
@@ -97,6 +98,10 @@ fn row_block(rows: usize) -> usize {
 }
 
 fn thin_forward(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usize) {
+    if i.is_multiple_of(super::thin::BLOCK) {
+        let rows = super::thin::F32Rows::new(w, o, i);
+        return super::thin::matmul(&rows, out, x, n);
+    }
     // Transposed result: out_t (O, N), so each thread owns whole W rows.
     let mut out_t = vec![0f32; o * n];
     out_t

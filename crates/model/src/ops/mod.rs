@@ -11,11 +11,13 @@ mod gemm;
 mod head;
 mod memory;
 mod packed;
+mod thin;
 
 pub use cpu::Cpu;
 pub use gemm::{matmul_backward, matmul_forward};
 pub use memory::{retain_freed_memory, zeroed};
 pub use packed::PackedMatrix;
+pub(crate) use thin::attend_row;
 
 use rayon::prelude::*;
 
@@ -217,27 +219,13 @@ pub fn attention_cached(
     hd: usize,
 ) {
     let group = heads / kv_heads;
-    let scale = 1.0 / (hd as f32).sqrt();
     out.par_chunks_mut(hd)
         .enumerate()
         .with_min_len(4)
-        .for_each(|(row, o)| {
+        .for_each_init(Vec::new, |scores, (row, o)| {
             let (i, h) = (row / heads, row % heads);
-            let kvh = h / group;
             let qi = &q[row * hd..][..hd];
-            let visible = start + i + 1;
-            let mut scores: Vec<f32> = (0..visible)
-                .map(|j| {
-                    let kj = &k[(j * kv_heads + kvh) * hd..][..hd];
-                    qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale
-                })
-                .collect();
-            softmax(&mut scores);
-            o.iter_mut().for_each(|o| *o = 0.0);
-            for (j, p) in scores.iter().enumerate() {
-                let vj = &v[(j * kv_heads + kvh) * hd..][..hd];
-                o.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
-            }
+            thin::attend_row(o, qi, k, v, start + i + 1, h / group, kv_heads, scores);
         });
 }
 

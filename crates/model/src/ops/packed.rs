@@ -1,37 +1,43 @@
 //! Linear layers straight from llama.cpp's block formats, for decoding. A decode step
 //! reads every weight once for a handful of tokens, so its speed is memory bandwidth:
 //! reading Q4_1 (5 bits a weight) or Q8_0 (8.5 bits) instead of f32 is 4-6x less traffic.
-//! The arithmetic stays f32 on the very values the f32 path dequantizes to:
-//! Σ (d·q + m)·x = d·Σ q·x + m·Σ x, with Σ x per block computed once per token.
+//! The arithmetic stays f32 on the very values the f32 path dequantizes to (d·q + m for
+//! Q4_1, d·q for Q8_0, each rounded as `quant.rs` rounds it).
 //!
-//! The kernels are plain Rust the compiler vectorizes; on x86-64 CPUs with AVX2 and FMA
-//! (detected at run time) the same code is compiled again for those instructions.
+//! The products are [`thin`](super::thin)'s: each block is turned into f32 once per
+//! decode step and multiplied into every token of the batch.
 #![allow(unsafe_code)]
 
-use rayon::prelude::*;
-
+use super::thin::{self, BLOCK, Lanes};
 use crate::quant::GgmlType;
 
-const BLOCK: usize = 32;
-
-/// A (rows, cols) weight in a block format.
+/// A (rows, cols) weight in a block format: every block of 32 weights is one record of
+/// `block_bytes()` in `blocks`, its scale (and min) beside its quants, rows one after
+/// another — so a decode step reads each row as one sequential stream.
 #[derive(Clone, Debug)]
 pub struct PackedMatrix {
     pub rows: usize,
     pub cols: usize,
     kind: PackedKind,
-    /// Per block: scale d (f32) — and the min m for Q4_1.
-    scales: Vec<f32>,
-    mins: Vec<f32>,
-    /// Q4_1: 16 bytes per block (low nibbles = values 0..16, high = 16..32).
-    /// Q8_0: 32 signed bytes per block.
-    quants: Vec<u8>,
+    /// Q4_1: d (f32), m (f32), 16 bytes (low nibbles = values 0..16, high = 16..32).
+    /// Q8_0: d (f32), 32 signed bytes.
+    blocks: Vec<u8>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum PackedKind {
     Q4_1,
     Q8_0,
+}
+
+impl PackedKind {
+    /// Bytes of one block record.
+    const fn block_bytes(self) -> usize {
+        match self {
+            PackedKind::Q4_1 => 24,
+            PackedKind::Q8_0 => 36,
+        }
+    }
 }
 
 impl PackedMatrix {
@@ -44,30 +50,32 @@ impl PackedMatrix {
         cols: usize,
         row_order: Option<&[usize]>,
     ) -> Option<Self> {
-        let (kind, block_bytes) = match kind {
+        let (kind, gguf_block) = match kind {
             GgmlType::Q4_1 => (PackedKind::Q4_1, 20),
             GgmlType::Q8_0 => (PackedKind::Q8_0, 34),
             _ => return None,
         };
-        if !cols.is_multiple_of(BLOCK) || data.len() < rows * cols / BLOCK * block_bytes {
+        if !cols.is_multiple_of(BLOCK) || data.len() < rows * cols / BLOCK * gguf_block {
             return None;
         }
         let blocks_per_row = cols / BLOCK;
-        let quant_bytes = if kind == PackedKind::Q4_1 { 16 } else { 32 };
-        let mut scales = Vec::with_capacity(rows * blocks_per_row);
-        let mut mins = Vec::new();
-        let mut quants = Vec::with_capacity(rows * blocks_per_row * quant_bytes);
+        let f16 = |b: &[u8]| {
+            half::f16::from_le_bytes([b[0], b[1]])
+                .to_f32()
+                .to_le_bytes()
+        };
+        let mut blocks = Vec::with_capacity(rows * blocks_per_row * kind.block_bytes());
         for r in 0..rows {
             let source = row_order.map_or(r, |order| order[r]);
-            let row =
-                &data[source * blocks_per_row * block_bytes..][..blocks_per_row * block_bytes];
-            for block in row.chunks_exact(block_bytes) {
-                scales.push(half::f16::from_le_bytes([block[0], block[1]]).to_f32());
-                if kind == PackedKind::Q4_1 {
-                    mins.push(half::f16::from_le_bytes([block[2], block[3]]).to_f32());
-                    quants.extend_from_slice(&block[4..20]);
-                } else {
-                    quants.extend_from_slice(&block[2..34]);
+            let row = &data[source * blocks_per_row * gguf_block..][..blocks_per_row * gguf_block];
+            for block in row.chunks_exact(gguf_block) {
+                blocks.extend_from_slice(&f16(&block[0..2]));
+                match kind {
+                    PackedKind::Q4_1 => {
+                        blocks.extend_from_slice(&f16(&block[2..4]));
+                        blocks.extend_from_slice(&block[4..20]);
+                    }
+                    PackedKind::Q8_0 => blocks.extend_from_slice(&block[2..34]),
                 }
             }
         }
@@ -75,128 +83,81 @@ impl PackedMatrix {
             rows,
             cols,
             kind,
-            scales,
-            mins,
-            quants,
+            blocks,
         })
     }
 
-    /// out (N, rows) = x (N, cols) · selfᵀ.
+    /// out (N, rows) = x (N, cols) · selfᵀ, reading every block once for all N tokens.
     pub fn matmul(&self, out: &mut [f32], x: &[f32], n: usize) {
-        let (o, i) = (self.rows, self.cols);
-        // Σ x per block and token, for Q4_1's min term.
-        let block_sums: Vec<f32> = x[..n * i]
-            .chunks_exact(BLOCK)
-            .map(|b| b.iter().sum())
-            .collect();
-        let mut out_t = vec![0f32; o * n];
-        let rows_per_task = 16;
-        let avx2 = has_avx2_fma();
-        out_t
-            .par_chunks_mut(n * rows_per_task)
-            .enumerate()
-            .for_each(|(task, out_t)| {
-                let first_row = task * rows_per_task;
-                if avx2 {
-                    // SAFETY: the CPU has AVX2 and FMA (checked at run time just above).
-                    #[cfg(target_arch = "x86_64")]
-                    unsafe {
-                        self.rows_avx2(out_t, first_row, x, &block_sums, n);
-                    }
-                } else {
-                    self.rows(out_t, first_row, x, &block_sums, n);
-                }
-            });
-        super::transpose_into(out, &out_t, o, n);
-    }
-
-    /// out_t (rows of this task, N) for rows first_row...
-    #[inline(always)]
-    fn rows(&self, out_t: &mut [f32], first_row: usize, x: &[f32], block_sums: &[f32], n: usize) {
-        let (i, blocks) = (self.cols, self.cols / BLOCK);
-        for (local, out_row) in out_t.chunks_mut(n).enumerate() {
-            let r = first_row + local;
-            for (t, y) in out_row.iter_mut().enumerate() {
-                let xt = &x[t * i..][..i];
-                *y = match self.kind {
-                    PackedKind::Q4_1 => {
-                        self.row_dot_q4_1(r, xt, &block_sums[t * blocks..][..blocks])
-                    }
-                    PackedKind::Q8_0 => self.row_dot_q8_0(r, xt),
-                };
-            }
+        match self.kind {
+            PackedKind::Q4_1 => thin::matmul(&Q4_1Rows(self), out, x, n),
+            PackedKind::Q8_0 => thin::matmul(&Q8_0Rows(self), out, x, n),
         }
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows_avx2(
-        &self,
-        out_t: &mut [f32],
-        first_row: usize,
-        x: &[f32],
-        block_sums: &[f32],
-        n: usize,
-    ) {
-        self.rows(out_t, first_row, x, block_sums, n);
-    }
-
-    /// Σ_j w_j x_j over one row; vector accumulators run across blocks, so the only
-    /// horizontal sum is at the end.
-    #[inline(always)]
-    fn row_dot_q4_1(&self, r: usize, x: &[f32], block_sums: &[f32]) -> f32 {
-        let blocks = self.cols / BLOCK;
-        let quants = &self.quants[r * blocks * 16..][..blocks * 16];
-        let (scales, mins) = (
-            &self.scales[r * blocks..][..blocks],
-            &self.mins[r * blocks..][..blocks],
-        );
-        let mut acc = [0f32; 16];
-        let mut min_term = 0f32;
-        for (b, (q, xb)) in quants
-            .chunks_exact(16)
-            .zip(x.chunks_exact(BLOCK))
-            .enumerate()
-        {
-            let d = scales[b];
-            let (lo, hi) = xb.split_at(16);
-            for j in 0..16 {
-                let (q_lo, q_hi) = (f32::from(q[j] & 0x0f), f32::from(q[j] >> 4));
-                acc[j] += d * (q_lo * lo[j] + q_hi * hi[j]);
-            }
-            min_term += mins[b] * block_sums[b];
-        }
-        acc.iter().sum::<f32>() + min_term
-    }
-
-    #[inline(always)]
-    fn row_dot_q8_0(&self, r: usize, x: &[f32]) -> f32 {
-        let blocks = self.cols / BLOCK;
-        let quants = &self.quants[r * blocks * 32..][..blocks * 32];
-        let scales = &self.scales[r * blocks..][..blocks];
-        let mut acc = [0f32; 32];
-        for (b, (q, xb)) in quants
-            .chunks_exact(32)
-            .zip(x.chunks_exact(BLOCK))
-            .enumerate()
-        {
-            let d = scales[b];
-            for j in 0..32 {
-                acc[j] += d * f32::from(q[j] as i8) * xb[j];
-            }
-        }
-        acc.iter().sum::<f32>()
+    /// The first block record of row r.
+    fn row_start(&self, r: usize) -> *const u8 {
+        self.blocks[r * (self.cols / BLOCK) * self.kind.block_bytes()..].as_ptr()
     }
 }
 
-fn has_avx2_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+/// A Q4_1 matrix as the thin kernel reads it.
+struct Q4_1Rows<'a>(&'a PackedMatrix);
+/// A Q8_0 matrix as the thin kernel reads it.
+struct Q8_0Rows<'a>(&'a PackedMatrix);
+
+impl thin::WeightRows for Q4_1Rows<'_> {
+    const BLOCK_BYTES: usize = 24;
+
+    fn rows(&self) -> usize {
+        self.0.rows
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+
+    fn cols(&self) -> usize {
+        self.0.cols
+    }
+
+    fn row_start(&self, r: usize) -> *const u8 {
+        self.0.row_start(r)
+    }
+
+    #[inline(always)]
+    unsafe fn decode<L: Lanes>(p: *const u8) -> (L, L) {
+        // SAFETY: p is a 24-byte record inside `blocks` (the trait's contract); the CPU
+        // supports L (also the contract).
+        unsafe {
+            let d = L::splat(p.cast::<f32>().read_unaligned());
+            let m = L::splat(p.add(4).cast::<f32>().read_unaligned());
+            let (lo, hi) = L::nibbles(p.add(8));
+            (L::add(L::mul(d, lo), m), L::add(L::mul(d, hi), m))
+        }
+    }
+}
+
+impl thin::WeightRows for Q8_0Rows<'_> {
+    const BLOCK_BYTES: usize = 36;
+
+    fn rows(&self) -> usize {
+        self.0.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.0.cols
+    }
+
+    fn row_start(&self, r: usize) -> *const u8 {
+        self.0.row_start(r)
+    }
+
+    #[inline(always)]
+    unsafe fn decode<L: Lanes>(p: *const u8) -> (L, L) {
+        // SAFETY: p is a 36-byte record inside `blocks` (the trait's contract); the CPU
+        // supports L (also the contract).
+        unsafe {
+            let d = L::splat(p.cast::<f32>().read_unaligned());
+            let q = p.add(4);
+            (L::mul(d, L::from_i8(q)), L::mul(d, L::from_i8(q.add(16))))
+        }
     }
 }
 
