@@ -61,8 +61,9 @@ pub struct UpArgs {
     /// A venv of third-party agents (mini-swe-agent), mounted into every sandbox.
     #[arg(long)]
     pub agents_dir: Option<PathBuf>,
-    /// Trials run at once.
-    #[arg(long, default_value_t = 4)]
+    /// Trials run at once. Trials mostly wait on the engine, which decodes them as one
+    /// batch (up to its 16 sequences), so this matches the engine's batch.
+    #[arg(long, default_value_t = 16)]
     pub rollout_concurrency: usize,
     /// Seconds to wait for every service to be ready before giving up.
     #[arg(long, default_value_t = 600)]

@@ -107,6 +107,8 @@ fn start_llama_cpp(model: &Path, port: u16, threads: usize) -> anyhow::Result<Ch
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    // As arl-inference does at start.
+    arl_model::ops::retain_freed_memory();
     let path = std::env::var_os("ARL_MODEL_DIR")
         .map(PathBuf::from)
         .unwrap_or(cache_dir().join("models"))

@@ -51,6 +51,9 @@ pub struct EngineConfig {
     pub swap_policy: SwapPolicy,
     /// Sessions whose KV cache is kept for the next turn.
     pub session_cache: usize,
+    /// Prompt tokens whose KV caches are kept for later requests that share a prefix with
+    /// them (0 = off).
+    pub prefix_cache_tokens: usize,
 }
 
 impl Default for EngineConfig {
@@ -62,6 +65,7 @@ impl Default for EngineConfig {
             max_model_len: 8192,
             swap_policy: SwapPolicy::Finish,
             session_cache: 32,
+            prefix_cache_tokens: 16_384,
         }
     }
 }
@@ -175,6 +179,7 @@ impl EngineHandle {
             waiting: VecDeque::new(),
             active: Vec::new(),
             sessions: SessionCache::new(config.session_cache),
+            prefixes: PrefixCache::new(config.prefix_cache_tokens),
             stats: stats.clone(),
             seed_counter: 0,
         };
@@ -245,6 +250,8 @@ struct Sequence {
     tokens: Vec<u32>,
     /// Tokens already in the cache.
     fed: usize,
+    /// Prompt length (tokens after it were generated).
+    prompt_len: usize,
     generated: usize,
     rng: Rng,
     /// Choices still to fork from this one once its prompt is in the cache.
@@ -266,6 +273,7 @@ struct Engine {
     waiting: VecDeque<Request>,
     active: Vec<Sequence>,
     sessions: SessionCache,
+    prefixes: PrefixCache,
     stats: Arc<EngineStats>,
     seed_counter: u64,
 }
@@ -302,6 +310,7 @@ impl Engine {
                 tracing::info!(policy_version = model.version, "weights swapped in");
                 // Cached prefixes were computed by other weights.
                 self.sessions.clear();
+                self.prefixes.clear();
                 if self.config.swap_policy == SwapPolicy::Abort {
                     let message = format!(
                         "aborted: the weights changed to policy version {} during generation; retry the request",
@@ -317,7 +326,10 @@ impl Engine {
         }
     }
 
-    /// Moves waiting requests into the batch while there are slots.
+    /// Moves waiting requests into the batch while there are slots. A request whose prompt
+    /// shares a prefix with a prompt still being prefilled waits for it (a few steps at
+    /// most), then starts from its cache instead of computing the same prefix again: the
+    /// n trials of a GRPO group arrive together with the same prompt.
     fn admit(&mut self) {
         let Some(model) = self
             .current
@@ -327,53 +339,81 @@ impl Engine {
         else {
             return;
         };
+        let mut deferred = VecDeque::new();
         while let Some(request) = self.waiting.front() {
             let slots = request.n.max(1);
             if !self.active.is_empty() && self.active.len() + slots > self.config.max_batch {
-                return;
+                break;
             }
             let Some(request) = self.waiting.pop_front() else {
-                return;
+                break;
             };
-            self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
-            self.seed_counter += 1;
-            let base_seed = request
-                .params
-                .seed
-                .unwrap_or_else(|| random_seed(self.seed_counter));
-            let (cache, cached) = match request.session.as_deref() {
-                Some(session) => self
-                    .sessions
-                    .take(session, &model, &request.prompt)
-                    .unwrap_or_else(|| (KvCache::new(&model.loaded.model), 0)),
-                None => (KvCache::new(&model.loaded.model), 0),
-            };
-            let shared = Arc::new(RequestShared {
-                params: request.params,
-                session: request.session,
-                events: request.events,
-                cancel: request.cancel,
-                base_seed,
-            });
-            let started = shared.events.send(Event::Started {
-                policy_version: model.version,
-                cached_tokens: cached,
-            });
-            if started.is_err() {
-                continue; // the client is gone
+            if self.prefixes.enabled() && self.shares_a_prefill(&model, &request.prompt) {
+                deferred.push_back(request);
+                continue;
             }
-            self.active.push(Sequence {
-                request: shared,
-                choice: 0,
-                model: model.clone(),
-                cache,
-                tokens: request.prompt,
-                fed: cached,
-                generated: 0,
-                rng: Rng::new(base_seed),
-                forks: slots - 1,
-            });
+            self.start(&model, request);
         }
+        // Deferred requests keep their place at the front of the queue.
+        while let Some(request) = deferred.pop_back() {
+            self.waiting.push_front(request);
+        }
+    }
+
+    /// Whether an active sequence on `model` is still prefilling a prompt that shares a
+    /// useful prefix with `prompt` beyond what the prefix cache already holds.
+    fn shares_a_prefill(&self, model: &Arc<ServedModel>, prompt: &[u32]) -> bool {
+        let cached = self.prefixes.longest(model.version, prompt);
+        self.active.iter().any(|seq| {
+            seq.model.version == model.version
+                && seq.fed < seq.prompt_len
+                && shared_prefix(&seq.tokens[..seq.prompt_len], prompt) >= cached + MIN_SHARED
+        })
+    }
+
+    /// Starts a request: its cache from its session or a shared prefix, one sequence (whose
+    /// other choices fork once its prompt is in).
+    fn start(&mut self, model: &Arc<ServedModel>, request: Request) {
+        let slots = request.n.max(1);
+        self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+        self.seed_counter += 1;
+        let base_seed = request
+            .params
+            .seed
+            .unwrap_or_else(|| random_seed(self.seed_counter));
+        let from_session = request
+            .session
+            .as_deref()
+            .and_then(|session| self.sessions.take(session, model, &request.prompt));
+        let (cache, cached) = from_session
+            .or_else(|| self.prefixes.take(model, &request.prompt))
+            .unwrap_or_else(|| (KvCache::new(&model.loaded.model), 0));
+        let shared = Arc::new(RequestShared {
+            params: request.params,
+            session: request.session,
+            events: request.events,
+            cancel: request.cancel,
+            base_seed,
+        });
+        let started = shared.events.send(Event::Started {
+            policy_version: model.version,
+            cached_tokens: cached,
+        });
+        if started.is_err() {
+            return; // the client is gone
+        }
+        self.active.push(Sequence {
+            request: shared,
+            choice: 0,
+            model: model.clone(),
+            cache,
+            prompt_len: request.prompt.len(),
+            tokens: request.prompt,
+            fed: cached,
+            generated: 0,
+            rng: Rng::new(base_seed),
+            forks: slots - 1,
+        });
     }
 
     /// One forward pass per policy version over every sequence with tokens to feed.
@@ -425,8 +465,13 @@ impl Engine {
             drop(inputs);
             for (i, out) in indices.into_iter().zip(outputs) {
                 let end = feed_to[i].unwrap_or(0);
-                self.active[i].fed = end;
-                if end == self.active[i].tokens.len() {
+                let seq = &mut self.active[i];
+                let prefilled = seq.generated == 0 && seq.fed < seq.prompt_len && end == seq.prompt_len;
+                seq.fed = end;
+                if prefilled {
+                    self.prefixes.put(seq.model.version, &seq.tokens[..seq.prompt_len], &seq.cache);
+                }
+                if end == seq.tokens.len() {
                     logits[i] = Some(out);
                 }
             }
@@ -448,6 +493,7 @@ impl Engine {
                             cache: seq.cache.clone(),
                             tokens: seq.tokens.clone(),
                             fed: seq.fed,
+                            prompt_len: seq.prompt_len,
                             generated: 0,
                             rng: Rng::new(seq.request.base_seed.wrapping_add(choice as u64)),
                             forks: 0,
@@ -591,6 +637,108 @@ fn random_seed(counter: u64) -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
     nanos ^ counter.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// Shared prefixes shorter than this are computed again rather than copied.
+const MIN_SHARED: usize = 16;
+
+fn shared_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// KV caches of recent prompts (automatic prefix caching, as vLLM's): a request that
+/// shares at least MIN_SHARED leading tokens with one starts from a copy of its cache.
+/// Bounded by prompt tokens held; least recently used evicted; emptied when weights change.
+struct PrefixCache {
+    token_budget: usize,
+    tokens_held: usize,
+    entries: Vec<PrefixEntry>,
+    clock: u64,
+}
+
+struct PrefixEntry {
+    version: u64,
+    tokens: Vec<u32>,
+    cache: KvCache,
+    used: u64,
+}
+
+impl PrefixCache {
+    fn new(token_budget: usize) -> Self {
+        Self {
+            token_budget,
+            tokens_held: 0,
+            entries: Vec::new(),
+            clock: 0,
+        }
+    }
+
+    fn enabled(&self) -> bool {
+        self.token_budget > 0
+    }
+
+    fn clear(&mut self) {
+        self.entries.clear();
+        self.tokens_held = 0;
+    }
+
+    /// The longest prefix of `prompt` an entry of `version` holds (0 below MIN_SHARED).
+    fn longest(&self, version: u64, prompt: &[u32]) -> usize {
+        self.best(version, prompt).map_or(0, |(_, shared)| shared)
+    }
+
+    fn best(&self, version: u64, prompt: &[u32]) -> Option<(usize, usize)> {
+        // At least one prompt token is left to feed: its logits start the completion.
+        let limit = prompt.len().saturating_sub(1);
+        self.entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.version == version)
+            .map(|(i, e)| (i, shared_prefix(&e.tokens, prompt).min(limit)))
+            .filter(|&(_, shared)| shared >= MIN_SHARED)
+            .max_by_key(|&(_, shared)| shared)
+    }
+
+    /// A copy of the best entry's cache cut to the shared prefix, and its length.
+    fn take(&mut self, model: &ServedModel, prompt: &[u32]) -> Option<(KvCache, usize)> {
+        let (i, shared) = self.best(model.version, prompt)?;
+        self.clock += 1;
+        let entry = &mut self.entries[i];
+        entry.used = self.clock;
+        let mut cache = entry.cache.clone();
+        cache.truncate(&model.loaded.model, shared);
+        Some((cache, shared))
+    }
+
+    /// Keeps a copy of a prompt's cache (or marks an equal entry as used).
+    fn put(&mut self, version: u64, tokens: &[u32], cache: &KvCache) {
+        if tokens.len() < MIN_SHARED || tokens.len() > self.token_budget {
+            return;
+        }
+        self.clock += 1;
+        if let Some(entry) = self
+            .entries
+            .iter_mut()
+            .find(|e| e.version == version && e.tokens == tokens)
+        {
+            entry.used = self.clock;
+            return;
+        }
+        while self.tokens_held + tokens.len() > self.token_budget {
+            let Some(oldest) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].used)
+            else {
+                break;
+            };
+            self.tokens_held -= self.entries.swap_remove(oldest).tokens.len();
+        }
+        self.tokens_held += tokens.len();
+        self.entries.push(PrefixEntry {
+            version,
+            tokens: tokens.to_vec(),
+            cache: cache.clone(),
+            used: self.clock,
+        });
+    }
 }
 
 /// KV caches of recent sessions, keyed by session id, least recently used evicted.

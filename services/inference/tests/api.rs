@@ -226,7 +226,13 @@ async fn responses_carry_token_ids_versions_and_true_logprobs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_matches_non_streaming_with_a_seed() {
-    let server = Server::start(EngineConfig::default(), served(smollm2(), 0)).await;
+    // Both computed from scratch: a prompt served from the prefix cache takes a different
+    // (equally valid) kernel path for its last token, and its usage reports the reuse.
+    let config = EngineConfig {
+        prefix_cache_tokens: 0,
+        ..EngineConfig::default()
+    };
+    let server = Server::start(config, served(smollm2(), 0)).await;
     let request = json!({"messages": [{"role": "user", "content": "Tell me a short story about a cat."}],
                          "temperature": 0.9, "top_p": 0.95, "seed": 1234, "max_tokens": 40, "n": 2,
                          "stop": ["\n\n"]});
@@ -271,7 +277,12 @@ async fn streaming_matches_non_streaming_with_a_seed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_reuses_its_prefix_and_answers_the_same() {
-    let server = Server::start(EngineConfig::default(), served(smollm2(), 0)).await;
+    // Sessions alone: the shared-prefix cache would serve the second request too.
+    let config = EngineConfig {
+        prefix_cache_tokens: 0,
+        ..EngineConfig::default()
+    };
+    let server = Server::start(config, served(smollm2(), 0)).await;
     let mut messages = vec![json!({"role": "user", "content": "List three colors."})];
     let first =
         json!({"messages": messages, "temperature": 0, "max_tokens": 16, "user": "trial-1"});
@@ -293,6 +304,60 @@ async fn a_session_reuses_its_prefix_and_answers_the_same() {
         cached["choices"][0]["token_ids"],
         uncached["choices"][0]["token_ids"]
     );
+    server.shutdown.trigger();
+}
+
+/// A GRPO group: the same prompt sent n times at once is prefilled once — the others wait
+/// for it and start from its cache — and every answer is the one an engine without the
+/// prefix cache gives. A prompt sharing only the system message reuses that much.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_sharing_a_prompt_prefill_it_once_and_answer_the_same() {
+    let system = json!({"role": "system", "content": "Solve the problem step by step. End your answer with a line `#### <number>` holding only the final number."});
+    let body = |question: &str| {
+        json!({"messages": [system, {"role": "user", "content": question}],
+               "temperature": 0, "max_tokens": 12})
+    };
+    let off = EngineConfig {
+        prefix_cache_tokens: 0,
+        ..EngineConfig::default()
+    };
+    let reference = Server::start(off, served(smollm2(), 0)).await;
+    let (_, want) = reference
+        .post("/v1/chat/completions", &body("What is 7 + 5?"))
+        .await;
+    let (_, want_other) = reference
+        .post("/v1/chat/completions", &body("What is 9 - 4?"))
+        .await;
+    reference.shutdown.trigger();
+
+    let server = Server::start(EngineConfig::default(), served(smollm2(), 0)).await;
+    let same = body("What is 7 + 5?");
+    let group =
+        futures::future::join_all((0..4).map(|_| server.post("/v1/chat/completions", &same)))
+            .await;
+    let prompt_tokens = want["usage"]["prompt_tokens"].as_u64().unwrap();
+    let mut cached: Vec<u64> = group
+        .iter()
+        .map(|(status, answer)| {
+            assert_eq!(*status, 200, "{answer}");
+            assert_eq!(answer["choices"][0]["token_ids"], want["choices"][0]["token_ids"]);
+            answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    cached.sort_unstable();
+    // One computed it; three started from its cache (all but the last prompt token).
+    assert_eq!(cached, vec![0, prompt_tokens - 1, prompt_tokens - 1, prompt_tokens - 1]);
+
+    let (_, other) = server
+        .post("/v1/chat/completions", &body("What is 9 - 4?"))
+        .await;
+    let reused = other["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(reused >= 16 && reused < prompt_tokens - 1, "{other}");
+    assert_eq!(other["choices"][0]["token_ids"], want_other["choices"][0]["token_ids"]);
     server.shutdown.trigger();
 }
 
@@ -510,6 +575,8 @@ async fn the_openai_python_sdk_works_against_the_server() {
     let server = Server::start(
         EngineConfig {
             max_model_len: 2048,
+            // Whole and streamed answers compared bit for bit: both from scratch.
+            prefix_cache_tokens: 0,
             ..EngineConfig::default()
         },
         served(smollm2(), 0),
