@@ -62,6 +62,10 @@ struct Args {
     /// off. SmolLM2-135M holds 46 KiB per token.
     #[arg(long, default_value_t = 16_384)]
     prefix_cache_tokens: usize,
+    /// Threads of the CPU kernels; default: the cores this process may use (its CPU
+    /// affinity and cgroup quota).
+    #[arg(long, env = "ARL_THREADS")]
+    threads: Option<usize>,
 }
 
 #[tokio::main]
@@ -69,7 +73,9 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     // Each step frees and re-allocates gigabytes of activations: keep them in the process.
     arl_model::ops::retain_freed_memory();
+    let threads = arl_model::ops::size_thread_pool(args.threads).context("--threads")?;
     let telemetry = telemetry::init("arl-inference", telemetry::otlp_endpoint_from_env())?;
+    tracing::info!(threads, "CPU kernels sized");
     let namespace = args.common.namespace()?;
     let run = args
         .run

@@ -40,6 +40,11 @@ struct Args {
     /// trainer announced a GPU.
     #[arg(long, env = "ARL_TRAINER_GPU", default_value = "0")]
     gpu: String,
+
+    /// Threads of the CPU kernels (cpu runs); default: the cores this process may use (its
+    /// CPU affinity and cgroup quota).
+    #[arg(long, env = "ARL_THREADS")]
+    threads: Option<usize>,
 }
 
 #[tokio::main]
@@ -47,7 +52,9 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     // Each step frees and re-allocates gigabytes of activations: keep them in the process.
     arl_model::ops::retain_freed_memory();
+    let threads = arl_model::ops::size_thread_pool(args.threads).context("--threads")?;
     let telemetry = telemetry::init("arl-trainer", telemetry::otlp_endpoint_from_env())?;
+    tracing::info!(threads, "CPU kernels sized");
     let namespace = args.common.namespace()?;
     let metrics = Metrics::new();
     let bus = Bus::connect(

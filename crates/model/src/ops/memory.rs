@@ -61,3 +61,18 @@ pub fn retain_freed_memory() {
         }
     }
 }
+
+/// Sizes the thread pool the CPU kernels run on: `threads`, or else the cores this process
+/// may use (its CPU affinity and cgroup quota, as `available_parallelism` reads them — on
+/// one machine shared with the other services, pin or limit the engine and the trainer and
+/// their pools follow). Call once at start, before any model work; returns the count.
+pub fn size_thread_pool(threads: Option<usize>) -> Result<usize, rayon::ThreadPoolBuildError> {
+    let threads = threads
+        .filter(|n| *n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("arl-cpu-{i}"))
+        .build_global()?;
+    Ok(threads)
+}
