@@ -175,15 +175,24 @@ fn main() -> anyhow::Result<()> {
     );
     println!(
         "{:<34} {:>12.1} {:>12.1} {:>8.2}x",
-        "decode, batch 8 (total), vs batch 1", decode8, decode1, decode8 / decode1
+        "decode, batch 8 (total), vs batch 1",
+        decode8,
+        decode1,
+        decode8 / decode1
     );
     println!(
         "{:<34} {:>12.1} {:>12.1} {:>8.2}x",
-        "decode, f32 weights, batch 1", decode1_f32, lc_decode, decode1_f32 / lc_decode
+        "decode, f32 weights, batch 1",
+        decode1_f32,
+        lc_decode,
+        decode1_f32 / lc_decode
     );
     println!(
         "{:<34} {:>12.1} {:>12.1} {:>8.2}x",
-        "decode, f32 weights, batch 8, vs b1", decode8_f32, decode1_f32, decode8_f32 / decode1_f32
+        "decode, f32 weights, batch 8, vs b1",
+        decode8_f32,
+        decode1_f32,
+        decode8_f32 / decode1_f32
     );
     println!(
         "{:<34} {:>12.1} {:>12} {:>9}",

@@ -466,10 +466,12 @@ impl Engine {
             for (i, out) in indices.into_iter().zip(outputs) {
                 let end = feed_to[i].unwrap_or(0);
                 let seq = &mut self.active[i];
-                let prefilled = seq.generated == 0 && seq.fed < seq.prompt_len && end == seq.prompt_len;
+                let prefilled =
+                    seq.generated == 0 && seq.fed < seq.prompt_len && end == seq.prompt_len;
                 seq.fed = end;
                 if prefilled {
-                    self.prefixes.put(seq.model.version, &seq.tokens[..seq.prompt_len], &seq.cache);
+                    self.prefixes
+                        .put(seq.model.version, &seq.tokens[..seq.prompt_len], &seq.cache);
                 }
                 if end == seq.tokens.len() {
                     logits[i] = Some(out);
@@ -725,8 +727,7 @@ impl PrefixCache {
             return;
         }
         while self.tokens_held + tokens.len() > self.token_budget {
-            let Some(oldest) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].used)
-            else {
+            let Some(oldest) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].used) else {
                 break;
             };
             self.tokens_held -= self.entries.swap_remove(oldest).tokens.len();

@@ -333,14 +333,16 @@ async fn requests_sharing_a_prompt_prefill_it_once_and_answer_the_same() {
     let server = Server::start(EngineConfig::default(), served(smollm2(), 0)).await;
     let same = body("What is 7 + 5?");
     let group =
-        futures::future::join_all((0..4).map(|_| server.post("/v1/chat/completions", &same)))
-            .await;
+        futures::future::join_all((0..4).map(|_| server.post("/v1/chat/completions", &same))).await;
     let prompt_tokens = want["usage"]["prompt_tokens"].as_u64().unwrap();
     let mut cached: Vec<u64> = group
         .iter()
         .map(|(status, answer)| {
             assert_eq!(*status, 200, "{answer}");
-            assert_eq!(answer["choices"][0]["token_ids"], want["choices"][0]["token_ids"]);
+            assert_eq!(
+                answer["choices"][0]["token_ids"],
+                want["choices"][0]["token_ids"]
+            );
             answer["usage"]["prompt_tokens_details"]["cached_tokens"]
                 .as_u64()
                 .unwrap()
@@ -348,7 +350,10 @@ async fn requests_sharing_a_prompt_prefill_it_once_and_answer_the_same() {
         .collect();
     cached.sort_unstable();
     // One computed it; three started from its cache (all but the last prompt token).
-    assert_eq!(cached, vec![0, prompt_tokens - 1, prompt_tokens - 1, prompt_tokens - 1]);
+    assert_eq!(
+        cached,
+        vec![0, prompt_tokens - 1, prompt_tokens - 1, prompt_tokens - 1]
+    );
 
     let (_, other) = server
         .post("/v1/chat/completions", &body("What is 9 - 4?"))
@@ -357,7 +362,10 @@ async fn requests_sharing_a_prompt_prefill_it_once_and_answer_the_same() {
         .as_u64()
         .unwrap();
     assert!(reused >= 16 && reused < prompt_tokens - 1, "{other}");
-    assert_eq!(other["choices"][0]["token_ids"], want_other["choices"][0]["token_ids"]);
+    assert_eq!(
+        other["choices"][0]["token_ids"],
+        want_other["choices"][0]["token_ids"]
+    );
     server.shutdown.trigger();
 }
 
