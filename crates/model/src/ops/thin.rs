@@ -68,24 +68,30 @@ pub(crate) fn matmul<W: WeightRows>(w: &W, out: &mut [f32], x: &[f32], n: usize)
         i.is_multiple_of(BLOCK) && x.len() >= n * i && out.len() >= n * o,
         "thin matmul shapes"
     );
-    // Transposed result (O, N): each task owns whole rows of W.
-    let mut out_t = vec![0f32; o * n];
+    // Each task owns a range of W's rows, so it writes the same columns of every token's
+    // output row: out is cut into (token, task) pieces, gathered per task.
     let rows_per_task = rows_per_task(o);
+    let tasks = o.div_ceil(rows_per_task);
+    let mut pieces: Vec<Vec<&mut [f32]>> = (0..tasks).map(|_| Vec::with_capacity(n)).collect();
+    for row in out[..n * o].chunks_mut(o) {
+        for (task, piece) in row.chunks_mut(rows_per_task).enumerate() {
+            pieces[task].push(piece);
+        }
+    }
     let isa = Isa::detect();
-    out_t
-        .par_chunks_mut(n * rows_per_task)
+    pieces
+        .into_par_iter()
         .enumerate()
-        .for_each(|(task, out_t)| {
+        .for_each(|(task, mut out)| {
             let first = task * rows_per_task;
-            let rows = out_t.len() / n;
+            let rows = out.first().map_or(0, |p| p.len());
             for t0 in (0..n).step_by(MAX_NT) {
                 let nt = MAX_NT.min(n - t0);
                 isa.run(w, &x[t0 * i..(t0 + nt) * i], first, rows, nt, |r, t, v| {
-                    out_t[(r - first) * n + t0 + t] = v;
+                    out[t0 + t][r - first] = v;
                 });
             }
         });
-    super::transpose_into(out, &out_t, o, n);
 }
 
 /// A few tasks per thread, in multiples of 8 rows.
