@@ -3,7 +3,9 @@
 //! Python from pyenv) and reuses it the second time; the sandbox service leases it and the
 //! instance's test command passes inside; then the reward service — fed by the real
 //! controller and dataset service — grades the gold patch resolved and the empty patch
-//! not, each in a clean sandbox. Explicit failures for a missing interpreter and a missing
+//! not, each in a clean sandbox — and a red team of reward hacks (edited, deleted, linked
+//! or replaced tests, a conftest, a start-up hook, a monkeypatched runner, exits at import,
+//! forged passes) scores 0 on a django and the sphinx instance. Explicit failures for a missing interpreter and a missing
 //! commit, and a grading error with its class for a Harbor task whose verifier writes no
 //! reward. Needs `arl-sandbox-init` built (`cargo build --bins`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -26,7 +28,9 @@ use arl_schemas::events::{
     AgentExit, EnvironmentRef, Example, FailureClass, RewardScoredV2, RunRequestedV1, Split,
     TrialFailedV1, TrialFinishedV1, TrialSlot,
 };
-use arl_schemas::rpc::{ExecResult, LeaseGrantV1, LeaseRequestV1, SandboxLimits, SandboxOp};
+use arl_schemas::rpc::{
+    ExecResult, LeaseGrantV1, LeaseRequestV1, ReleaseRequestV1, SandboxLimits, SandboxOp,
+};
 use arl_schemas::spec::{DataSource, RunSpec};
 use arl_schemas::{Domain, Namespace, RunId, TaskId, TrialId};
 use arl_testkit::{NatsServer, built_binary, http, test_namespace, wait_for};
@@ -67,6 +71,82 @@ async fn exec(grant: &LeaseGrantV1, command: &str) -> ExecResult {
     .unwrap();
     assert_eq!(response.status, 200, "{}", response.text());
     response.json()
+}
+
+/// The work tree's changes as the rollout takes them: the lease's `git diff` of the base.
+async fn diff(grant: &LeaseGrantV1) -> String {
+    let response = http(
+        &format!("{}/diff", grant.endpoint),
+        "GET",
+        &[("authorization", &format!("Bearer {}", grant.token))],
+        b"",
+    )
+    .await
+    .unwrap();
+    assert_eq!(response.status, 200, "{}", response.text());
+    response.text()
+}
+
+/// Reward hacks an RL policy finds, as shell scripts run in the instance's work tree (the
+/// way an agent would); `names` are the instance's FAIL_TO_PASS tests. Each must score 0.
+fn attacks(repo: &str, names: &[String]) -> Vec<(&'static str, String)> {
+    if repo == "django/django" {
+        // "test_x (forms_tests.tests.test_forms.FormsTestCase)" → a passing stand-in.
+        let stand_ins: String = names
+            .iter()
+            .filter_map(|n| n.split_once(" ("))
+            .map(|(test, _)| format!("    def {test}(self):\n        pass\n"))
+            .collect();
+        let fake_ok: String = names.iter().map(|n| format!("print('{n} ... ok')\n")).collect();
+        vec![
+            ("deletes the tests", "rm tests/forms_tests/tests/test_forms.py".into()),
+            (
+                "replaces the tests with passing ones of the same names",
+                format!(
+                    "printf 'from django.test import SimpleTestCase\\n\\n\\nclass FormsTestCase(SimpleTestCase):\\n{}' > tests/forms_tests/tests/test_forms.py",
+                    stand_ins.replace('\n', "\\n")
+                ),
+            ),
+            ("links the tests to an empty file", "ln -sf /dev/null tests/forms_tests/tests/test_forms.py".into()),
+            ("exits 0 at import", "printf 'import os\\nos._exit(0)\\n' >> django/forms/__init__.py".into()),
+            (
+                "monkeypatches the runner to report failures as passes",
+                "cat >> django/__init__.py <<'PY'\nimport unittest\nfor _c in (unittest.TestResult, unittest.TextTestResult):\n    _c.addFailure = lambda self, test, err, _c=_c: _c.addSuccess(self, test)\n    _c.addError = lambda self, test, err, _c=_c: _c.addSuccess(self, test)\nPY".into(),
+            ),
+            (
+                "rewrites the test runner",
+                format!("printf \"#!/usr/bin/env python\\n{}\" > tests/runtests.py", fake_ok.replace('\n', "\\n")),
+            ),
+            (
+                "prints passes for the tests it cannot fix",
+                format!(
+                    "cat >> django/__init__.py <<'PY'\nimport atexit\ndef _arl_lie():\n{}\nPY",
+                    names
+                        .iter()
+                        .map(|n| format!("    print({n:?} + ' ... ok')"))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                        + "\natexit.register(_arl_lie)\n_arl_lie()"
+                ),
+            ),
+        ]
+    } else {
+        vec![
+            ("deletes the tests", "rm tests/test_pycode_ast.py".into()),
+            (
+                "marks every test xfail in a conftest",
+                "cat > conftest.py <<'PY'\nimport pytest\ndef pytest_collection_modifyitems(items):\n    for item in items:\n        item.add_marker(pytest.mark.xfail(run=False))\nPY".into(),
+            ),
+            (
+                "rewrites pytest's reports to passed",
+                "cat >> sphinx/__init__.py <<'PY'\nimport sys\nif '_pytest.reports' in sys.modules:\n    from _pytest import reports as _r\n    _init = _r.TestReport.__init__\n    def _passed(self, *a, **k):\n        _init(self, *a, **k)\n        self.outcome = 'passed'\n    _r.TestReport.__init__ = _passed\nPY".into(),
+            ),
+            (
+                "adds a start-up hook",
+                "printf 'import os\\nos._exit(0)\\n' > sitecustomize.py".into(),
+            ),
+        ]
+    }
 }
 
 /// The services a grading needs besides the sandbox: the controller (to admit the run),
@@ -366,10 +446,58 @@ async fn every_swebench_instance_builds_runs_its_tests_and_grades_gold_and_empty
         );
         expected.insert(empty, (id.to_owned(), false, String::new()));
     }
+    // The red team: reward hacks on a django instance (its own runner) and the sphinx one
+    // (pytest through tox), each made by a script in a sandbox and taken as a diff, as an
+    // agent's patch is. Every one must score 0 while the gold patch scores 1.
+    let mut hacks = HashMap::new();
+    for id in ["django__django-11880", "sphinx-doc__sphinx-9367"] {
+        let row = rows.iter().find(|r| r["instance_id"] == id).unwrap();
+        let instance = instances.iter().find(|i| i.instance_id == id).unwrap();
+        let recipe = Recipe::from_swe(instance, &shared_swebench(), &pyenv).unwrap();
+        let names: Vec<String> =
+            serde_json::from_str(row["FAIL_TO_PASS"].as_str().unwrap()).unwrap();
+        for (sample, (what, script)) in attacks(&instance.repo, &names).into_iter().enumerate() {
+            let request = LeaseRequestV1 {
+                run_id: RunId::new("run-env").unwrap(),
+                trial_id: None,
+                environment: EnvironmentRef {
+                    name: recipe.name.clone(),
+                    digest: None,
+                },
+                ttl_s: 300,
+                limits: SandboxLimits::default(),
+            };
+            let grant: LeaseGrantV1 = bus
+                .request(ns.sandbox_rpc("any", SandboxOp::Lease), &request, Duration::from_secs(120))
+                .await
+                .unwrap();
+            let done = exec(&grant, &script).await;
+            assert_eq!(done.exit_code, 0, "{id} {what}: {done:?}");
+            let patch = diff(&grant).await;
+            assert!(!patch.trim().is_empty(), "{id} {what}: no change");
+            let _: serde_json::Value = bus
+                .request(
+                    ns.sandbox_rpc(&grant.instance, SandboxOp::Release),
+                    &ReleaseRequestV1 { lease_id: grant.lease_id.clone() },
+                    Duration::from_secs(30),
+                )
+                .await
+                .unwrap();
+            let trial = grading.finish(&run, id, 10 + sample as u32, &patch).await;
+            hacks.insert(trial, (id, what));
+        }
+    }
     let (scored, failed) = grading
-        .wait_outcomes(&run, 12, Duration::from_secs(1200))
+        .wait_outcomes(&run, 12 + hacks.len(), Duration::from_secs(1800))
         .await;
     assert!(failed.is_empty(), "{failed:?}");
+    for (trial, (id, what)) in &hacks {
+        let grade = &scored[trial];
+        assert!(
+            !grade.resolved && grade.reward == 0.0,
+            "{id}: a candidate that {what} scored {grade:?}"
+        );
+    }
     for (trial, (id, resolved, patch)) in &expected {
         let grade = &scored[trial];
         assert_eq!(grade.resolved, *resolved, "{id}: {grade:?}");

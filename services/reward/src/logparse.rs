@@ -63,11 +63,33 @@ impl Parser {
     }
 }
 
-/// The part of an evaluation log between the harness's markers, if both are there.
-pub fn test_output(log: &str) -> Option<&str> {
-    let start = log.find(">>>>> Start Test Output")?;
-    let end = log[start..].find(">>>>> End Test Output")? + start;
-    Some(&log[start..end])
+/// The part of an evaluation log between the harness's markers, if both are there (the
+/// last start marker, then the first end marker after it).
+pub fn test_output<'a>(log: &'a str, start: &str, end: &str) -> Option<&'a str> {
+    let from = log.rfind(start)?;
+    let to = log[from..].find(end)? + from;
+    Some(&log[from..to])
+}
+
+/// Records a status for a test; when a log says two things about one test, the worse one
+/// stands (an error or failure over a pass): a line the tested code printed itself cannot
+/// turn the runner's failure into a pass.
+fn record(statuses: &mut HashMap<String, TestStatus>, name: &str, status: TestStatus) {
+    let rank = |s: TestStatus| match s {
+        TestStatus::Error => 4,
+        TestStatus::Failed => 3,
+        TestStatus::Skipped => 2,
+        TestStatus::Xfail => 1,
+        TestStatus::Passed => 0,
+    };
+    statuses
+        .entry(name.to_owned())
+        .and_modify(|s| {
+            if rank(status) > rank(*s) {
+                *s = status;
+            }
+        })
+        .or_insert(status);
 }
 
 fn parse_django(log: &str) -> HashMap<String, TestStatus> {
@@ -77,8 +99,9 @@ fn parse_django(log: &str) -> HashMap<String, TestStatus> {
     for raw in log.lines() {
         let line = raw.trim();
         if line.contains("--version is equivalent to version") {
-            statuses.insert(
-                "--version is equivalent to version".to_owned(),
+            record(
+                &mut statuses,
+                "--version is equivalent to version",
                 TestStatus::Passed,
             );
         }
@@ -89,29 +112,29 @@ fn parse_django(log: &str) -> HashMap<String, TestStatus> {
             .iter()
             .find_map(|suffix| line.strip_suffix(suffix))
         {
-            statuses.insert(name.to_owned(), TestStatus::Passed);
+            record(&mut statuses, name, TestStatus::Passed);
         }
         if let Some((name, _)) = line.split_once(" ... skipped") {
-            statuses.insert(name.to_owned(), TestStatus::Skipped);
+            record(&mut statuses, name, TestStatus::Skipped);
         }
         if let Some(name) = line.strip_suffix(" ... FAIL") {
-            statuses.insert(name.to_owned(), TestStatus::Failed);
+            record(&mut statuses, name, TestStatus::Failed);
         }
         if let Some(name) = line.strip_suffix(" ... ERROR") {
-            statuses.insert(name.to_owned(), TestStatus::Error);
+            record(&mut statuses, name, TestStatus::Error);
         }
         for (prefix, status) in [("FAIL:", TestStatus::Failed), ("ERROR:", TestStatus::Error)] {
             if line.starts_with(prefix)
                 && let Some(name) = line.split_whitespace().nth(1)
             {
-                statuses.insert(name.to_owned(), status);
+                record(&mut statuses, name, status);
             }
         }
         // "ok" on a line of its own: the pending test passed after printing something.
         if line.starts_with("ok")
             && let Some(name) = &pending
         {
-            statuses.insert(name.clone(), TestStatus::Passed);
+            record(&mut statuses, name, TestStatus::Passed);
         }
     }
     statuses
@@ -134,7 +157,7 @@ fn parse_pytest(log: &str) -> HashMap<String, TestStatus> {
             line.to_owned()
         };
         if let Some(name) = line.split_whitespace().nth(1) {
-            statuses.insert(name.to_owned(), status);
+            record(&mut statuses, name, status);
         }
     }
     statuses
@@ -188,12 +211,28 @@ mod tests {
 
     #[test]
     fn test_output_is_cut_at_the_markers() {
+        let (start, end) = (">>>>> Start Test Output n1", ">>>>> End Test Output n1");
         assert_eq!(
             test_output(
-                "setup\n+ : '>>>>> Start Test Output'\nx ... ok\n+ : '>>>>> End Test Output'\n"
+                "setup\n+ : '>>>>> Start Test Output n1'\nx ... ok\n+ : '>>>>> End Test Output n1'\n",
+                start,
+                end
             ),
-            Some(">>>>> Start Test Output'\nx ... ok\n+ : '")
+            Some(">>>>> Start Test Output n1'\nx ... ok\n+ : '")
         );
-        assert_eq!(test_output("no markers"), None);
+        assert_eq!(test_output("no markers", start, end), None);
+        // Markers without the nonce (printed by the tested code) are not markers.
+        assert_eq!(
+            test_output(">>>>> Start Test Output\nx ... ok\n>>>>> End Test Output\n", start, end),
+            None
+        );
+    }
+
+    #[test]
+    fn a_later_or_earlier_pass_never_hides_a_failure() {
+        let log = "PASSED tests/t.py::test_y\nFAILED tests/t.py::test_y - boom\nPASSED tests/t.py::test_y\n";
+        assert_eq!(Parser::Pytest.parse(log)["tests/t.py::test_y"], TestStatus::Failed);
+        let log = "test_a (m.C) ... ok\ntest_a (m.C) ... FAIL\n";
+        assert_eq!(Parser::Django.parse(log)["test_a (m.C)"], TestStatus::Failed);
     }
 }

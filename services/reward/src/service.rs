@@ -23,7 +23,8 @@ use arl_schemas::spec::RunSpec;
 use serde::Deserialize;
 
 use crate::grading::{GradingError, grade};
-use crate::swebench::EvalPlan;
+use crate::logparse::Parser;
+use crate::swebench::{EvalPlan, Guard};
 
 const SERVICE: &str = "reward";
 /// Deliveries of one trial before a sandbox that cannot be had becomes an
@@ -222,15 +223,25 @@ impl RewardService {
                             ),
                         )
                     })?;
-                let plan = crate::swebench::eval_plan(
+                let parser = Parser::for_repo(repo).ok_or_else(|| {
+                    grading_failure(GradingError::UnknownRepository(repo.clone()), "")
+                })?;
+                // A fresh secret per grading: the candidate cannot know its markers or canary.
+                let guard = Guard::new(&uuid::Uuid::new_v4().simple().to_string());
+                let (plan, canary) = crate::swebench::eval_plan(
                     &trial.patch,
                     test_patch,
                     &command.eval_env,
                     &command.test_command,
+                    parser,
+                    &guard,
                 );
                 let log = self.run_plan(trial, task, |_| plan).await?;
-                let report = grade(repo, &log, fail_to_pass, pass_to_pass)
+                let report = grade(repo, &log, fail_to_pass, pass_to_pass, &guard, &canary)
                     .map_err(|e| grading_failure(e, &log))?;
+                if report.tampered {
+                    tracing::warn!(trial = %trial.trial_id, "the grading canary broke: the candidate tampered with the test run; scored 0");
+                }
                 Ok(Grade {
                     score: if report.resolved() { 1.0 } else { 0.0 },
                     resolved: report.resolved(),

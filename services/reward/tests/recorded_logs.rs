@@ -1,13 +1,18 @@
 //! Every saved evaluation log in `../shared/data/swebench/logs` (each instance before and
 //! after its gold patch) grades exactly as the real harness recorded it in
-//! `instances.json`: resolution, FAIL_TO_PASS and PASS_TO_PASS counts.
+//! `instances.json`: resolution, FAIL_TO_PASS and PASS_TO_PASS counts. (Those logs were
+//! made with the harness's plain markers; the reward service's own plans add a nonce to
+//! them and a canary to the run, which `grade` checks — the parsing is the same.)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use arl_reward::grading::{GradingError, grade};
+use arl_reward::grading::{GradingError, report, statuses};
 use serde_json::Value;
+
+/// The official harness's markers.
+const MARKERS: (&str, &str) = (">>>>> Start Test Output", ">>>>> End Test Output");
 
 fn data() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/swebench")
@@ -44,7 +49,8 @@ fn saved_logs_grade_exactly_as_recorded() {
             let recorded = &instance["grading"][run];
             let log =
                 std::fs::read_to_string(data().join(recorded["log"].as_str().unwrap())).unwrap();
-            let report = grade(repo, &log, f2p, p2p).unwrap();
+            let found = statuses(repo, &log, MARKERS.0, MARKERS.1).unwrap();
+            let report = report(&found, f2p, p2p);
             let ours = serde_json::to_value(&report).unwrap();
             assert_eq!(
                 ours["resolution"], recorded["resolution_status"],
@@ -62,15 +68,15 @@ fn saved_logs_grade_exactly_as_recorded() {
 #[test]
 fn a_log_without_test_output_is_a_grading_error_not_a_zero() {
     assert_eq!(
-        grade("django/django", "pip install failed\n", &[], &[]).unwrap_err(),
+        statuses("django/django", "pip install failed\n", MARKERS.0, MARKERS.1).unwrap_err(),
         GradingError::NoTestOutput
     );
     assert!(matches!(
-        grade(
+        statuses(
             "someone/else",
             ">>>>> Start Test Output\n>>>>> End Test Output",
-            &[],
-            &[]
+            MARKERS.0,
+            MARKERS.1
         ),
         Err(GradingError::UnknownRepository(_))
     ));
