@@ -97,7 +97,10 @@ fn attacks(repo: &str, names: &[String]) -> Vec<(&'static str, String)> {
             .filter_map(|n| n.split_once(" ("))
             .map(|(test, _)| format!("    def {test}(self):\n        pass\n"))
             .collect();
-        let fake_ok: String = names.iter().map(|n| format!("print('{n} ... ok')\n")).collect();
+        let fake_ok: String = names
+            .iter()
+            .map(|n| format!("print('{n} ... ok')\n"))
+            .collect();
         vec![
             ("deletes the tests", "rm tests/forms_tests/tests/test_forms.py".into()),
             (
@@ -468,7 +471,11 @@ async fn every_swebench_instance_builds_runs_its_tests_and_grades_gold_and_empty
                 limits: SandboxLimits::default(),
             };
             let grant: LeaseGrantV1 = bus
-                .request(ns.sandbox_rpc("any", SandboxOp::Lease), &request, Duration::from_secs(120))
+                .request(
+                    ns.sandbox_rpc("any", SandboxOp::Lease),
+                    &request,
+                    Duration::from_secs(120),
+                )
                 .await
                 .unwrap();
             let done = exec(&grant, &script).await;
@@ -478,7 +485,9 @@ async fn every_swebench_instance_builds_runs_its_tests_and_grades_gold_and_empty
             let _: serde_json::Value = bus
                 .request(
                     ns.sandbox_rpc(&grant.instance, SandboxOp::Release),
-                    &ReleaseRequestV1 { lease_id: grant.lease_id.clone() },
+                    &ReleaseRequestV1 {
+                        lease_id: grant.lease_id.clone(),
+                    },
                     Duration::from_secs(30),
                 )
                 .await

@@ -168,7 +168,13 @@ mod tests {
     use crate::swebench::eval_plan;
 
     /// A pytest log of one grading, with what the tested code printed around it.
-    fn log(guard: &Guard, canary: &Canary, lines: &[&str], canary_pass: &str, canary_fail: &str) -> String {
+    fn log(
+        guard: &Guard,
+        canary: &Canary,
+        lines: &[&str],
+        canary_pass: &str,
+        canary_fail: &str,
+    ) -> String {
         let mut log = String::from("setup\n");
         log.push_str(&guard.start_marker());
         log.push('\n');
@@ -176,7 +182,10 @@ mod tests {
             log.push_str(line);
             log.push('\n');
         }
-        log.push_str(&format!("{canary_pass} {}\n{canary_fail} {}\n", canary.must_pass, canary.must_fail));
+        log.push_str(&format!(
+            "{canary_pass} {}\n{canary_fail} {}\n",
+            canary.must_pass, canary.must_fail
+        ));
         log.push_str(&guard.end_marker());
         log.push('\n');
         log
@@ -192,8 +201,22 @@ mod tests {
     fn a_run_whose_canary_held_grades_its_tests() {
         let guard = Guard::new("aaaabbbbccccdddd");
         let canary = plan(&guard);
-        let good = log(&guard, &canary, &["PASSED tests/t.py::test_fix"], "PASSED", "FAILED");
-        let report = grade(REPO, &good, &["tests/t.py::test_fix".into()], &[], &guard, &canary).unwrap();
+        let good = log(
+            &guard,
+            &canary,
+            &["PASSED tests/t.py::test_fix"],
+            "PASSED",
+            "FAILED",
+        );
+        let report = grade(
+            REPO,
+            &good,
+            &["tests/t.py::test_fix".into()],
+            &[],
+            &guard,
+            &canary,
+        )
+        .unwrap();
         assert!(report.resolved() && !report.tampered);
     }
 
@@ -203,7 +226,13 @@ mod tests {
         let canary = plan(&guard);
         let f2p = ["tests/t.py::test_fix".to_owned()];
         // Every failure reported as a pass (a monkeypatched runner or report hook).
-        let all_pass = log(&guard, &canary, &["PASSED tests/t.py::test_fix"], "PASSED", "PASSED");
+        let all_pass = log(
+            &guard,
+            &canary,
+            &["PASSED tests/t.py::test_fix"],
+            "PASSED",
+            "PASSED",
+        );
         // Nothing of the canary at all (stdout filtered, or the run cut short).
         let mut silent = format!("{}\nPASSED tests/t.py::test_fix\n", guard.start_marker());
         silent.push_str(&guard.end_marker());

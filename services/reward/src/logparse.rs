@@ -223,7 +223,11 @@ mod tests {
         assert_eq!(test_output("no markers", start, end), None);
         // Markers without the nonce (printed by the tested code) are not markers.
         assert_eq!(
-            test_output(">>>>> Start Test Output\nx ... ok\n>>>>> End Test Output\n", start, end),
+            test_output(
+                ">>>>> Start Test Output\nx ... ok\n>>>>> End Test Output\n",
+                start,
+                end
+            ),
             None
         );
     }
@@ -231,8 +235,14 @@ mod tests {
     #[test]
     fn a_later_or_earlier_pass_never_hides_a_failure() {
         let log = "PASSED tests/t.py::test_y\nFAILED tests/t.py::test_y - boom\nPASSED tests/t.py::test_y\n";
-        assert_eq!(Parser::Pytest.parse(log)["tests/t.py::test_y"], TestStatus::Failed);
+        assert_eq!(
+            Parser::Pytest.parse(log)["tests/t.py::test_y"],
+            TestStatus::Failed
+        );
         let log = "test_a (m.C) ... ok\ntest_a (m.C) ... FAIL\n";
-        assert_eq!(Parser::Django.parse(log)["test_a (m.C)"], TestStatus::Failed);
+        assert_eq!(
+            Parser::Django.parse(log)["test_a (m.C)"],
+            TestStatus::Failed
+        );
     }
 }

@@ -137,10 +137,10 @@ pub fn patch_paths(patch: &str) -> (BTreeSet<String>, BTreeSet<String>) {
             touched.insert(path.to_owned());
         } else if let Some(path) = line.strip_prefix("--- a/") {
             touched.insert(path.to_owned());
-        } else if line.starts_with("new file mode") {
-            if let Some(path) = &current {
-                created.insert(path.clone());
-            }
+        } else if line.starts_with("new file mode")
+            && let Some(path) = &current
+        {
+            created.insert(path.clone());
         }
     }
     (touched, created)
@@ -240,8 +240,7 @@ mod tests {
         diff --git a/tests/new_test.py b/tests/new_test.py\nnew file mode 100644\n--- /dev/null\n+++ b/tests/new_test.py\n@@ -0,0 +1 @@\n+z\n";
 
     #[test]
-    fn plans_apply_the_candidate_restore_tests_apply_the_test_patch_then_run_between_markers()
-    {
+    fn plans_apply_the_candidate_restore_tests_apply_the_test_patch_then_run_between_markers() {
         let guard = Guard::new("0123456789abcdef");
         let candidate = "diff --git a/src/m.py b/src/m.py\n--- a/src/m.py\n+++ b/src/m.py\n\
             diff --git a/conftest.py b/conftest.py\nnew file mode 100644\n--- /dev/null\n+++ b/conftest.py\n";
@@ -253,7 +252,11 @@ mod tests {
             Parser::Pytest,
             &guard,
         );
-        let at = |s: &str| plan.command.find(s).unwrap_or_else(|| panic!("{s} in {}", plan.command));
+        let at = |s: &str| {
+            plan.command
+                .find(s)
+                .unwrap_or_else(|| panic!("{s} in {}", plan.command))
+        };
         let apply_candidate = at("git apply -v .arl-eval/candidate.patch");
         let restore_tests = at("checkout -q HEAD -- 'tests/t.py'");
         let restore_conftest = at("rm -rf -- 'conftest.py'");
@@ -263,17 +266,29 @@ mod tests {
         let end = at(&guard.end_marker());
         assert!(apply_candidate < restore_tests && restore_tests < apply_tests);
         assert!(restore_conftest < apply_tests && apply_tests < start && start < run && run < end);
-        assert!(!plan.command.contains("'src/m.py'"), "the candidate's own fix stays");
+        assert!(
+            !plan.command.contains("'src/m.py'"),
+            "the candidate's own fix stays"
+        );
         assert!(plan.command.contains(TEST_PATCH_FAILED));
         assert!(plan.command.starts_with("exec 2>&1\nexport LANG=C.UTF-8\n"));
         assert_eq!(canary.must_pass, "test_t01234.py::test_t56789");
         assert_eq!(canary.must_fail, "test_t01234.py::test_tabcde");
-        assert!(plan.files.iter().any(|(p, body)| p == "test_t01234.py" && body.contains("1 + 1 == 3")));
+        assert!(
+            plan.files
+                .iter()
+                .any(|(p, body)| p == "test_t01234.py" && body.contains("1 + 1 == 3"))
+        );
 
         let (empty, _) = eval_plan("  \n", "t", &[], "x", Parser::Django, &guard);
         assert!(!empty.command.contains("candidate"));
         assert!(empty.command.contains("\nx t01234\n"));
-        assert!(empty.files.iter().any(|(p, _)| p == "tests/t01234/tests.py"));
+        assert!(
+            empty
+                .files
+                .iter()
+                .any(|(p, _)| p == "tests/t01234/tests.py")
+        );
     }
 
     #[test]
@@ -283,7 +298,10 @@ mod tests {
             touched.into_iter().collect::<Vec<_>>(),
             vec!["tests/new_test.py", "tests/t.py"]
         );
-        assert_eq!(created.into_iter().collect::<Vec<_>>(), vec!["tests/new_test.py"]);
+        assert_eq!(
+            created.into_iter().collect::<Vec<_>>(),
+            vec!["tests/new_test.py"]
+        );
         for path in [
             "tests/forms_tests/tests/test_forms.py",
             "tests",
@@ -300,7 +318,12 @@ mod tests {
         ] {
             assert!(is_protected(path), "{path}");
         }
-        for path in ["django/forms/forms.py", "sphinx/pycode/ast.py", "setup.py", "src/testutils.py"] {
+        for path in [
+            "django/forms/forms.py",
+            "sphinx/pycode/ast.py",
+            "setup.py",
+            "src/testutils.py",
+        ] {
             assert!(!is_protected(path), "{path}");
         }
     }

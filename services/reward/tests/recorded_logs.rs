@@ -68,7 +68,13 @@ fn saved_logs_grade_exactly_as_recorded() {
 #[test]
 fn a_log_without_test_output_is_a_grading_error_not_a_zero() {
     assert_eq!(
-        statuses("django/django", "pip install failed\n", MARKERS.0, MARKERS.1).unwrap_err(),
+        statuses(
+            "django/django",
+            "pip install failed\n",
+            MARKERS.0,
+            MARKERS.1
+        )
+        .unwrap_err(),
         GradingError::NoTestOutput
     );
     assert!(matches!(
