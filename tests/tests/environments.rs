@@ -73,6 +73,11 @@ async fn exec(grant: &LeaseGrantV1, command: &str) -> ExecResult {
     response.json()
 }
 
+const FOOLS_THE_LOG: [&str; 2] = [
+    "monkeypatches the runner to report failures as passes",
+    "rewrites pytest's reports to passed",
+];
+
 /// The work tree's changes as the rollout takes them: the lease's `git diff` of the base.
 async fn diff(grant: &LeaseGrantV1) -> String {
     let response = http(
@@ -89,6 +94,8 @@ async fn diff(grant: &LeaseGrantV1) -> String {
 
 /// Reward hacks an RL policy finds, as shell scripts run in the instance's work tree (the
 /// way an agent would); `names` are the instance's FAIL_TO_PASS tests. Each must score 0.
+/// The ones named in [`FOOLS_THE_LOG`] do make the log report the tests as passing: only
+/// the canary stops them.
 fn attacks(repo: &str, names: &[String]) -> Vec<(&'static str, String)> {
     if repo == "django/django" {
         // "test_x (forms_tests.tests.test_forms.FormsTestCase)" → a passing stand-in.
@@ -506,6 +513,13 @@ async fn every_swebench_instance_builds_runs_its_tests_and_grades_gold_and_empty
             !grade.resolved && grade.reward == 0.0,
             "{id}: a candidate that {what} scored {grade:?}"
         );
+        if FOOLS_THE_LOG.contains(what) {
+            let tests = grade.tests.as_ref().unwrap();
+            assert!(
+                tests.fail_to_pass.failed.is_empty() && !tests.fail_to_pass.passed.is_empty(),
+                "{id}: {what} did not fool the log, so it does not test the canary: {tests:?}"
+            );
+        }
     }
     for (trial, (id, resolved, patch)) in &expected {
         let grade = &scored[trial];
