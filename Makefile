@@ -43,7 +43,7 @@ SPEC ?= examples/arithmetic.toml
 # SWE-bench setup and test commands for `arl up` (image builder and reward service).
 export ARL_SWEBENCH_RECIPES ?= $(wildcard ../shared/data/swebench/instances.json)
 
-.PHONY: help deps system-deps models data vllm build build-release run learn-check test lint fmt gen bench loadtest clean-cache gpu-test-bundle
+.PHONY: help deps system-deps models data vllm build build-release run learn-check test lint fmt gen bench loadtest fuzz fuzz-one clean-cache gpu-test-bundle
 
 help:
 	@echo "make run      install what is missing, build, and run $(SPEC) on this machine"
@@ -54,6 +54,7 @@ help:
 	@echo "make data     install the GSM-Symbolic math templates into $(ARL_GSM_SYMBOLIC_DIR)"
 	@echo "make gen      regenerate schemas/json from the Rust types"
 	@echo "make loadtest admission throughput/latency against a JetStream baseline"
+	@echo "make fuzz     coverage-guided fuzzing (cargo-fuzz) of every parser of outside input, FUZZ_SECONDS (60) each"
 	@echo "make gpu-test-bundle  the GPU test binaries, stripped, into .device/bin (for a GPU machine without Rust; README: GPU)"
 	@echo "make lint | fmt | bench | clean-cache"
 
@@ -64,6 +65,8 @@ deps: $(TOOLS_STAMP) $(AGENTS_STAMP) system-deps
 system-deps:
 	@missing=""; command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
 	    [ -x /usr/bin/docker-registry ] || missing="$$missing docker-registry"; \
+	    [ -d /usr/lib/python3/dist-packages/pytest ] || missing="$$missing python3-pytest"; \
+	    command -v openssl >/dev/null || missing="$$missing openssl"; \
 	    if [ -n "$$missing" ]; then \
 	    if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $$missing; \
 	    else echo "missing Debian packages:$$missing (sudo apt-get install$$missing)"; exit 1; fi; fi
@@ -161,6 +164,29 @@ bench: deps models loadtest
 
 loadtest: deps
 	cargo run --release --quiet -p arl-loadtest --bin arl-loadtest -- --runs 2000 --concurrency 64
+
+# Coverage-guided fuzzing: cargo-fuzz (libFuzzer; stable Rust with --sanitizer none) over
+# every target of crates/fuzz, FUZZ_SECONDS each, from the seeds and the corpus kept in
+# $(ARL_CACHE)/fuzz. `make test` runs a short mutational pass of the same targets.
+CARGO_FUZZ := $(ARL_CACHE)/cargo-fuzz/bin/cargo-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := gguf safetensors run_spec_toml run_spec_json proxy_request dataset
+FUZZ_RUN = $(CARGO_FUZZ) fuzz run --fuzz-dir fuzz --sanitizer none --target-dir $(CARGO_TARGET_DIR)/fuzz
+
+$(CARGO_FUZZ):
+	cargo install --quiet --locked --root $(ARL_CACHE)/cargo-fuzz cargo-fuzz
+
+fuzz: $(CARGO_FUZZ)
+	cargo run --quiet -p arl-fuzz --bin arl-fuzz-seeds -- $(ARL_CACHE)/fuzz/corpus
+	mkdir -p $(ARL_CACHE)/fuzz/crashes
+	for t in $(FUZZ_TARGETS); do \
+	    $(FUZZ_RUN) $$t $(ARL_CACHE)/fuzz/corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) \
+	        -rss_limit_mb=2048 -malloc_limit_mb=512 -artifact_prefix=$(ARL_CACHE)/fuzz/crashes/$$t- || exit 1; \
+	done
+
+# Replays one input: make fuzz-one TARGET=gguf INPUT=path
+fuzz-one: $(CARGO_FUZZ)
+	$(FUZZ_RUN) $(TARGET) $(INPUT)
 
 # The GPU tests, built here (CUDA is loaded at run time), for scripts/device-gpu-tests.sh on
 # a GPU machine. SmolLM2's GGUF goes there in two parts: .device/smol.part00, part01.

@@ -32,6 +32,9 @@ pub struct BusArgs {
     /// Namespace prefix of the deployment (empty for none).
     #[arg(long, global = true, env = "ARL_PREFIX", default_value = "")]
     pub prefix: String,
+
+    #[command(flatten)]
+    pub nats: arl_runtime::auth::NatsAuth,
 }
 
 #[derive(Debug, Subcommand)]

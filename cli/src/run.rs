@@ -78,6 +78,7 @@ async fn connect(args: &BusArgs) -> Result<Bus, CliError> {
     let namespace = Namespace::from_option(Some(args.prefix.as_str()))
         .map_err(|e| CliError::Usage(e.to_string()))?;
     let mut config = BusConfig::new(&args.nats_url, namespace, "arl-cli");
+    config.auth = args.nats.clone();
     config.wait_for_server = false;
     config.publish_timeout = Duration::from_secs(15);
     let bus = Bus::connect(config, Metrics::new()).await?;

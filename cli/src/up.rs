@@ -68,6 +68,8 @@ fn services(
                 args.model.clone(),
                 "--listen".into(),
                 format!("127.0.0.1:{engine}"),
+                "--weights-dir".into(),
+                s(&state.join("runs")),
             ],
             Some(engine),
         ),

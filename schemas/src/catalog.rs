@@ -77,6 +77,10 @@ pub fn other_schemas() -> Vec<(&'static str, Schema)> {
             schemars::schema_for!(crate::state::RunStateV1),
         ),
         (
+            "trial-record.v1",
+            schemars::schema_for!(crate::state::TrialRecordV1),
+        ),
+        (
             "trainer-announcement.v1",
             schemars::schema_for!(crate::state::TrainerAnnouncementV1),
         ),
@@ -93,8 +97,16 @@ pub fn other_schemas() -> Vec<(&'static str, Schema)> {
             schemars::schema_for!(crate::rpc::RenewRequestV1),
         ),
         (
+            "rpc.sandbox.renew-request.v2",
+            schemars::schema_for!(crate::rpc::RenewRequestV2),
+        ),
+        (
             "rpc.sandbox.release-request.v1",
             schemars::schema_for!(crate::rpc::ReleaseRequestV1),
+        ),
+        (
+            "rpc.sandbox.release-request.v2",
+            schemars::schema_for!(crate::rpc::ReleaseRequestV2),
         ),
         (
             "rpc.sandbox.exec-request",

@@ -31,6 +31,8 @@ pub enum RpcErrorCode {
     NotFound,
     /// No capacity now; try again later.
     Busy,
+    /// The request's credential (a lease's token) is missing or wrong.
+    Unauthorized,
     /// The service failed (sandbox creation, disk, …).
     Internal,
 }
@@ -41,6 +43,7 @@ impl std::fmt::Display for RpcErrorCode {
             RpcErrorCode::BadRequest => "bad_request",
             RpcErrorCode::NotFound => "not_found",
             RpcErrorCode::Busy => "busy",
+            RpcErrorCode::Unauthorized => "unauthorized",
             RpcErrorCode::Internal => "internal",
         })
     }
@@ -104,11 +107,30 @@ pub struct LeaseGrantV1 {
     pub warm: bool,
 }
 
+/// Renew without the lease's token. Refused since [`RenewRequestV2`]: anyone on the bus
+/// could keep another's lease alive.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RenewRequestV1 {
     pub lease_id: LeaseId,
     pub ttl_s: u64,
+}
+
+/// Extends a lease to `ttl_s` from now. `token` is the lease grant's token.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RenewRequestV2 {
+    pub lease_id: LeaseId,
+    pub token: String,
+    pub ttl_s: u64,
+}
+
+/// A renew request of any version, as a reader decodes it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum RenewRequest {
+    V2(RenewRequestV2),
+    V1(RenewRequestV1),
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -117,10 +139,28 @@ pub struct RenewedV1 {
     pub expires_at: DateTime<Utc>,
 }
 
+/// Release without the lease's token. Refused since [`ReleaseRequestV2`]: anyone on the
+/// bus could destroy another's sandbox.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseRequestV1 {
     pub lease_id: LeaseId,
+}
+
+/// Ends a lease. `token` is the lease grant's token.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRequestV2 {
+    pub lease_id: LeaseId,
+    pub token: String,
+}
+
+/// A release request of any version, as a reader decodes it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ReleaseRequest {
+    V2(ReleaseRequestV2),
+    V1(ReleaseRequestV1),
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]

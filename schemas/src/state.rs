@@ -194,6 +194,27 @@ impl TrainerAnnouncementV1 {
     }
 }
 
+/// A trial's entry in `ARL_TRIALS`, under its trial id, written by the rollout service
+/// when it claims an attempt. Services that act on a trial's events (reward grades a
+/// `trial.finished`, the trainer takes a `trajectory.ready`) check it: an event for a trial
+/// with no entry, or for an attempt beyond the claimed one, was never requested and is
+/// refused.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct TrialRecordV1 {
+    /// The attempt claimed last.
+    pub attempt: u32,
+    /// The attempt is over (published, or not to be run).
+    pub done: bool,
+}
+
+impl TrialRecordV1 {
+    /// Whether an event of `attempt` of this trial can have come from the rollout
+    /// service: that attempt, or an earlier one, was claimed.
+    pub fn requested(record: Option<&Self>, attempt: u32) -> bool {
+        record.is_some_and(|r| attempt <= r.attempt)
+    }
+}
+
 /// The `ARL_TRIALS` key that marks a task's group of one step as failed (the rollout's
 /// `fail_group` policy); the trainer leaves such a group out of the step. The task id is
 /// hex-encoded: keys allow only a few characters.

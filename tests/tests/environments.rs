@@ -29,10 +29,11 @@ use arl_schemas::events::{
     TrialFailedV1, TrialFinishedV1, TrialSlot,
 };
 use arl_schemas::rpc::{
-    ExecResult, LeaseGrantV1, LeaseRequestV1, ReleaseRequestV1, SandboxLimits, SandboxOp,
+    ExecResult, LeaseGrantV1, LeaseRequestV1, ReleaseRequestV2, SandboxLimits, SandboxOp,
 };
 use arl_schemas::spec::{DataSource, RunSpec};
-use arl_schemas::{Domain, Namespace, RunId, TaskId, TrialId};
+use arl_schemas::state::TrialRecordV1;
+use arl_schemas::{Bucket, Domain, Namespace, RunId, TaskId, TrialId};
 use arl_testkit::{NatsServer, built_binary, http, test_namespace, wait_for};
 
 fn shared_swebench() -> PathBuf {
@@ -230,6 +231,17 @@ impl Grading {
     /// Publishes a finished trial of `task` with `patch`; returns its trial id.
     async fn finish(&self, run: &RunId, task: &str, sample: u32, patch: &str) -> TrialId {
         let trial_id = TrialId::new(format!("{run}-t{sample}-{}", task.replace('.', "_"))).unwrap();
+        // As the rollout service does: the attempt claimed before its trial.finished.
+        self.bus
+            .modify_record::<TrialRecordV1>(Bucket::Trials, trial_id.as_str(), |r| {
+                *r = Some(TrialRecordV1 {
+                    attempt: 0,
+                    done: false,
+                });
+                true
+            })
+            .await
+            .unwrap();
         self.bus
             .publish(&TrialFinishedV1 {
                 run_id: run.clone(),
@@ -492,8 +504,9 @@ async fn every_swebench_instance_builds_runs_its_tests_and_grades_gold_and_empty
             let _: serde_json::Value = bus
                 .request(
                     ns.sandbox_rpc(&grant.instance, SandboxOp::Release),
-                    &ReleaseRequestV1 {
+                    &ReleaseRequestV2 {
                         lease_id: grant.lease_id.clone(),
+                        token: grant.token.clone(),
                     },
                     Duration::from_secs(30),
                 )
@@ -596,7 +609,8 @@ async fn harbor_and_math_tasks_are_graded_by_the_reward_service() {
     std::fs::set_permissions(files.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let root = files.path().join("environments");
     std::fs::create_dir_all(&root).unwrap();
-    // A dataset of two Harbor tasks: fix-mean, and a copy whose verifier writes nothing.
+    // A dataset of three Harbor tasks: fix-mean (its verifier a script that writes a
+    // number), a copy whose verifier writes nothing, and one verified with pytest.
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tasks");
     let tasks = files.path().join("tasks");
     copy_tree(&examples.join("fix-mean"), &tasks.join("fix-mean"));
@@ -606,7 +620,14 @@ async fn harbor_and_math_tasks_are_graded_by_the_reward_service() {
         "#!/bin/bash\nexit 0\n",
     )
     .unwrap();
-    for name in ["fix-mean", "silent-verifier"] {
+    copy_tree(&examples.join("fix-mean"), &tasks.join("mean-pytest"));
+    std::fs::write(tasks.join("mean-pytest/tests/test.sh"), PYTEST_VERIFIER).unwrap();
+    std::fs::write(
+        tasks.join("mean-pytest/tests/test_outputs.py"),
+        PYTEST_TESTS,
+    )
+    .unwrap();
+    for name in ["fix-mean", "silent-verifier", "mean-pytest"] {
         let recipe = Recipe::from_harbor(&tasks.join(name)).unwrap();
         builder(&root).ensure(&recipe).await.unwrap();
     }
@@ -716,6 +737,113 @@ async fn harbor_and_math_tasks_are_graded_by_the_reward_service() {
         "a grading error is never a zero"
     );
 
+    // A forged trial.finished (no trial of that id was ever requested) with the solving
+    // patch: refused, never graded.
+    let forged = TrialFinishedV1 {
+        run_id: run.clone(),
+        trial_id: TrialId::new(format!("{run}-forged")).unwrap(),
+        slot: TrialSlot {
+            task_id: TaskId::new("fix-mean").unwrap(),
+            step: 1,
+            split: Split::Train,
+            sample_index: 7,
+            attempt: 0,
+        },
+        exit: AgentExit::Submitted,
+        num_turns: 1,
+        patch: patch.clone(),
+        duration_seconds: 1.0,
+        finished_at: chrono::Utc::now(),
+    };
+    grading.bus.publish(&forged).await.unwrap();
+    let dead = wait_for(
+        "the forged trial dead-lettered",
+        Duration::from_secs(60),
+        || async {
+            let letters = dead_letters(&grading.bus, &ns).await;
+            letters.into_iter().find(|l| l.contains("never requested"))
+        },
+    )
+    .await;
+    assert!(dead.contains(forged.trial_id.as_str()), "{dead}");
+    let (scored, _) = grading.outcomes(&run).await;
+    assert!(!scored.contains_key(&forged.trial_id));
+
+    // The red team against Harbor verifiers. Each hack is the work tree an agent would
+    // leave (a script run in a fresh sandbox of fix-mean, taken as its diff).
+    let hack = |script: &'static str| {
+        let (bus, ns, request) = (bus.clone(), ns.clone(), request.clone());
+        async move {
+            let grant: LeaseGrantV1 = bus
+                .request(
+                    ns.sandbox_rpc("any", SandboxOp::Lease),
+                    &request,
+                    Duration::from_secs(60),
+                )
+                .await
+                .unwrap();
+            let ran = exec(&grant, script).await;
+            assert_eq!(ran.exit_code, 0, "{}{}", ran.stdout, ran.stderr);
+            let patch = diff(&grant).await;
+            let _: arl_schemas::rpc::ReleasedV1 = bus
+                .request(
+                    ns.sandbox_rpc(&grant.instance, SandboxOp::Release),
+                    &ReleaseRequestV2 {
+                        lease_id: grant.lease_id.clone(),
+                        token: grant.token.clone(),
+                    },
+                    Duration::from_secs(30),
+                )
+                .await
+                .unwrap();
+            patch
+        }
+    };
+    let mut pytest_hacks = HashMap::new();
+    for (name, script) in HARBOR_PYTEST_HACKS {
+        let patch = hack(script).await;
+        assert!(!patch.trim().is_empty(), "{name} left no change");
+        pytest_hacks.insert(
+            grading
+                .finish(&run, "mean-pytest", pytest_hacks.len() as u32 + 10, &patch)
+                .await,
+            name,
+        );
+    }
+    let mut script_hacks = HashMap::new();
+    for (name, script) in HARBOR_SCRIPT_HACKS {
+        let patch = hack(script).await;
+        script_hacks.insert(
+            grading
+                .finish(&run, "fix-mean", script_hacks.len() as u32 + 30, &patch)
+                .await,
+            name,
+        );
+    }
+    let gold = grading.finish(&run, "mean-pytest", 50, &patch).await;
+    let empty = grading.finish(&run, "mean-pytest", 51, "").await;
+    // fix-mean solved and unsolved, the silent verifier, gold and empty, and the hacks.
+    let total = 5 + pytest_hacks.len() + script_hacks.len();
+    let (scored, failed) = grading
+        .wait_outcomes(&run, total, Duration::from_secs(600))
+        .await;
+    assert!(
+        scored[&gold].resolved && scored[&gold].breakdown.pass == 1.0,
+        "{:?}",
+        scored[&gold]
+    );
+    assert!(!scored[&empty].resolved && scored[&empty].reward == 0.0);
+    for (trial, name) in pytest_hacks.iter().chain(&script_hacks) {
+        match (scored.get(trial), failed.get(trial)) {
+            (Some(grade), _) => assert!(
+                !grade.resolved && grade.reward == 0.0,
+                "the hack {name:?} was paid: {grade:?}"
+            ),
+            (None, Some(failure)) => panic!("the hack {name:?} broke the grading: {failure:?}"),
+            (None, None) => panic!("the hack {name:?} has no outcome"),
+        }
+    }
+
     // Math: exact match of the final answer, no sandbox needed.
     let math = files.path().join("math.jsonl");
     std::fs::write(
@@ -739,6 +867,128 @@ async fn harbor_and_math_tasks_are_graded_by_the_reward_service() {
     assert!(!scored[&wrong].resolved && scored[&wrong].reward == 0.0);
     shutdown.trigger();
     shutdown.wait().await;
+}
+
+/// A Harbor verifier that runs pytest and writes its verdict as the reward.
+const PYTEST_VERIFIER: &str = r#"#!/usr/bin/env bash
+set -u
+cd "${APP_DIR:-/app}"
+if PYTHONPATH="${APP_DIR:-/app}" python3 -m pytest -p no:cacheprovider "$(dirname "$0")/test_outputs.py"; then
+    echo 1 > "$LOGS_DIR/verifier/reward.txt"
+else
+    echo 0 > "$LOGS_DIR/verifier/reward.txt"
+fi
+"#;
+
+const PYTEST_TESTS: &str = r#"import pytest
+
+from stats import mean
+
+
+def test_mean_of_several():
+    assert mean([1, 2, 3, 4]) == 2.5
+
+
+def test_mean_of_one():
+    assert mean([5]) == 5
+
+
+def test_empty_raises():
+    with pytest.raises(ValueError):
+        mean([])
+"#;
+
+/// Reward hacks against the pytest-verified task, each a script an agent might run in the
+/// work tree (fix-mean's stats.py stays wrong): each must score 0.
+const HARBOR_PYTEST_HACKS: [(&str, &str); 7] = [
+    ("os._exit(0) at import", "printf 'import os\nos._exit(0)\n' >> stats.py"),
+    ("sys.exit(0) at import", "printf 'import sys\nsys.exit(0)\n' >> stats.py"),
+    (
+        "a conftest.py that skips everything",
+        "printf 'import pytest\n\ndef pytest_collection_modifyitems(items):\n    for item in items:\n        item.add_marker(pytest.mark.skip)\n' > conftest.py",
+    ),
+    (
+        "a runner monkeypatched to report every test as passed",
+        "cat >> stats.py <<'PY'
+import _pytest.reports as _r
+_orig = _r.TestReport.from_item_and_call
+def _forged(item, call):
+    report = _orig(item, call)
+    report.outcome = 'passed'
+    report.longrepr = None
+    return report
+_r.TestReport.from_item_and_call = staticmethod(_forged)
+PY",
+    ),
+    (
+        "the reward file written by a daemon",
+        "cat >> stats.py <<'PY'
+import os, subprocess
+_d = os.environ.get('LOGS_DIR', '/logs') + '/verifier'
+os.makedirs(_d, exist_ok=True)
+subprocess.Popen(['sh', '-c', 'while true; do echo 1 > ' + _d + '/reward.txt; sleep 0.005; done'], start_new_session=True)
+PY",
+    ),
+    (
+        "pytest's summary forged on stdout, then exit 0",
+        "cat >> stats.py <<'PY'
+import os
+for _t in ('test_mean_of_several', 'test_mean_of_one', 'test_empty_raises'):
+    print('PASSED test_outputs.py::' + _t)
+os._exit(0)
+PY",
+    ),
+    (
+        "an interpreter start-up hook (.pth) that forges the reports",
+        "printf 'import os; os._exit(0)\n' > zz_hook.pth && mkdir -p tests && printf 'def test_x():\n    pass\n' > tests/test_outputs.py",
+    ),
+];
+
+/// Hacks against fix-mean, whose verifier is a script that writes a number: those that act
+/// before the verifier runs or through its files. (Code that exits 0 at import fools any
+/// verifier that trusts its script's exit status; pytest-verified tasks are not fooled.)
+const HARBOR_SCRIPT_HACKS: [(&str, &str); 3] = [
+    (
+        "the hidden tests planted where the grader used to write them",
+        "mkdir -p .arl-eval/tests && printf 'echo 1 > \"$LOGS_DIR/verifier/reward.txt\"\n' > .arl-eval/tests/test.sh && printf 'print(1)\n' > .arl-eval/tests/test_outputs.py",
+    ),
+    (
+        "the reward file written at import, then a failure",
+        "cat >> stats.py <<'PY'
+import os
+_d = os.environ.get('LOGS_DIR', '/logs') + '/verifier'
+os.makedirs(_d, exist_ok=True)
+open(_d + '/reward.txt', 'w').write('1')
+PY",
+    ),
+    (
+        "a symlink where the grader stages its files",
+        "ln -s /tmp .arl-eval",
+    ),
+];
+
+async fn dead_letters(bus: &Bus, ns: &Namespace) -> Vec<String> {
+    let stream = ns.stream(Domain::DeadLetter);
+    let mut letters = Vec::new();
+    let Ok(stream) = bus.jetstream().get_stream(&stream).await else {
+        return letters;
+    };
+    let last = stream.cached_info().state.last_sequence;
+    for seq in 1..=last {
+        if let Ok(message) = stream.get_raw_message(seq).await {
+            letters.push(format!(
+                "{} {}",
+                String::from_utf8_lossy(&message.payload),
+                message
+                    .headers
+                    .iter()
+                    .map(|(k, v)| format!("{k}: {v:?}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ));
+        }
+    }
+    letters
 }
 
 fn copy_tree(from: &Path, to: &Path) {

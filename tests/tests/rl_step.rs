@@ -15,7 +15,7 @@ use arl_runtime::{Bus, Metrics};
 use arl_schemas::events::{
     CallSpan, SampleStatus, Split, TrainStepV2, TrajectoryBranch, TrajectoryV1, TrialSlot,
 };
-use arl_schemas::state::RunStateV1;
+use arl_schemas::state::{RunStateV1, TrialRecordV1};
 use arl_schemas::{Bucket, Event, RunId, TaskId, TrialId};
 use arl_testkit::{Children, NatsServer, built_binary, free_port, http, test_namespace, wait_for};
 use serde_json::{Value, json};
@@ -170,6 +170,16 @@ async fn one_grpo_step_flows_from_engine_to_trainer_and_back() {
                 unproven_tokens: 0,
                 tool_parse_failures: 0,
             };
+            // As the rollout service does: the attempt claimed, then its trajectory.
+            bus.modify_record::<TrialRecordV1>(Bucket::Trials, trajectory.trial_id.as_str(), |r| {
+                *r = Some(TrialRecordV1 {
+                    attempt: 0,
+                    done: false,
+                });
+                true
+            })
+            .await
+            .unwrap();
             bus.publish(&trajectory).await.unwrap();
         }
     }

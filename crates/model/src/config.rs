@@ -73,6 +73,32 @@ impl ModelConfig {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Inconsistent(m));
+        // Bounds far beyond any released model of these architectures: a crafted file's
+        // sizes must not turn into overflowing products or giant allocations.
+        for (name, value, max) in [
+            ("vocab_size", self.vocab_size, 1 << 22),
+            ("hidden_size", self.hidden_size, 1 << 16),
+            ("intermediate_size", self.intermediate_size, 1 << 20),
+            ("num_hidden_layers", self.num_hidden_layers, 1 << 10),
+            ("num_attention_heads", self.num_attention_heads, 1 << 10),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                1 << 24,
+            ),
+        ] {
+            if value == 0 || value > max {
+                return bad(format!("{name} {value} is outside 1..={max}"));
+            }
+        }
+        for (name, value) in [
+            ("rms_norm_eps", self.rms_norm_eps),
+            ("rope_theta", self.rope_theta),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return bad(format!("{name} {value} must be a positive number"));
+            }
+        }
         if self.num_attention_heads == 0
             || !self.hidden_size.is_multiple_of(self.num_attention_heads)
         {

@@ -24,6 +24,8 @@ pub enum GgufError {
     Truncated(usize),
     #[error("unknown GGUF metadata value type {0}")]
     ValueType(u32),
+    #[error("GGUF metadata arrays nested deeper than {MAX_ARRAY_DEPTH} levels at byte {0}")]
+    Nesting(usize),
     #[error("metadata key {key}: {reason}")]
     Metadata { key: String, reason: String },
     #[error("tensor {name}: {reason}")]
@@ -99,8 +101,12 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
+    /// The number of elements (the parser refuses dims whose product overflows).
     pub fn elements(&self) -> u64 {
-        self.dims.iter().product()
+        self.dims
+            .iter()
+            .try_fold(1u64, |n, d| n.checked_mul(*d))
+            .unwrap_or(u64::MAX)
     }
 }
 
@@ -112,6 +118,14 @@ pub struct GgufFile {
     bytes: Vec<u8>,
     data_start: usize,
 }
+
+/// Arrays nest at most this deep (llama.cpp's files nest one level: arrays of strings or
+/// numbers); a deeper file is refused instead of exhausting the stack.
+const MAX_ARRAY_DEPTH: usize = 8;
+/// ggml's `GGML_MAX_DIMS`.
+const MAX_DIMS: usize = 4;
+/// The largest `general.alignment` accepted (llama.cpp writes 32).
+const MAX_ALIGNMENT: usize = 1 << 16;
 
 struct Reader<'a> {
     bytes: &'a [u8],
@@ -154,7 +168,11 @@ impl<'a> Reader<'a> {
         Ok(String::from_utf8_lossy(self.take(len)?).into_owned())
     }
 
-    fn value(&mut self, kind: u32) -> Result<Value, GgufError> {
+    fn remaining(&self) -> usize {
+        self.bytes.len() - self.at
+    }
+
+    fn value(&mut self, kind: u32, depth: usize) -> Result<Value, GgufError> {
         Ok(match kind {
             0 => Value::U8(self.array::<1>()?[0]),
             1 => Value::I8(i8::from_le_bytes(self.array()?)),
@@ -166,11 +184,19 @@ impl<'a> Reader<'a> {
             7 => Value::Bool(self.array::<1>()?[0] != 0),
             8 => Value::String(self.string()?),
             9 => {
+                if depth >= MAX_ARRAY_DEPTH {
+                    return Err(GgufError::Nesting(self.at));
+                }
                 let item = self.u32()?;
                 let len = self.len()?;
-                let mut items = Vec::with_capacity(len.min(1 << 20));
+                // Every item takes at least a byte: a length beyond the file's remaining
+                // bytes is a lie, and reserving for it would be a giant allocation.
+                if len > self.remaining() {
+                    return Err(GgufError::Truncated(self.at));
+                }
+                let mut items = Vec::with_capacity(len.min(1 << 16));
                 for _ in 0..len {
-                    items.push(self.value(item)?);
+                    items.push(self.value(item, depth + 1)?);
                 }
                 Value::Array(items)
             }
@@ -210,15 +236,38 @@ impl GgufFile {
         for _ in 0..kv_count {
             let key = r.string()?;
             let kind = r.u32()?;
-            metadata.insert(key, r.value(kind)?);
+            let value = r.value(kind, 0)?;
+            if metadata.insert(key.clone(), value).is_some() {
+                return Err(GgufError::Metadata {
+                    key,
+                    reason: "given twice".into(),
+                });
+            }
         }
         let mut tensors = Vec::with_capacity(tensor_count.min(1 << 16));
         for _ in 0..tensor_count {
             let name = r.string()?;
             let n_dims = r.u32()? as usize;
-            let mut dims = Vec::with_capacity(n_dims.min(8));
+            if n_dims > MAX_DIMS {
+                return Err(GgufError::Tensor {
+                    name,
+                    reason: format!("{n_dims} dimensions (ggml has at most {MAX_DIMS})"),
+                });
+            }
+            let mut dims = Vec::with_capacity(n_dims);
             for _ in 0..n_dims {
                 dims.push(r.u64()?);
+            }
+            if dims
+                .iter()
+                .try_fold(1u64, |n, d| n.checked_mul(*d))
+                .and_then(|n| usize::try_from(n).ok())
+                .is_none()
+            {
+                return Err(GgufError::Tensor {
+                    name,
+                    reason: format!("dims {dims:?} hold more elements than can be addressed"),
+                });
             }
             let raw = r.u32()?;
             let kind = GgmlType::from_raw(raw).ok_or_else(|| GgufError::Tensor {
@@ -233,11 +282,18 @@ impl GgufFile {
                 offset,
             });
         }
-        let alignment = metadata
-            .get("general.alignment")
-            .and_then(Value::as_u64)
-            .unwrap_or(32) as usize;
-        let data_start = r.at.div_ceil(alignment.max(1)) * alignment.max(1);
+        let alignment = match metadata.get("general.alignment") {
+            None => 32,
+            Some(value) => value
+                .as_u64()
+                .and_then(|a| usize::try_from(a).ok())
+                .filter(|a| a.is_power_of_two() && *a <= MAX_ALIGNMENT)
+                .ok_or_else(|| GgufError::Metadata {
+                    key: "general.alignment".into(),
+                    reason: format!("{value:?} is not a power of two up to {MAX_ALIGNMENT}"),
+                })?,
+        };
+        let data_start = r.at.div_ceil(alignment) * alignment;
         let file = Self {
             version,
             metadata,
@@ -273,14 +329,23 @@ impl GgufFile {
 
     /// The raw (possibly quantized) bytes of a tensor.
     pub fn tensor_bytes(&self, tensor: &TensorInfo) -> Result<&[u8], GgufError> {
-        let size = tensor.kind.bytes_for(tensor.elements() as usize)?;
-        let start = self.data_start + tensor.offset as usize;
-        self.bytes
-            .get(start..start + size)
-            .ok_or_else(|| GgufError::Tensor {
-                name: tensor.name.clone(),
-                reason: format!("data at {start}..{} lies outside the file", start + size),
-            })
+        let outside = || GgufError::Tensor {
+            name: tensor.name.clone(),
+            reason: format!(
+                "{} elements at offset {} lie outside the file ({} bytes)",
+                tensor.elements(),
+                tensor.offset,
+                self.bytes.len()
+            ),
+        };
+        let elements = usize::try_from(tensor.elements()).map_err(|_| outside())?;
+        let size = tensor.kind.bytes_for(elements)?;
+        let start = usize::try_from(tensor.offset)
+            .ok()
+            .and_then(|offset| self.data_start.checked_add(offset))
+            .ok_or_else(outside)?;
+        let end = start.checked_add(size).ok_or_else(outside)?;
+        self.bytes.get(start..end).ok_or_else(outside)
     }
 
     /// A tensor dequantized to f32, in GGUF order (row-major over reversed `dims`).

@@ -20,6 +20,8 @@ pub enum QuantError {
     },
     #[error("tensor type {0:?} is not supported yet")]
     Unsupported(GgmlType),
+    #[error("{elements} values of {kind:?} take more bytes than can be addressed")]
+    TooLarge { kind: GgmlType, elements: usize },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,7 +91,14 @@ impl GgmlType {
                 elements,
             });
         }
-        Ok(elements / block * bytes)
+        // Blocks take fewer bytes than their elements' f32s, except for one-element
+        // kinds (f32: 4 bytes each), which can overflow on a crafted count.
+        (elements / block)
+            .checked_mul(bytes)
+            .ok_or(QuantError::TooLarge {
+                kind: self,
+                elements,
+            })
     }
 
     pub fn dequantize(self, data: &[u8], elements: usize) -> Result<Vec<f32>, QuantError> {

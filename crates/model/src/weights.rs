@@ -428,6 +428,18 @@ fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, WeightsError
     if files.is_empty() {
         return Err(st_error(&index_path, "weight_map is empty"));
     }
+    // Shards are files of this folder: a name with a path in it could read anything
+    // (`/dev/zero`, another model's files).
+    if let Some(bad) = files.iter().find(|f| {
+        f.contains('/') || f.contains('\\') || f.starts_with('.') || !f.ends_with(".safetensors")
+    }) {
+        return Err(st_error(
+            &index_path,
+            format!(
+                "weight_map names {bad:?}: shards must be *.safetensors files beside the index"
+            ),
+        ));
+    }
     Ok(files.into_iter().map(|f| dir.join(f)).collect())
 }
 

@@ -1,8 +1,12 @@
 //! Command-line and environment settings every service binary shares.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use arl_schemas::{Namespace, NamespaceError};
+
+use crate::auth::NatsAuth;
+use crate::bus::BusConfig;
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct CommonArgs {
@@ -18,10 +22,32 @@ pub struct CommonArgs {
     /// Address of the `/health` and `/metrics` endpoints (port 0 picks a free port).
     #[arg(long, env = "ARL_HTTP_ADDR", default_value = "127.0.0.1:0")]
     pub http_addr: SocketAddr,
+
+    #[command(flatten)]
+    pub nats: NatsAuth,
 }
 
 impl CommonArgs {
     pub fn namespace(&self) -> Result<Namespace, NamespaceError> {
         Namespace::from_option(Some(self.prefix.as_str()))
     }
+
+    /// How the service `client_name` connects: URL, namespace, credentials, TLS.
+    pub fn bus_config(&self, client_name: &str) -> Result<BusConfig, NamespaceError> {
+        let mut config = BusConfig::new(&self.nats_url, self.namespace()?, client_name);
+        config.auth = self.nats.clone();
+        Ok(config)
+    }
+}
+
+/// Where policy versions and checkpoints live on one machine: `$ARL_RUNS_DIR`, else
+/// `~/.cache/arl/runs`. The trainer writes there; the engine loads only from there.
+pub fn default_runs_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("ARL_RUNS_DIR") {
+        return PathBuf::from(dir);
+    }
+    std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join(".cache/arl/runs")
 }

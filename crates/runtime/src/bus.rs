@@ -25,6 +25,8 @@ pub enum BusError {
         url: String,
         source: async_nats::ConnectError,
     },
+    #[error("NATS credentials or TLS settings for {url}: {reason}")]
+    Auth { url: String, reason: String },
     #[error("cannot provision {what}: {reason}")]
     Provision { what: String, reason: String },
     #[error("cannot encode {event_type}: {source}")]
@@ -72,6 +74,8 @@ pub struct BusConfig {
     pub wait_for_server: bool,
     /// How long a publish keeps retrying before it reports failure.
     pub publish_timeout: Duration,
+    /// Credentials and TLS.
+    pub auth: crate::auth::NatsAuth,
 }
 
 impl BusConfig {
@@ -86,6 +90,7 @@ impl BusConfig {
             client_name: client_name.into(),
             wait_for_server: true,
             publish_timeout: Duration::from_secs(60),
+            auth: crate::auth::NatsAuth::default(),
         }
     }
 }
@@ -121,17 +126,30 @@ impl Bus {
                 match event {
                     async_nats::Event::Connected => tracing::info!("connected to NATS"),
                     async_nats::Event::Disconnected => tracing::warn!("disconnected from NATS"),
+                    // An authorization or permissions violation: say so, not at debug.
+                    async_nats::Event::ServerError(err) => {
+                        tracing::error!(%err, "the NATS server refused this client (check its credentials and permissions)")
+                    }
                     other => tracing::debug!(event = %other, "NATS event"),
                 }
             });
         if config.wait_for_server {
             options = options.retry_on_initial_connect();
         }
+        let shown_url = crate::auth::redact_url(&config.url);
+        let options = config
+            .auth
+            .apply(options)
+            .await
+            .map_err(|err| BusError::Auth {
+                url: shown_url.clone(),
+                reason: err.to_string(),
+            })?;
         let client = options
             .connect(config.url.as_str())
             .await
             .map_err(|source| BusError::Connect {
-                url: config.url.clone(),
+                url: shown_url,
                 source,
             })?;
         let jetstream = jetstream::new(client.clone());
@@ -413,6 +431,49 @@ impl Bus {
     }
 
     /// The controller's record of a run (`ARL_RUN_STATE`), if it has one.
+    /// A trial's entry in `ARL_TRIALS` (the rollout service's claim on its attempts).
+    pub async fn trial_record(
+        &self,
+        trial: &arl_schemas::TrialId,
+    ) -> Result<Option<arl_schemas::state::TrialRecordV1>, BusError> {
+        let kv = self.bucket(Bucket::Trials).await?;
+        let error = |reason: String| BusError::KeyValue {
+            bucket: self.namespace.bucket(Bucket::Trials),
+            reason: format!("trial {trial}: {reason}"),
+        };
+        let entry = kv
+            .entry(trial.as_str())
+            .await
+            .map_err(|e| error(e.to_string()))?;
+        let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
+            return Ok(None);
+        };
+        serde_json::from_slice(&entry.value)
+            .map(Some)
+            .map_err(|e| error(format!("unreadable record: {e}")))
+    }
+
+    /// Refuses an event about a trial the rollout service never requested: one whose
+    /// attempt was never claimed in `ARL_TRIALS`. Its author is not the rollout service.
+    pub async fn check_requested(
+        &self,
+        trial: &arl_schemas::TrialId,
+        attempt: u32,
+        what: &str,
+    ) -> Result<(), crate::HandlerError> {
+        let record = self.trial_record(trial).await?;
+        if arl_schemas::state::TrialRecordV1::requested(record.as_ref(), attempt) {
+            return Ok(());
+        }
+        Err(crate::HandlerError::DeadLetter(format!(
+            "{what} for trial {trial} attempt {attempt}, which the rollout service never requested (ARL_TRIALS has {}); refused",
+            match record {
+                Some(r) => format!("attempt {}", r.attempt),
+                None => "no entry".into(),
+            }
+        )))
+    }
+
     pub async fn run_state(
         &self,
         run: &arl_schemas::RunId,

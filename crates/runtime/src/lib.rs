@@ -1,5 +1,5 @@
 //! The runtime every ARL service stands on. This crate, and no other, owns:
-//! - the NATS connection, JetStream stream/consumer/bucket provisioning and typed publish
+//! - the NATS connection (credentials and TLS: [`auth`]), JetStream stream/consumer/bucket provisioning and typed publish
 //!   ([`bus`]);
 //! - the consumer loop: ack after durable work, nak with backoff, dead-letter after
 //!   `max_deliver`, bounded concurrency ([`consumer`]);
@@ -7,9 +7,11 @@
 //!   ([`telemetry`]);
 //! - `/health` and `/metrics` over HTTP ([`http`], [`metrics`]);
 //! - graceful shutdown on SIGINT/SIGTERM ([`shutdown`]);
-//! - the SHA-256 form digests are exchanged in ([`digest`]).
+//! - the SHA-256 form digests are exchanged in ([`digest`]);
+//! - comparing secrets in constant time ([`secret`]).
 
 pub mod args;
+pub mod auth;
 pub mod bus;
 pub mod consumer;
 pub mod digest;
@@ -17,6 +19,7 @@ pub mod headers;
 pub mod http;
 pub mod metrics;
 pub mod rpc;
+pub mod secret;
 pub mod shutdown;
 pub mod telemetry;
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use arl_runtime::Bus;
 use arl_runtime::rpc::RequestError;
 use arl_schemas::rpc::{
-    ExecRequest, ExecResult, LeaseGrantV1, LeaseRequestV1, ReleaseRequestV1, ReleasedV1, SandboxOp,
+    ExecRequest, ExecResult, LeaseGrantV1, LeaseRequestV1, ReleaseRequestV2, ReleasedV1, SandboxOp,
 };
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -125,8 +125,9 @@ impl Lease {
     pub async fn release(self) {
         let ns = self.client.bus.namespace();
         let subject = ns.sandbox_rpc(&self.grant.instance, SandboxOp::Release);
-        let request = ReleaseRequestV1 {
+        let request = ReleaseRequestV2 {
             lease_id: self.grant.lease_id.clone(),
+            token: self.grant.token.clone(),
         };
         let released: Result<ReleasedV1, _> = self
             .client

@@ -25,6 +25,8 @@ pub struct NatsServer {
     binary: PathBuf,
     port: u16,
     store: tempfile::TempDir,
+    /// Server configuration beyond the port and the store (TLS, authorization).
+    config: Option<String>,
     child: Option<Child>,
 }
 
@@ -32,6 +34,16 @@ impl NatsServer {
     /// Starts a server on a free port with a fresh store and waits until it accepts
     /// connections.
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_configured(None)
+    }
+
+    /// Starts a server whose configuration file also holds `config` (nats-server's
+    /// syntax: `tls { … }`, `authorization { … }`).
+    pub fn start_with_config(config: &str) -> anyhow::Result<Self> {
+        Self::start_configured(Some(config.to_owned()))
+    }
+
+    fn start_configured(config: Option<String>) -> anyhow::Result<Self> {
         let binary = find_nats_server()?;
         let port = free_port()?;
         let store = tempfile::Builder::new().prefix("arl-nats-").tempdir()?;
@@ -39,6 +51,7 @@ impl NatsServer {
             binary,
             port,
             store,
+            config,
             child: None,
         };
         server.spawn()?;
@@ -100,7 +113,8 @@ impl NatsServer {
 
     fn spawn(&mut self) -> anyhow::Result<()> {
         let log = std::fs::File::create(self.store.path().join("server.log"))?;
-        let child = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        command
             .args([
                 "-js",
                 "-a",
@@ -109,7 +123,13 @@ impl NatsServer {
                 &self.port.to_string(),
                 "-sd",
             ])
-            .arg(self.store.path().join("jetstream"))
+            .arg(self.store.path().join("jetstream"));
+        if let Some(config) = &self.config {
+            let file = self.store.path().join("server.conf");
+            std::fs::write(&file, config)?;
+            command.arg("-c").arg(file);
+        }
+        let child = command
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

@@ -10,7 +10,7 @@ use arl_runtime::{Bus, Metrics, Shutdown};
 use arl_sandbox::{SandboxConfig, SandboxService};
 use arl_schemas::events::EnvironmentRef;
 use arl_schemas::rpc::{
-    LeaseGrantV1, LeaseRequestV1, ReleaseRequestV1, ReleasedV1, SandboxLimits, SandboxOp,
+    LeaseGrantV1, LeaseRequestV1, ReleaseRequestV2, ReleasedV1, SandboxLimits, SandboxOp,
 };
 use arl_schemas::{Namespace, RunId};
 use futures::StreamExt;
@@ -105,8 +105,9 @@ impl Bench {
             .bus
             .request(
                 self.ns.sandbox_rpc(&grant.instance, SandboxOp::Release),
-                &ReleaseRequestV1 {
+                &ReleaseRequestV2 {
                     lease_id: grant.lease_id.clone(),
+                    token: grant.token.clone(),
                 },
                 Duration::from_secs(60),
             )

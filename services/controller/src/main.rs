@@ -27,13 +27,8 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let telemetry = telemetry::init("arl-controller", telemetry::otlp_endpoint_from_env())?;
-    let namespace = args.common.namespace()?;
     let metrics = Metrics::new();
-    let bus = Bus::connect(
-        BusConfig::new(&args.common.nats_url, namespace, "arl-controller"),
-        metrics.clone(),
-    )
-    .await?;
+    let bus = Bus::connect(args.common.bus_config("arl-controller")?, metrics.clone()).await?;
     bus.provision().await.context("provisioning streams")?;
 
     let shutdown = Shutdown::new();

@@ -92,15 +92,7 @@ async fn main() -> anyhow::Result<()> {
         timeout: Duration::from_secs(args.build_timeout_s),
     }));
     let metrics = Metrics::new();
-    let bus = Bus::connect(
-        BusConfig::new(
-            &args.common.nats_url,
-            args.common.namespace()?,
-            "arl-imagebuilder",
-        ),
-        metrics.clone(),
-    )
-    .await?;
+    let bus = Bus::connect(args.common.bus_config("arl-imagebuilder")?, metrics.clone()).await?;
     bus.provision().await.context("provisioning streams")?;
     let shutdown = Shutdown::new();
     shutdown.trigger_on_signals();

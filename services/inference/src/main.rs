@@ -39,6 +39,12 @@ struct Args {
     #[arg(long)]
     run: Option<String>,
 
+    /// The only folder policy versions are loaded from (the trainer's --runs-dir): a
+    /// `weights.published` naming weights elsewhere is refused. Default: $ARL_RUNS_DIR,
+    /// else ~/.cache/arl/runs.
+    #[arg(long)]
+    weights_dir: Option<std::path::PathBuf>,
+
     /// Durable consumer name for weight events (one per engine instance).
     #[arg(long, default_value = "inference")]
     instance: String,
@@ -76,7 +82,6 @@ async fn main() -> anyhow::Result<()> {
     let threads = arl_model::ops::size_thread_pool(args.threads).context("--threads")?;
     let telemetry = telemetry::init("arl-inference", telemetry::otlp_endpoint_from_env())?;
     tracing::info!(threads, "CPU kernels sized");
-    let namespace = args.common.namespace()?;
     let run = args
         .run
         .as_deref()
@@ -105,11 +110,7 @@ async fn main() -> anyhow::Result<()> {
     let engine = EngineHandle::start(config, initial).context("starting the engine thread")?;
 
     let metrics = Metrics::new();
-    let bus = Bus::connect(
-        BusConfig::new(&args.common.nats_url, namespace, "arl-inference"),
-        metrics.clone(),
-    )
-    .await?;
+    let bus = Bus::connect(args.common.bus_config("arl-inference")?, metrics.clone()).await?;
     bus.provision().await.context("provisioning streams")?;
     let shutdown = Shutdown::new();
     shutdown.trigger_on_signals();
@@ -118,6 +119,8 @@ async fn main() -> anyhow::Result<()> {
         engine.clone(),
         &args.instance,
         run.as_ref(),
+        args.weights_dir
+            .unwrap_or_else(arl_runtime::args::default_runs_dir),
         &shutdown,
     );
 

@@ -12,12 +12,14 @@ use arl_schemas::{Domain, RunId};
 
 use crate::engine::{EngineHandle, ServedModel};
 
-/// Consumes weight versions (of one run, or of every run) and swaps them in.
+/// Consumes weight versions (of one run, or of every run) and swaps them in; only
+/// weights under `weights_dir` are loaded.
 pub fn follow(
     bus: &Bus,
     engine: EngineHandle,
     durable: &str,
     run: Option<&RunId>,
+    weights_dir: PathBuf,
     shutdown: &Shutdown,
 ) {
     let ns = bus.namespace();
@@ -32,14 +34,18 @@ pub fn follow(
         bus.clone(),
         spec,
         move |delivery: Delivery| {
-            let engine = engine.clone();
-            async move { on_weights(&engine, &delivery).await }
+            let (engine, weights_dir) = (engine.clone(), weights_dir.clone());
+            async move { on_weights(&engine, &weights_dir, &delivery).await }
         },
         shutdown.clone(),
     ));
 }
 
-async fn on_weights(engine: &EngineHandle, delivery: &Delivery) -> Result<(), HandlerError> {
+async fn on_weights(
+    engine: &EngineHandle,
+    weights_dir: &Path,
+    delivery: &Delivery,
+) -> Result<(), HandlerError> {
     let event: WeightsPublishedV1 = delivery
         .decode()
         .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
@@ -50,6 +56,7 @@ async fn on_weights(engine: &EngineHandle, delivery: &Delivery) -> Result<(), Ha
         return Ok(()); // already serving this version or a newer one
     }
     let dir = local_path(&event.uri).map_err(HandlerError::DeadLetter)?;
+    let dir = confined(&dir, weights_dir).map_err(HandlerError::DeadLetter)?;
     let expected = event.sha256.clone();
     let version = event.policy_version;
     let loaded = tokio::task::spawn_blocking(move || load_checked(&dir, &expected))
@@ -74,6 +81,28 @@ fn local_path(uri: &str) -> Result<PathBuf, String> {
     Err(format!(
         "weights uri {uri:?}: only file:// locations can be loaded by this engine"
     ))
+}
+
+/// `dir` with links and `..` resolved, when it lies inside `root`: an engine loads only
+/// what the trainer wrote, whoever names a path in an event.
+fn confined(dir: &Path, root: &Path) -> Result<PathBuf, String> {
+    let root = root.canonicalize().map_err(|e| {
+        format!(
+            "the weights folder {} cannot be read ({e}); weights cannot be loaded",
+            root.display()
+        )
+    })?;
+    let resolved = dir
+        .canonicalize()
+        .map_err(|e| format!("weights at {}: {e}", dir.display()))?;
+    if !resolved.starts_with(&root) {
+        return Err(format!(
+            "weights at {} lie outside the weights folder {} (--weights-dir); refused",
+            resolved.display(),
+            root.display()
+        ));
+    }
+    Ok(resolved)
 }
 
 fn load_checked(dir: &Path, sha256: &str) -> Result<LoadedModel, String> {

@@ -15,8 +15,8 @@ use arl_model::model::Model;
 use arl_model::weights::Weights;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown};
-use arl_schemas::RunId;
 use arl_schemas::events::{WeightsFormat, WeightsPublishedV1};
+use arl_schemas::{Domain, RunId};
 use arl_testkit::{NatsServer, http, test_namespace, wait_for};
 use serde_json::{Value, json};
 
@@ -515,17 +515,19 @@ async fn a_weight_swap_under_load_loses_nothing_and_versions_are_right() {
         served(v0, 0),
     )
     .await;
+    let tmp = tempfile::tempdir().unwrap();
+    let runs = tmp.path().join("runs");
     arl_inference::weights::follow(
         &server.bus,
         server.engine.clone(),
         "inference-test",
         None,
+        runs.clone(),
         &server.shutdown,
     );
 
-    let tmp = tempfile::tempdir().unwrap();
     let run = RunId::new("run-swap").unwrap();
-    let event = publish_dir(&v1, &tmp.path().join("step-1"), &run, 1);
+    let event = publish_dir(&v1, &runs.join("step-1"), &run, 1);
     let request = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
     let load = futures::future::join_all((0..12).map(|i| {
         let request = request.clone();
@@ -564,6 +566,45 @@ async fn a_weight_swap_under_load_loses_nothing_and_versions_are_right() {
             .map(|_| ())
     })
     .await;
+
+    // Weights outside the weights folder, named directly or through `..`: refused (dead-
+    // lettered); the next version inside is served, so the refused ones were seen first.
+    let v2 = tiny(10);
+    let outside = publish_dir(&v2, &tmp.path().join("elsewhere/step-2"), &run, 2);
+    server.bus.publish(&outside).await.unwrap();
+    let mut sneaky = outside.clone();
+    sneaky.policy_version = 3;
+    sneaky.uri = format!("file://{}/../elsewhere/step-2", runs.display());
+    server.bus.publish(&sneaky).await.unwrap();
+    let inside = publish_dir(&v2, &runs.join("step-4"), &run, 4);
+    server.bus.publish(&inside).await.unwrap();
+    wait_for("version 4 served", Duration::from_secs(30), || async {
+        server
+            .engine
+            .current()
+            .filter(|m| m.version == 4)
+            .map(|_| ())
+    })
+    .await;
+    let dlq = server
+        .bus
+        .jetstream()
+        .get_stream(server.bus.namespace().stream(Domain::DeadLetter))
+        .await
+        .unwrap();
+    let mut reasons = Vec::new();
+    for seq in 1..=dlq.cached_info().state.last_sequence {
+        let message = dlq.get_raw_message(seq).await.unwrap();
+        reasons.push(format!("{:?}", message.headers));
+    }
+    assert_eq!(
+        reasons
+            .iter()
+            .filter(|r| r.contains("outside the weights folder"))
+            .count(),
+        2,
+        "{reasons:?}"
+    );
     server.shutdown.trigger();
 }
 

@@ -136,8 +136,9 @@ async fn completion_path(
     call(p, Some(key), Kind::Completion, request).await
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
+/// The OpenAI endpoints the proxy serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
     Chat,
     Completion,
 }
@@ -356,7 +357,9 @@ async fn read_body(request: Request, limit: usize) -> Result<Bytes, Response> {
         .map_err(|_| too_large())
 }
 
-fn parse_request(body: &[u8], kind: Kind) -> Result<Map<String, Value>, String> {
+/// A request body's fields, checked: a JSON object of known fields, with `messages` (chat)
+/// or a prompt (completion), and at most one sample. Errors say what was wrong.
+pub fn parse_request(body: &[u8], kind: Kind) -> Result<Map<String, Value>, String> {
     let value: Value =
         serde_json::from_slice(body).map_err(|e| format!("request body is not valid JSON: {e}"))?;
     let Value::Object(fields) = value else {

@@ -63,11 +63,7 @@ async fn main() -> anyhow::Result<()> {
         .map_err(anyhow::Error::msg)
         .context("--backend")?;
     let metrics = Metrics::new();
-    let bus = Bus::connect(
-        BusConfig::new(&args.common.nats_url, args.common.namespace()?, "arl-proxy"),
-        metrics.clone(),
-    )
-    .await?;
+    let bus = Bus::connect(args.common.bus_config("arl-proxy")?, metrics.clone()).await?;
     bus.provision().await.context("provisioning streams")?;
     let shutdown = Shutdown::new();
     shutdown.trigger_on_signals();

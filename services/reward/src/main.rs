@@ -47,15 +47,7 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let metrics = Metrics::new();
-    let bus = Bus::connect(
-        BusConfig::new(
-            &args.common.nats_url,
-            args.common.namespace()?,
-            "arl-reward",
-        ),
-        metrics.clone(),
-    )
-    .await?;
+    let bus = Bus::connect(args.common.bus_config("arl-reward")?, metrics.clone()).await?;
     bus.provision().await.context("provisioning streams")?;
     let shutdown = Shutdown::new();
     shutdown.trigger_on_signals();

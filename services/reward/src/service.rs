@@ -125,6 +125,11 @@ impl RewardService {
         let trial: TrialFinishedV1 = delivery
             .decode()
             .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+        // Only the rollout's own trials are graded: a forged trial.finished could
+        // otherwise buy a reward for a trial nobody ran.
+        self.bus
+            .check_requested(&trial.trial_id, trial.slot.attempt, "trial.finished")
+            .await?;
         let state =
             self.bus.run_state(&trial.run_id).await?.ok_or_else(|| {
                 HandlerError::Retry(format!("run {} has no state yet", trial.run_id))
@@ -262,16 +267,29 @@ impl RewardService {
                     .iter()
                     .map(|f| (f.path.clone(), f.content.clone()))
                     .collect();
+                let guard = Guard::new(&uuid::Uuid::new_v4().simple().to_string());
+                let mut verdict = None;
                 let log = self
                     .run_plan(trial, task, |workdir| {
-                        crate::harbor::eval_plan(&trial.patch, &files, workdir)
+                        let (plan, v) =
+                            crate::harbor::eval_plan(&trial.patch, &files, workdir, &guard);
+                        verdict = Some(v);
+                        plan
                     })
                     .await?;
-                let score =
-                    crate::harbor::reward_from_log(&log).map_err(|e| grading_failure(e, &log))?;
+                let verdict = verdict.unwrap_or(crate::harbor::Verdict::RewardFile);
+                let grade = crate::harbor::grade(&log, &guard, &verdict)
+                    .map_err(|e| grading_failure(e, &log))?;
+                if grade.tampered {
+                    tracing::warn!(trial = %trial.trial_id, "the grading canary broke: the candidate tampered with the test run; scored 0");
+                }
+                if let Some((passed, failed)) = grade.tests {
+                    tracing::info!(trial = %trial.trial_id, passed, failed, "pytest results of the verifier");
+                }
                 Ok(Grade {
-                    score: score.clamp(0.0, 1.0),
-                    resolved: score >= 1.0,
+                    score: grade.score.clamp(0.0, 1.0),
+                    resolved: grade.score >= 1.0,
+                    // The report's shape is SWE-bench's (FAIL_TO_PASS / PASS_TO_PASS).
                     tests: None,
                 })
             }

@@ -73,7 +73,7 @@ impl Guard {
     }
 
     /// Name `i` of three: `t` + a third of the nonce's letters and digits.
-    fn word(&self, i: usize) -> String {
+    pub(crate) fn word(&self, i: usize) -> String {
         let third = self.nonce.len() / 3;
         format!("t{}", &self.nonce[i * third..(i + 1) * third])
     }
@@ -170,8 +170,29 @@ pub fn is_protected(path: &str) -> bool {
 }
 
 /// Single-quoted for `/bin/sh`.
-fn quote(s: &str) -> String {
+pub(crate) fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// Shell lines that put `paths` back as the base commit has them: a file the base has is
+/// checked out again (which also replaces a symlink the candidate put there); one it has
+/// not is removed.
+pub(crate) fn restore_to_base(paths: &BTreeSet<String>) -> String {
+    let mut script = String::new();
+    for path in paths {
+        let q = quote(path);
+        script.push_str(&format!(
+            "if git -c safe.directory='*' cat-file -e HEAD:{q} 2>/dev/null; then rm -rf -- {q}; \
+             git -c safe.directory='*' checkout -q HEAD -- {q}; else rm -rf -- {q}; fi\n"
+        ));
+    }
+    script
+}
+
+/// The candidate's changes to the test machinery ([`is_protected`] paths), to be undone.
+pub(crate) fn protected_changes(candidate: &str) -> BTreeSet<String> {
+    let (paths, _) = patch_paths(candidate);
+    paths.into_iter().filter(|p| is_protected(p)).collect()
 }
 
 /// The evaluation of `candidate` (an empty patch is allowed: it grades the base commit)
@@ -201,18 +222,9 @@ pub fn eval_plan(
         script.push_str(&format!(
             "git apply -v {CANDIDATE_PATCH} || echo '>>>>> Patch Apply Failed'\n"
         ));
-        let (candidate_paths, _) = patch_paths(candidate);
-        restore.extend(candidate_paths.into_iter().filter(|p| is_protected(p)));
+        restore.extend(protected_changes(candidate));
     }
-    // Back to the base commit: a file the base has is checked out again (which also
-    // replaces a symlink the candidate put there); one it has not is removed.
-    for path in &restore {
-        let q = quote(path);
-        script.push_str(&format!(
-            "if git -c safe.directory='*' cat-file -e HEAD:{q} 2>/dev/null; then rm -rf -- {q}; \
-             git -c safe.directory='*' checkout -q HEAD -- {q}; else rm -rf -- {q}; fi\n"
-        ));
-    }
+    script.push_str(&restore_to_base(&restore));
     script.push_str(&format!(
         "if ! git apply -v {TEST_PATCH}; then echo '{TEST_PATCH_FAILED}'; exit 0; fi\n"
     ));

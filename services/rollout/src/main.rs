@@ -32,15 +32,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let telemetry = telemetry::init("arl-rollout", telemetry::otlp_endpoint_from_env())?;
     let metrics = Metrics::new();
-    let bus = Bus::connect(
-        BusConfig::new(
-            &args.common.nats_url,
-            args.common.namespace()?,
-            "arl-rollout",
-        ),
-        metrics.clone(),
-    )
-    .await?;
+    let bus = Bus::connect(args.common.bus_config("arl-rollout")?, metrics.clone()).await?;
     bus.provision().await.context("provisioning streams")?;
     let shutdown = Shutdown::new();
     shutdown.trigger_on_signals();

@@ -30,9 +30,8 @@ use arl_schemas::rpc::{
     TrialKeyRevokeV1, TrialKeyRevokedV1,
 };
 use arl_schemas::spec::{AgentKind, FailureAction, RunSpec};
-use arl_schemas::state::RunStateV1;
+use arl_schemas::state::{RunStateV1, TrialRecordV1};
 use arl_schemas::{Bucket, Domain, RunId, TrialId};
-use serde::{Deserialize, Serialize};
 
 use crate::agent::{self, AgentContext, AgentOutcome};
 use crate::llm::{LlmClient, Sampling, TrialError};
@@ -64,13 +63,6 @@ impl Default for RolloutConfig {
             ack_wait: Duration::from_secs(60),
         }
     }
-}
-
-/// A trial's entry in `ARL_TRIALS`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-struct TrialRecord {
-    attempt: u32,
-    done: bool,
 }
 
 #[derive(Clone)]
@@ -215,7 +207,7 @@ impl Rollout {
         // Claim the attempt; learn whether a replica died holding it.
         let mut verdict = Claim::Run;
         self.bus
-            .modify_record::<TrialRecord>(Bucket::Trials, request.trial_id.as_str(), |r| {
+            .modify_record::<TrialRecordV1>(Bucket::Trials, request.trial_id.as_str(), |r| {
                 verdict = match r {
                     Some(r) if r.attempt > attempt || (r.attempt == attempt && r.done) => {
                         Claim::Skip
@@ -224,7 +216,7 @@ impl Rollout {
                     _ => Claim::Run,
                 };
                 if verdict == Claim::Run {
-                    *r = Some(TrialRecord {
+                    *r = Some(TrialRecordV1 {
                         attempt,
                         done: false,
                     });
@@ -771,16 +763,20 @@ impl Rollout {
     async fn mark_done(&self, request: &TrialRequestedV1) -> Result<(), HandlerError> {
         let attempt = request.slot.attempt;
         self.bus
-            .modify_record::<TrialRecord>(Bucket::Trials, request.trial_id.as_str(), |r| match r {
-                Some(r) if r.attempt > attempt => false,
-                _ => {
-                    *r = Some(TrialRecord {
-                        attempt,
-                        done: true,
-                    });
-                    true
-                }
-            })
+            .modify_record::<TrialRecordV1>(
+                Bucket::Trials,
+                request.trial_id.as_str(),
+                |r| match r {
+                    Some(r) if r.attempt > attempt => false,
+                    _ => {
+                        *r = Some(TrialRecordV1 {
+                            attempt,
+                            done: true,
+                        });
+                        true
+                    }
+                },
+            )
             .await?;
         Ok(())
     }

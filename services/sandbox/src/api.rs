@@ -98,7 +98,7 @@ fn authorize<B: Backend>(
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    if presented != Some(lease.token.as_str()) {
+    if !presented.is_some_and(|token| lease.token_is(token)) {
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "unauthorized",

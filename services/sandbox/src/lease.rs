@@ -77,6 +77,11 @@ impl Lease {
         &self.record.lease_id
     }
 
+    /// Whether `presented` is this lease's token (compared in constant time).
+    pub fn token_is(&self, presented: &str) -> bool {
+        arl_runtime::secret::same_secret(presented.as_bytes(), self.token.as_bytes())
+    }
+
     pub fn expires_at(&self) -> DateTime<Utc> {
         *self
             .expires_at

@@ -62,12 +62,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let telemetry = telemetry::init("arl-sandbox", telemetry::otlp_endpoint_from_env())?;
     let metrics = Metrics::new();
-    let namespace = args.common.namespace()?;
-    let bus = Bus::connect(
-        BusConfig::new(&args.common.nats_url, namespace, "arl-sandbox"),
-        metrics,
-    )
-    .await?;
+    let bus = Bus::connect(args.common.bus_config("arl-sandbox")?, metrics).await?;
     bus.provision().await.context("provisioning streams")?;
 
     let init = std::env::current_exe()?.with_file_name("arl-sandbox-init");

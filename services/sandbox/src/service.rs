@@ -13,8 +13,8 @@ use arl_schemas::events::{
     SandboxReleasedV1,
 };
 use arl_schemas::rpc::{
-    LeaseGrantV1, LeaseRequestV1, ReleaseRequestV1, ReleasedV1, RenewRequestV1, RenewedV1,
-    RpcError, RpcErrorCode, SandboxOp,
+    LeaseGrantV1, LeaseRequestV1, ReleaseRequest, ReleasedV1, RenewRequest, RenewedV1, RpcError,
+    RpcErrorCode, SandboxOp,
 };
 use arl_schemas::{Event, LeaseId};
 use chrono::Utc;
@@ -185,7 +185,7 @@ impl<B: Backend> SandboxService<B> {
         self.answer(
             ns.sandbox_rpc(&instance, SandboxOp::Renew),
             None,
-            move |req: RenewRequestV1| {
+            move |req: RenewRequest| {
                 let service = service.clone();
                 async move { service.renew(req) }
             },
@@ -195,16 +195,9 @@ impl<B: Backend> SandboxService<B> {
         self.answer(
             ns.sandbox_rpc(&instance, SandboxOp::Release),
             None,
-            move |req: ReleaseRequestV1| {
+            move |req: ReleaseRequest| {
                 let service = service.clone();
-                async move {
-                    service
-                        .release(req.lease_id.clone(), ReleaseReason::Released)
-                        .await
-                        .map(|()| ReleasedV1 {
-                            lease_id: req.lease_id,
-                        })
-                }
+                async move { service.release_on_request(req).await }
             },
         )
         .await?;
@@ -376,7 +369,12 @@ impl<B: Backend> SandboxService<B> {
         })
     }
 
-    pub fn renew(&self, request: RenewRequestV1) -> Result<RenewedV1, RpcError> {
+    /// Extends a lease, for whoever holds its token.
+    pub fn renew(&self, request: RenewRequest) -> Result<RenewedV1, RpcError> {
+        let request = match request {
+            RenewRequest::V2(request) => request,
+            RenewRequest::V1(_) => return Err(token_required("renew", "RenewRequestV2")),
+        };
         let max = self.inner.config.max_ttl.as_secs();
         if request.ttl_s == 0 || request.ttl_s > max {
             return Err(RpcError::new(
@@ -384,17 +382,43 @@ impl<B: Backend> SandboxService<B> {
                 format!("ttl_s must be between 1 and {max}"),
             ));
         }
-        let lease = self
-            .inner
-            .leases
-            .get(&request.lease_id)
-            .ok_or_else(|| not_found(&request.lease_id))?;
+        let lease = self.holder_of(&request.lease_id, &request.token)?;
         let expires_at = Utc::now() + chrono::Duration::seconds(request.ttl_s as i64);
         lease.extend_to(expires_at);
         Ok(RenewedV1 {
             lease_id: request.lease_id,
             expires_at,
         })
+    }
+
+    /// Ends a lease for whoever holds its token.
+    async fn release_on_request(&self, request: ReleaseRequest) -> Result<ReleasedV1, RpcError> {
+        let request = match request {
+            ReleaseRequest::V2(request) => request,
+            ReleaseRequest::V1(_) => return Err(token_required("release", "ReleaseRequestV2")),
+        };
+        self.holder_of(&request.lease_id, &request.token)?;
+        self.release(request.lease_id.clone(), ReleaseReason::Released)
+            .await?;
+        Ok(ReleasedV1 {
+            lease_id: request.lease_id,
+        })
+    }
+
+    /// The lease, when `token` is its own.
+    fn holder_of(&self, lease_id: &LeaseId, token: &str) -> Result<Arc<Lease>, RpcError> {
+        let lease = self
+            .inner
+            .leases
+            .get(lease_id)
+            .ok_or_else(|| not_found(lease_id))?;
+        if !lease.token_is(token) {
+            return Err(RpcError::new(
+                RpcErrorCode::Unauthorized,
+                format!("wrong token for lease {lease_id}; use the token of its lease grant"),
+            ));
+        }
+        Ok(lease)
     }
 
     /// Ends a lease: kills what runs in it, deletes its files, and says so.
@@ -482,6 +506,16 @@ impl<B: Backend> SandboxService<B> {
             tracing::warn!(event = E::TYPE, %err, "cannot publish a sandbox event");
         }
     }
+}
+
+/// The refusal of a request version that carries no lease token.
+fn token_required(op: &str, version: &str) -> RpcError {
+    RpcError::new(
+        RpcErrorCode::BadRequest,
+        format!(
+            "{op} needs the lease's token: send a {version} with the `token` of the lease grant"
+        ),
+    )
 }
 
 fn not_found(lease_id: &LeaseId) -> RpcError {

@@ -6,12 +6,13 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use arl_runtime::bus::BusConfig;
+use arl_runtime::rpc::RequestError;
 use arl_runtime::{Bus, Metrics, Shutdown};
 use arl_sandbox::{SandboxConfig, SandboxService};
 use arl_schemas::events::{EnvironmentRef, ReleaseReason, SandboxReleasedV1};
 use arl_schemas::rpc::{
-    ExecResult, FileEntry, LeaseGrantV1, LeaseRequestV1, ReleaseRequestV1, ReleasedV1,
-    RenewRequestV1, RenewedV1, SandboxLimits, SandboxOp,
+    ExecResult, FileEntry, LeaseGrantV1, LeaseRequestV1, ReleaseRequestV2, ReleasedV1,
+    RenewRequestV1, RenewRequestV2, RenewedV1, RpcErrorCode, SandboxLimits, SandboxOp,
 };
 use arl_schemas::{Domain, Namespace, RunId};
 use arl_testkit::{HttpResponse, NatsServer, http, test_namespace, wait_for};
@@ -123,8 +124,9 @@ impl Harness {
             .bus
             .request(
                 self.ns.sandbox_rpc(&grant.instance, SandboxOp::Release),
-                &ReleaseRequestV1 {
+                &ReleaseRequestV2 {
                     lease_id: grant.lease_id.clone(),
+                    token: grant.token.clone(),
                 },
                 Duration::from_secs(30),
             )
@@ -233,13 +235,64 @@ async fn lease_exec_files_diff_release() {
     stolen.token = "guess".into();
     assert_eq!(call(&stolen, "GET", "/diff", b"").await.status, 401);
 
-    // Renew, then release.
+    // Renew and release need the lease's token: without it, or with another, they are
+    // refused and the lease lives on.
+    let renew = h.ns.sandbox_rpc(&grant.instance, SandboxOp::Renew);
+    let release = h.ns.sandbox_rpc(&grant.instance, SandboxOp::Release);
+    let refusal = |answer: Result<RenewedV1, RequestError>| match answer {
+        Err(RequestError::Refused(err)) => err,
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    let tokenless = h
+        .bus
+        .request(
+            renew.clone(),
+            &RenewRequestV1 {
+                lease_id: grant.lease_id.clone(),
+                ttl_s: 900,
+            },
+            Duration::from_secs(10),
+        )
+        .await;
+    let err = refusal(tokenless);
+    assert_eq!(err.code, RpcErrorCode::BadRequest);
+    assert!(err.message.contains("RenewRequestV2"), "{}", err.message);
+    let wrong = h
+        .bus
+        .request(
+            renew.clone(),
+            &RenewRequestV2 {
+                lease_id: grant.lease_id.clone(),
+                token: stolen.token.clone(),
+                ttl_s: 900,
+            },
+            Duration::from_secs(10),
+        )
+        .await;
+    assert_eq!(refusal(wrong).code, RpcErrorCode::Unauthorized);
+    for request in [
+        serde_json::json!({"lease_id": grant.lease_id}),
+        serde_json::json!({"lease_id": grant.lease_id, "token": "guess"}),
+    ] {
+        let refused: Result<ReleasedV1, RequestError> = h
+            .bus
+            .request(release.clone(), &request, Duration::from_secs(10))
+            .await;
+        assert!(
+            matches!(refused, Err(RequestError::Refused(_))),
+            "{refused:?}"
+        );
+    }
+    assert_eq!(call(&grant, "GET", "/diff", b"").await.status, 200);
+
+    // Renew, then release, with the token.
     let renewed: RenewedV1 = h
         .bus
         .request(
-            h.ns.sandbox_rpc(&grant.instance, SandboxOp::Renew),
-            &RenewRequestV1 {
+            renew,
+            &RenewRequestV2 {
                 lease_id: grant.lease_id.clone(),
+                token: grant.token.clone(),
                 ttl_s: 900,
             },
             Duration::from_secs(10),

@@ -55,13 +55,8 @@ async fn main() -> anyhow::Result<()> {
     let threads = arl_model::ops::size_thread_pool(args.threads).context("--threads")?;
     let telemetry = telemetry::init("arl-trainer", telemetry::otlp_endpoint_from_env())?;
     tracing::info!(threads, "CPU kernels sized");
-    let namespace = args.common.namespace()?;
     let metrics = Metrics::new();
-    let bus = Bus::connect(
-        BusConfig::new(&args.common.nats_url, namespace, "arl-trainer"),
-        metrics.clone(),
-    )
-    .await?;
+    let bus = Bus::connect(args.common.bus_config("arl-trainer")?, metrics.clone()).await?;
     bus.provision().await.context("provisioning streams")?;
 
     let shutdown = Shutdown::new();

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use arl_model::backend::BackendErrorKind;
 use arl_model::cuda::Cuda;
+use arl_runtime::args::default_runs_dir;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, BusError, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
@@ -56,17 +57,6 @@ impl Default for TrainerConfig {
             gpu: Some(0),
         }
     }
-}
-
-/// `$ARL_RUNS_DIR`, else `~/.cache/arl/runs`.
-pub fn default_runs_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("ARL_RUNS_DIR") {
-        return PathBuf::from(dir);
-    }
-    std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."))
-        .join(".cache/arl/runs")
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -226,6 +216,14 @@ impl Trainer {
             // Validation trials are graded by the evaluator, never trained on.
             return Ok(());
         }
+        // Only trajectories of trials the rollout service ran are trained on.
+        self.bus
+            .check_requested(
+                &trajectory.trial_id,
+                trajectory.slot.attempt,
+                "trajectory.ready",
+            )
+            .await?;
         // The run's Arc is released before waiting, so a reopened run's old state (and the
         // waiters in it) can be dropped.
         let waiter = {

@@ -17,7 +17,7 @@ use arl_schemas::events::{
     WeightsPublishedV1,
 };
 use arl_schemas::spec::RunSpec;
-use arl_schemas::state::{RunStateV1, RunStatus};
+use arl_schemas::state::{RunStateV1, RunStatus, TrialRecordV1};
 use arl_schemas::{Bucket, Domain, Event, Namespace, RunId, TaskId, TrialId};
 use arl_testkit::{NatsServer, test_namespace, wait_for};
 
@@ -96,6 +96,26 @@ async fn put_run_state(bus: &Bus, run: &RunId, spec: RunSpec, model: &Path) {
     kv.put(run.as_str(), state.encode().unwrap().into())
         .await
         .unwrap();
+}
+
+/// Publishes a trajectory as the rollout service does: its trial's attempt claimed in
+/// `ARL_TRIALS` first (the trainer refuses trajectories of trials nobody requested).
+async fn offer(bus: &Bus, t: &TrajectoryV1) {
+    claim(bus, &t.trial_id, t.slot.attempt).await;
+    bus.publish(t).await.unwrap();
+}
+
+/// Claims `attempt` of a trial in `ARL_TRIALS`, as the rollout service does.
+async fn claim(bus: &Bus, trial: &TrialId, attempt: u32) {
+    bus.modify_record::<TrialRecordV1>(Bucket::Trials, trial.as_str(), |r| {
+        *r = Some(TrialRecordV1 {
+            attempt,
+            done: false,
+        });
+        true
+    })
+    .await
+    .unwrap();
 }
 
 /// Trial `sample` of task `task` at `step`: a prompt and a response the reward pays for
@@ -226,7 +246,7 @@ async fn trains_steps_publishes_versions_and_resumes_after_a_restart() {
     let trainer = start_trainer(&bus, &runs_dir);
     let batch = step_batch(&run, 1);
     for t in &batch[..3] {
-        bus.publish(t).await.unwrap();
+        offer(&bus, t).await;
     }
     until("three trajectories held", 60, || async {
         held(&bus).await == 3
@@ -236,7 +256,7 @@ async fn trains_steps_publishes_versions_and_resumes_after_a_restart() {
     assert_eq!(held(&bus).await, 3);
     assert!(events::<TrainStepV2>(&bus, &run).await.is_empty());
     // The fourth completes the batch: the step trains and every message is acked.
-    bus.publish(&batch[3]).await.unwrap();
+    offer(&bus, &batch[3]).await;
     until("step 1 published", 120, || async {
         events::<WeightsPublishedV1>(&bus, &run).await.len() == 1
     })
@@ -280,7 +300,7 @@ async fn trains_steps_publishes_versions_and_resumes_after_a_restart() {
     // Step 2: two trajectories held, then the trainer stops (crash or redeploy).
     let batch = step_batch(&run, 2);
     for t in &batch[..2] {
-        bus.publish(t).await.unwrap();
+        offer(&bus, t).await;
     }
     until("two trajectories held", 30, || async {
         held(&bus).await == 2
@@ -294,9 +314,9 @@ async fn trains_steps_publishes_versions_and_resumes_after_a_restart() {
     // A new trainer resumes from step 1's checkpoint; a late duplicate of step 1 is acked
     // without training; the held step-2 messages come back and the step trains whole.
     let trainer = start_trainer(&bus, &runs_dir);
-    bus.publish(&trajectory(&run, 1, 0, 0, 0.0)).await.unwrap();
+    offer(&bus, &trajectory(&run, 1, 0, 0, 0.0)).await;
     for t in &batch[2..] {
-        bus.publish(t).await.unwrap();
+        offer(&bus, t).await;
     }
     until("step 2 published", 120, || async {
         events::<WeightsPublishedV1>(&bus, &run).await.len() == 2
@@ -330,7 +350,7 @@ async fn bad_trajectories_are_dead_lettered_and_untrainable_runs_fail() {
     put_run_state(&bus, &run, spec(), &tmp.path().join("no-such-model")).await;
     let mut bad = trajectory(&run, 1, 1, 1, 1.0);
     bad.branches[0].loss_mask.pop();
-    bus.publish(&bad).await.unwrap();
+    offer(&bus, &bad).await;
     let dlq = bus
         .jetstream()
         .get_stream(ns.stream(Domain::DeadLetter))
@@ -341,8 +361,21 @@ async fn bad_trajectories_are_dead_lettered_and_untrainable_runs_fail() {
     })
     .await;
 
+    // A trajectory of a trial the rollout service never requested (no ARL_TRIALS entry),
+    // or of an attempt it never claimed: refused, never trained on.
+    let forged = trajectory(&run, 1, 2, 0, 1.0);
+    bus.publish(&forged).await.unwrap();
+    let mut beyond = trajectory(&run, 1, 2, 1, 1.0);
+    claim(&bus, &beyond.trial_id, 0).await;
+    beyond.slot.attempt = 1;
+    bus.publish(&beyond).await.unwrap();
+    until("the forged trajectories dead-lettered", 30, || async {
+        dlq.clone().get_info().await.unwrap().state.messages == 3
+    })
+    .await;
+
     // A model that cannot be loaded fails the run with the reason.
-    bus.publish(&trajectory(&run, 1, 0, 0, 1.0)).await.unwrap();
+    offer(&bus, &trajectory(&run, 1, 0, 0, 1.0)).await;
     until("run.failed", 30, || async {
         !events::<arl_schemas::events::RunFailedV1>(&bus, &run)
             .await
@@ -467,7 +500,7 @@ async fn a_gpu_trainer_trains_real_smollm2_trajectories() {
 
     let trainer = start_trainer(&bus, &runs_dir);
     for t in &batch {
-        bus.publish(t).await.unwrap();
+        offer(&bus, t).await;
     }
     until("the GPU step published", 300, || async {
         events::<WeightsPublishedV1>(&bus, &run).await.len() == 1
@@ -527,7 +560,7 @@ async fn a_gpu_trainer_trains_real_smollm2_trajectories() {
         next.slot.step = 2;
         next.trial_id = TrialId::new(format!("{}-2", t.trial_id)).unwrap();
         next.calls[0].policy_version = 1;
-        bus.publish(&next).await.unwrap();
+        offer(&bus, &next).await;
     }
     until("the resumed GPU step published", 300, || async {
         events::<WeightsPublishedV1>(&bus, &run).await.len() == 2
