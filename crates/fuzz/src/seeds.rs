@@ -148,7 +148,7 @@ pub fn gguf() -> Vec<Vec<u8>> {
         w.u64(offset);
         offset += (rows * cols * 4) as u64;
     }
-    while w.bytes.len() % 32 != 0 {
+    while !w.bytes.len().is_multiple_of(32) {
         w.bytes.push(0);
     }
     for (_, rows, cols) in &params {

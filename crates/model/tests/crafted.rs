@@ -195,7 +195,7 @@ fn every_truncation_of_a_real_header_is_an_error() {
         .u32(8)
         .string("crafted")
         .tensor("t", &[4, 2], 0, 0);
-    while file.bytes.len() % 32 != 0 {
+    while !file.bytes.len().is_multiple_of(32) {
         file.bytes.push(0);
     }
     file.bytes.extend([0u8; 32]);

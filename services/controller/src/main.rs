@@ -4,7 +4,6 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use arl_controller::{Controller, ControllerConfig};
-use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use clap::Parser;
 

@@ -3,7 +3,6 @@
 
 use anyhow::Context;
 use arl_dataset::service::DatasetService;
-use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use clap::Parser;
 

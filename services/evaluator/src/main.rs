@@ -2,7 +2,6 @@
 
 use anyhow::Context;
 use arl_evaluator::service::Evaluator;
-use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use clap::Parser;
 

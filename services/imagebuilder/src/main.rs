@@ -10,7 +10,6 @@ use arl_imagebuilder::local::{LocalBuilder, LocalConfig};
 use arl_imagebuilder::recipe::load_instances;
 use arl_imagebuilder::registry::{Credentials, Registry};
 use arl_imagebuilder::service::{Cluster, ImageBuilder, Recipes};
-use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use clap::Parser;
 

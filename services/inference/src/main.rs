@@ -6,7 +6,6 @@ use anyhow::Context;
 use arl_inference::api::{self, AppState, InferenceMetrics};
 use arl_inference::engine::{EngineConfig, EngineHandle, ServedModel, SwapPolicy};
 use arl_model::load::LoadedModel;
-use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use arl_schemas::RunId;
 use arl_schemas::spec::model_path_or_name;

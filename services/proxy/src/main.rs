@@ -8,7 +8,6 @@ use anyhow::Context;
 use arl_proxy::api::{self, Proxy, ProxyConfig};
 use arl_proxy::backends::{Backends, parse_backend};
 use arl_proxy::keys::Keys;
-use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use clap::Parser;
 

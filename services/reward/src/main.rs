@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use anyhow::Context;
 use arl_reward::service::{RewardConfig, RewardService, load_test_commands};
-use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use clap::Parser;
 

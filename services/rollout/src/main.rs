@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use anyhow::Context;
 use arl_rollout::service::{Rollout, RolloutConfig};
-use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use clap::Parser;
 

@@ -92,8 +92,14 @@ impl Bubblewrap {
     fn bwrap_args(&self, sandbox: &SandboxHandle, spec: &ExecSpec) -> Vec<String> {
         let mut args: Vec<String> = Vec::new();
         let mut push = |parts: &[&str]| args.extend(parts.iter().map(|s| (*s).to_owned()));
+        // No further user namespaces inside (`unshare -Ur` would hand the command a root
+        // of its own, and with it every kernel interface such a root may reach); that
+        // needs the user namespace asked for by name. bwrap also sets no-new-privs and
+        // gives the command no capabilities.
         push(&[
             "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
             "--die-with-parent",
             "--new-session",
             "--hostname",
@@ -113,9 +119,10 @@ impl Bubblewrap {
                 Err(_) => {}
             }
         }
-        push(&[
-            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run",
-        ]);
+        // /tmp is memory: as large as the lease's memory limit, no larger.
+        let tmp_bytes = (sandbox.limits.memory_mb * 1024 * 1024).to_string();
+        push(&["--proc", "/proc", "--dev", "/dev"]);
+        push(&["--size", &tmp_bytes, "--tmpfs", "/tmp", "--tmpfs", "/run"]);
         push(&["--ro-bind", &self.init_binary.to_string_lossy(), INIT_PATH]);
         if let Some(socket) = &self.proxy_socket {
             push(&["--bind-try", &socket.to_string_lossy(), PROXY_SOCKET_PATH]);
@@ -297,9 +304,12 @@ impl Backend for Bubblewrap {
             sandbox.limits.cpu_seconds
         ));
         if sandbox.cgroup.is_empty() {
+            // Without cgroups: memory per process, and processes per user (every sandbox
+            // runs as the same user, so this bounds them together, not each lease).
             script.push_str(&format!(
-                "ulimit -v {} 2>/dev/null; ",
-                sandbox.limits.memory_mb * 1024
+                "ulimit -v {} 2>/dev/null; ulimit -u {} 2>/dev/null; ",
+                sandbox.limits.memory_mb * 1024,
+                sandbox.limits.pids
             ));
         }
         script.push_str("exec \"$@\"");

@@ -5,7 +5,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use arl_sandbox::{SandboxConfig, SandboxService};
 use clap::Parser;

@@ -533,6 +533,60 @@ async fn sandboxes_cannot_read_each_others_files() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn no_new_user_namespaces_privileges_or_unbounded_tmp_inside() {
+    let h = Harness::start().await;
+    let grant = h
+        .lease_with(
+            SandboxLimits {
+                memory_mb: Some(64),
+                ..Default::default()
+            },
+            600,
+        )
+        .await;
+    // A nested user namespace (a root of its own) is refused.
+    let nested = exec(&grant, "unshare -Ur id -u 2>&1; echo exit=$?").await;
+    assert!(
+        !nested.stdout.contains("\n0\n") && !nested.stdout.starts_with("0\n"),
+        "{nested:?}"
+    );
+    assert!(!nested.stdout.contains("exit=0"), "{nested:?}");
+    // No capabilities, and no-new-privs: a setuid binary gains nothing.
+    let status = exec(
+        &grant,
+        "grep -E '^(CapEff|CapPrm|NoNewPrivs)' /proc/self/status",
+    )
+    .await;
+    assert!(
+        status.stdout.contains("CapEff:\t0000000000000000"),
+        "{status:?}"
+    );
+    assert!(
+        status.stdout.contains("CapPrm:\t0000000000000000"),
+        "{status:?}"
+    );
+    assert!(status.stdout.contains("NoNewPrivs:\t1"), "{status:?}");
+    let su = exec(&grant, "su -c id root </dev/null 2>&1; echo exit=$?").await;
+    assert!(!su.stdout.contains("exit=0"), "{su:?}");
+    // /tmp holds at most the lease's memory: filling it stops at its size.
+    let fill = exec(
+        &grant,
+        "dd if=/dev/zero of=/tmp/fill bs=1M count=256 2>&1; echo exit=$?; du -m /tmp/fill",
+    )
+    .await;
+    assert!(!fill.stdout.contains("exit=0"), "{fill:?}");
+    let written: u64 = fill
+        .stdout
+        .lines()
+        .last()
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(u64::MAX);
+    assert!(written <= 64, "{written} MiB in /tmp: {fill:?}");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_fork_bomb_is_contained() {
     let h = Harness::start().await;
     let grant = h

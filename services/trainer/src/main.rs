@@ -4,7 +4,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, CommonArgs, Metrics, Shutdown, telemetry};
 use arl_trainer::service::{Trainer, TrainerConfig};
 use clap::Parser;
