@@ -71,6 +71,10 @@ pub struct UpArgs {
     /// Seconds to wait for every service to be ready before giving up.
     #[arg(long, default_value_t = 600)]
     pub ready_timeout_s: u64,
+    /// Run the private nats-server on least privilege: one NKey user per service (and one
+    /// for the CLI, `<state>/nats/cli.nk`) that may publish and read only its own subjects.
+    #[arg(long)]
+    pub least_privilege: bool,
 }
 
 #[derive(Debug, Subcommand)]

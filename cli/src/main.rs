@@ -5,6 +5,7 @@
 
 mod cli;
 mod model;
+mod natsconf;
 mod run;
 mod up;
 

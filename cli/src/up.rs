@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use arl_schemas::permissions::Role;
+
 use crate::cli::{BusArgs, UpArgs};
 use crate::run::CliError;
 
@@ -247,6 +249,18 @@ pub async fn execute(
         .map(Path::to_path_buf)
         .ok_or_else(|| CliError::Usage("cannot tell where arl is installed".into()))?;
     let mut children = Children(Vec::new());
+    if args.least_privilege && nats_url_given {
+        return Err(CliError::Usage(
+            "--least-privilege configures arl up's own nats-server; unset NATS_URL".into(),
+        ));
+    }
+    let namespace = arl_schemas::Namespace::from_option(Some(bus.prefix.as_str()))
+        .map_err(|e| CliError::Usage(e.to_string()))?;
+    let least_privilege = if args.least_privilege {
+        Some(crate::natsconf::write(&state.join("nats"), &namespace).map_err(io)?)
+    } else {
+        None
+    };
     let url = if nats_url_given {
         bus.nats_url.clone()
     } else {
@@ -254,21 +268,19 @@ pub async fn execute(
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from("nats-server"));
         let port = free_port()?;
-        let (child, log) = spawn(
-            &server,
-            "nats-server",
-            &[
-                "-js".into(),
-                "-a".into(),
-                "127.0.0.1".into(),
-                "-p".into(),
-                port.to_string(),
-                "-sd".into(),
-                state.join("jetstream").display().to_string(),
-            ],
-            &[],
-            &logs,
-        )?;
+        let mut server_args = vec![
+            "-js".into(),
+            "-a".into(),
+            "127.0.0.1".into(),
+            "-p".into(),
+            port.to_string(),
+            "-sd".into(),
+            state.join("jetstream").display().to_string(),
+        ];
+        if let Some(written) = &least_privilege {
+            server_args.extend(["-c".into(), written.config.display().to_string()]);
+        }
+        let (child, log) = spawn(&server, "nats-server", &server_args, &[], &logs)?;
         children.0.push(("nats-server".into(), child, log));
         let url = format!("nats://127.0.0.1:{port}");
         for _ in 0..100 {
@@ -288,6 +300,13 @@ pub async fn execute(
     for service in &specs {
         let mut env = env.to_vec();
         env.push(("ARL_HTTP_ADDR", format!("127.0.0.1:{}", service.ops_port)));
+        if let Some(written) = &least_privilege {
+            let role = Role::of_binary(service.name).ok_or_else(|| {
+                CliError::Usage(format!("{} has no role on the bus", service.name))
+            })?;
+            env.push(("NATS_NKEY", written.seed(role).display().to_string()));
+            env.push(("NATS_INBOX_PREFIX", role.inbox_prefix()));
+        }
         let (child, log) = spawn(&bin, service.name, &service.args, &env, &logs)?;
         children.0.push((service.name.into(), child, log));
     }
@@ -347,7 +366,16 @@ pub async fn execute(
         "ops endpoints (/ready /health /metrics): {}",
         endpoints.join(" ")
     );
-    println!("submit a run with: NATS_URL={url} arl run submit examples/arithmetic.toml");
+    match &least_privilege {
+        Some(written) => println!(
+            "submit a run with: NATS_URL={url} NATS_NKEY={} NATS_INBOX_PREFIX={} arl run submit examples/arithmetic.toml",
+            written.seed(Role::Cli).display(),
+            Role::Cli.inbox_prefix()
+        ),
+        None => {
+            println!("submit a run with: NATS_URL={url} arl run submit examples/arithmetic.toml")
+        }
+    }
     loop {
         tokio::select! {
             _ = &mut interrupt => break,

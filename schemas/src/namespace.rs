@@ -158,7 +158,7 @@ impl Namespace {
         self.prefix.as_deref()
     }
 
-    fn subject_root(&self) -> String {
+    pub(crate) fn subject_root(&self) -> String {
         match &self.prefix {
             Some(p) => format!("{p}.arl"),
             None => "arl".to_owned(),

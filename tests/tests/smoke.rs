@@ -11,21 +11,84 @@ use std::time::Duration;
 
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics};
-use arl_schemas::events::TrajectoryV1;
+use arl_schemas::events::{EnvironmentRef, Example, TrajectoryV1, WeightsPublishedV1};
+use arl_schemas::permissions::Role;
+use arl_schemas::rpc::{LeaseGrantV1, LeaseRequestV1, SandboxLimits, SandboxOp};
 use arl_schemas::state::RunStatus;
 use arl_schemas::{Domain, Namespace, RunId};
 use arl_testkit::{Children, built_binary};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn arl_up_runs_a_reduced_training_run_to_completion() {
+    reduced_run(false).await;
+}
+
+/// The same run with every service on its own NKey user of least privilege; then a
+/// role's attempts beyond its permissions are refused by the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn arl_up_on_least_privilege_runs_and_each_role_is_held_to_its_subjects() {
+    let (state, url, _up) = reduced_run(true).await;
+    let nats = state.path().join("nats");
+    // The rollout service may not publish weights; the CLI may not ask for a sandbox.
+    let rollout = connect(&url, Some((&nats, Role::Rollout))).await;
+    let mut forged = WeightsPublishedV1::example();
+    forged.run_id = RunId::new("run-forged").unwrap();
+    let refused = rollout.publish(&forged).await;
+    assert!(refused.is_err(), "the rollout role published weights");
+    let cli = connect(&url, Some((&nats, Role::Cli))).await;
+    let lease = LeaseRequestV1 {
+        run_id: RunId::new("run-forged").unwrap(),
+        trial_id: None,
+        environment: EnvironmentRef {
+            name: "harbor/fix-mean".into(),
+            digest: None,
+        },
+        ttl_s: 60,
+        limits: SandboxLimits::default(),
+    };
+    let answer: Result<LeaseGrantV1, _> = cli
+        .request(
+            Namespace::default().sandbox_rpc("any", SandboxOp::Lease),
+            &lease,
+            Duration::from_secs(5),
+        )
+        .await;
+    assert!(
+        answer.is_err(),
+        "the CLI role was granted a lease: {answer:?}"
+    );
+    // Without any credentials nothing gets in.
+    let mut config = BusConfig::new(&url, Namespace::default(), "test");
+    config.wait_for_server = false;
+    assert!(Bus::connect(config, Metrics::new()).await.is_err());
+}
+
+/// A client of `arl up`'s bus: as `role` (its seed under `nats/`) on least privilege.
+async fn connect(url: &str, role: Option<(&Path, Role)>) -> Bus {
+    let mut config = BusConfig::new(url, Namespace::default(), "test");
+    config.publish_timeout = Duration::from_secs(5);
+    if let Some((dir, role)) = role {
+        config.auth.nats_nkey = Some(dir.join(format!("{}.nk", role.name())));
+        config.auth.nats_inbox_prefix = Some(role.inbox_prefix());
+    }
+    Bus::connect(config, Metrics::new()).await.unwrap()
+}
+
+/// `arl up` (on least privilege or not), one reduced run through the CLI, checked; returns
+/// the state folder and the bus's URL.
+async fn reduced_run(least_privilege: bool) -> (tempfile::TempDir, String, Children) {
     let state = tempfile::Builder::new()
         .prefix("arl-up-")
         .tempdir()
         .unwrap();
     let arl = built_binary("arl");
+    let mut up_args = vec!["up", "--state-dir"];
+    if least_privilege {
+        up_args.insert(1, "--least-privilege");
+    }
     let mut up = Children(vec![
         Command::new(&arl)
-            .args(["up", "--state-dir"])
+            .args(&up_args)
             .arg(state.path())
             .env_remove("NATS_URL")
             .stdout(Stdio::null())
@@ -55,14 +118,21 @@ async fn arl_up_runs_a_reduced_training_run_to_completion() {
         ),
     )
     .unwrap();
+    let nats = state.path().join("nats");
     let arl_at = |args: &[&str]| {
-        Command::new(&arl)
+        let mut command = Command::new(&arl);
+        command
             .args(args)
             .env("NATS_URL", &url)
-            .env_remove("ARL_PREFIX")
-            .output()
-            .unwrap()
+            .env_remove("ARL_PREFIX");
+        if least_privilege {
+            command
+                .env("NATS_NKEY", nats.join("cli.nk"))
+                .env("NATS_INBOX_PREFIX", Role::Cli.inbox_prefix());
+        }
+        command.output().unwrap()
     };
+    let as_role = |role: Role| least_privilege.then_some((nats.as_path(), role));
     let submitted = arl_at(&["run", "submit", spec.to_str().unwrap()]);
     assert!(
         submitted.status.success(),
@@ -80,12 +150,7 @@ async fn arl_up_runs_a_reduced_training_run_to_completion() {
         "arl up stopped during the run"
     );
 
-    let bus = Bus::connect(
-        BusConfig::new(&url, Namespace::default(), "test"),
-        Metrics::new(),
-    )
-    .await
-    .unwrap();
+    let bus = connect(&url, as_role(Role::Cli)).await;
     let run_id = RunId::new(run.as_str()).unwrap();
     let state_record = bus.run_state(&run_id).await.unwrap().unwrap();
     // Submitted only once `arl up` was ready: no trial met an engine still loading.
@@ -137,7 +202,9 @@ async fn arl_up_runs_a_reduced_training_run_to_completion() {
         Path::new(dir).join("config.json").exists() || Path::new(dir).exists(),
         "{dir}"
     );
-    let trajectories: Vec<TrajectoryV1> = bus
+    // The trainer reads trajectories; on least privilege the CLI may not.
+    let trainer = connect(&url, as_role(Role::Trainer)).await;
+    let trajectories: Vec<TrajectoryV1> = trainer
         .replay(
             Domain::Trajectory,
             Namespace::default().event_subject(Domain::Trajectory, &run_id, "ready"),
@@ -172,12 +239,17 @@ async fn arl_up_runs_a_reduced_training_run_to_completion() {
         11,
         "nats-server and ten services: {services:?}"
     );
+    if least_privilege {
+        // The caller checks refusals on the running bus; dropping `up` stops it.
+        return (state, url, up);
+    }
     up.0[0].kill().unwrap();
     up.0[0].wait().unwrap();
     arl_testkit::wait_for("the services to stop", Duration::from_secs(20), || async {
         services.iter().all(|p| !running(p)).then_some(())
     })
     .await;
+    (state, url, up)
 }
 
 /// Whether process `pid` exists and is not a zombie.

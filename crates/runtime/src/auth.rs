@@ -69,6 +69,10 @@ pub struct NatsAuth {
     /// PEM private key of --nats-cert.
     #[arg(long, global = true, env = "NATS_KEY")]
     pub nats_key: Option<PathBuf>,
+    /// Replies arrive on `<prefix>.…` instead of `_INBOX.…`: a server that gives each user
+    /// its own inbox prefix (least privilege) keeps users from reading others' replies.
+    #[arg(long, global = true, env = "NATS_INBOX_PREFIX")]
+    pub nats_inbox_prefix: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -133,6 +137,9 @@ impl NatsAuth {
                     path: path.display().to_string(),
                     reason: err.to_string(),
                 })?;
+        }
+        if let Some(prefix) = &self.nats_inbox_prefix {
+            options = options.custom_inbox_prefix(prefix.clone());
         }
         if let Some(ca) = &self.nats_ca {
             read("CA certificate", ca)?;

@@ -204,7 +204,17 @@ impl Bus {
             storage: stream::StorageType::File,
             ..Default::default()
         };
-        retry_provision(&name, || self.jetstream.create_object_store(config.clone())).await?;
+        retry_provision(&name, || async {
+            if self.jetstream.get_object_store(&name).await.is_ok() {
+                return Ok(());
+            }
+            self.jetstream
+                .create_object_store(config.clone())
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })
+        .await?;
         Ok(())
     }
 
@@ -280,8 +290,32 @@ impl Bus {
             duplicate_window: DUPLICATE_WINDOW,
             ..Default::default()
         };
-        retry_provision(&name, || {
-            self.jetstream.create_or_update_stream(config.clone())
+        retry_provision(&name, || async {
+            // A stream that is there as configured is left alone: under least privilege
+            // (`arl_schemas::permissions`) only the controller may update one.
+            let Ok(mut existing) = self.jetstream.get_stream(&name).await else {
+                // Missing: create it (another service may do so at the same moment; the
+                // retry then finds it).
+                return self
+                    .jetstream
+                    .create_stream(config.clone())
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string());
+            };
+            let info = existing.info().await.map_err(|e| e.to_string())?;
+            let current = &info.config;
+            if current.subjects == config.subjects
+                && current.max_age == config.max_age
+                && current.duplicate_window == config.duplicate_window
+            {
+                return Ok(());
+            }
+            self.jetstream
+                .update_stream(config.clone())
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
         })
         .await?;
         Ok(())
@@ -301,8 +335,15 @@ impl Bus {
             },
             ..Default::default()
         };
-        retry_provision(&name, || {
-            self.jetstream.create_or_update_key_value(config.clone())
+        retry_provision(&name, || async {
+            if self.jetstream.get_key_value(&name).await.is_ok() {
+                return Ok(());
+            }
+            self.jetstream
+                .create_key_value(config.clone())
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
         })
         .await?;
         Ok(())

@@ -193,9 +193,16 @@ impl LocalBuilder {
         let script = format!(
             "set -eo pipefail\nexport TESTBED={workdir} ENV_DIR={ENV_DIR} WORK={WORK} SOURCE_REPO={SOURCE_REPO}\nmkdir -p \"$WORK\"\ncd {workdir}\n{script}\n"
         );
+        // Setup scripts come with the dataset: they run in a user namespace of their own
+        // (its root is not the machine's), with no capabilities and no-new-privs, unable
+        // to make further namespaces. They keep the network (pip, conda).
         let mut command = tokio::process::Command::new("bwrap");
         command.args([
             "--die-with-parent",
+            "--unshare-user",
+            "--disable-userns",
+            "--cap-drop",
+            "ALL",
             "--unshare-pid",
             "--unshare-ipc",
             "--unshare-uts",

@@ -169,9 +169,8 @@ impl Recipe {
                     match parts.as_slice() {
                         [from, to] if to.trim_end_matches('/') == workdir.trim_end_matches('/') => {
                             copied = Some(
-                                task_dir
-                                    .join("environment")
-                                    .join(from.trim_end_matches('/')),
+                                copy_source(task_dir, from)
+                                    .map_err(|reason| invalid(format!("{line:?}: {reason}")))?,
                             );
                         }
                         _ => {
@@ -204,6 +203,36 @@ impl Recipe {
             digest,
         })
     }
+}
+
+/// The folder a Harbor `COPY` names, which must lie inside the task's `environment/` (its
+/// build context): an absolute path, `..` or a link out of it would put files of the
+/// building machine into the environment.
+fn copy_source(task_dir: &Path, from: &str) -> Result<std::path::PathBuf, String> {
+    let relative = Path::new(from.trim_end_matches('/'));
+    if relative.is_absolute()
+        || relative.components().any(|c| {
+            !matches!(
+                c,
+                std::path::Component::Normal(_) | std::path::Component::CurDir
+            )
+        })
+    {
+        return Err(format!(
+            "COPY sources must be folders inside environment/ (no absolute path, no `..`), got {from:?}"
+        ));
+    }
+    let context = task_dir.join("environment");
+    let folder = context.join(relative);
+    if let (Ok(resolved), Ok(root)) = (folder.canonicalize(), context.canonicalize())
+        && !resolved.starts_with(&root)
+    {
+        return Err(format!(
+            "COPY source {from:?} leads out of environment/ (to {})",
+            resolved.display()
+        ));
+    }
+    Ok(folder)
 }
 
 /// A digest of a folder's file names and contents (sorted, so stable).
@@ -329,6 +358,20 @@ mod tests {
             error.contains("RUN pip install numpy") && error.contains("container build"),
             "{error}"
         );
+        // COPY sources outside the build context: refused with the line.
+        std::os::unix::fs::symlink("/etc", dir.join("environment/etc-link")).unwrap();
+        for from in ["/etc", "../../", "app/../../x", "etc-link"] {
+            std::fs::write(
+                dir.join("environment/Dockerfile"),
+                format!("FROM python:3.11\nWORKDIR /app\nCOPY {from} /app/\n"),
+            )
+            .unwrap();
+            let error = Recipe::from_harbor(&dir).unwrap_err().to_string();
+            assert!(
+                error.contains("environment/") && error.contains(from),
+                "{from}: {error}"
+            );
+        }
         std::fs::remove_dir_all(dir).unwrap();
     }
 

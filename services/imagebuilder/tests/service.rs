@@ -19,6 +19,16 @@ use arl_schemas::state::RunStateV1;
 use arl_schemas::{Bucket, Domain, Event, RunId, TaskId};
 use arl_testkit::{NatsServer, test_namespace, wait_for};
 
+/// A local builder over `files` (no pyenv: Harbor tasks and folders only).
+fn local_builder(files: &Path, timeout: Duration) -> LocalBuilder {
+    LocalBuilder::new(LocalConfig {
+        root: files.join("environments"),
+        pyenv_root: files.join("no-pyenv"),
+        pip_cache: files.join("pip"),
+        timeout,
+    })
+}
+
 fn examples() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/tasks")
 }
@@ -91,12 +101,7 @@ async fn harbor_batches_get_ready_or_failed_environments() {
     bus.provision().await.unwrap();
     let files = tempfile::tempdir().unwrap();
     let root = files.path().join("environments");
-    let local = Arc::new(LocalBuilder::new(LocalConfig {
-        root: root.clone(),
-        pyenv_root: files.path().join("no-pyenv"),
-        pip_cache: files.path().join("pip"),
-        timeout: Duration::from_secs(120),
-    }));
+    let local = Arc::new(local_builder(files.path(), Duration::from_secs(120)));
     let shutdown = Shutdown::new();
     ImageBuilder::new(bus.clone(), local, Recipes::default()).start(&shutdown);
 
@@ -176,12 +181,7 @@ async fn harbor_batches_get_ready_or_failed_environments() {
 async fn one_build_per_environment_and_garbage_collection_by_size() {
     use arl_imagebuilder::recipe::Recipe;
     let files = tempfile::tempdir().unwrap();
-    let builder = LocalBuilder::new(LocalConfig {
-        root: files.path().join("environments"),
-        pyenv_root: files.path().join("no-pyenv"),
-        pip_cache: files.path().join("pip"),
-        timeout: Duration::from_secs(60),
-    });
+    let builder = local_builder(files.path(), Duration::from_secs(60));
     let mean = Recipe::from_harbor(&examples().join("fix-mean")).unwrap();
     let fizz = Recipe::from_harbor(&examples().join("fix-fizzbuzz")).unwrap();
     let (a, b) = tokio::join!(builder.ensure(&mean), builder.ensure(&mean));
@@ -215,12 +215,7 @@ async fn a_build_past_its_time_limit_is_a_timeout() {
     use arl_imagebuilder::local::BuildError;
     use arl_imagebuilder::recipe::{Recipe, Source};
     let files = tempfile::tempdir().unwrap();
-    let builder = LocalBuilder::new(LocalConfig {
-        root: files.path().join("environments"),
-        pyenv_root: files.path().join("no-pyenv"),
-        pip_cache: files.path().join("pip"),
-        timeout: Duration::from_secs(2),
-    });
+    let builder = local_builder(files.path(), Duration::from_secs(2));
     let slow = Recipe {
         name: "harbor/slow".into(),
         workdir: "/app".into(),
@@ -257,12 +252,7 @@ async fn a_tarball_source_builds() {
         .status()
         .unwrap();
     assert!(status.success());
-    let builder = LocalBuilder::new(LocalConfig {
-        root: files.path().join("environments"),
-        pyenv_root: files.path().join("no-pyenv"),
-        pip_cache: files.path().join("pip"),
-        timeout: Duration::from_secs(60),
-    });
+    let builder = local_builder(files.path(), Duration::from_secs(60));
     let recipe = Recipe {
         name: "swebench/from-tarball".into(),
         workdir: "/testbed".into(),
@@ -297,4 +287,35 @@ async fn leftovers_of_a_crashed_build_are_removed_at_start() {
     let builder = LocalBuilder::new(config.clone());
     assert!(!leftover.exists());
     assert!(builder.ensure(&mean).await.unwrap().cached);
+}
+
+/// A setup script runs as the root of a user namespace of its own: no capabilities,
+/// no-new-privs, no further namespaces — it cannot act as the machine's root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_scripts_run_without_privileges() {
+    use arl_imagebuilder::recipe::{Recipe, Source};
+    let files = tempfile::tempdir().unwrap();
+    let builder = local_builder(files.path(), Duration::from_secs(60));
+    let probe = |script: &str, digest: &str| Recipe {
+        name: format!("harbor/{digest}"),
+        workdir: "/app".into(),
+        python: None,
+        source: Source::Folder(examples().join("fix-mean/environment/app")),
+        script: script.into(),
+        digest: digest.into(),
+    };
+    let confined = probe(
+        "grep -E '^(CapEff|NoNewPrivs)' /proc/self/status > confinement.txt; \
+         if unshare -Ur true 2>/dev/null; then echo nested >> confinement.txt; fi; \
+         if mount -t tmpfs none /tmp 2>/dev/null; then echo mounted >> confinement.txt; fi",
+        "confined",
+    );
+    let built = builder.ensure(&confined).await.unwrap();
+    let seen = std::fs::read_to_string(built.dir.join("tree/confinement.txt")).unwrap();
+    assert!(seen.contains("CapEff:\t0000000000000000"), "{seen}");
+    assert!(seen.contains("NoNewPrivs:\t1"), "{seen}");
+    assert!(
+        !seen.contains("nested") && !seen.contains("mounted"),
+        "{seen}"
+    );
 }

@@ -27,6 +27,8 @@ const PROXY_SOCKET_PATH: &str = "/run/arl/proxy.sock";
 #[derive(Debug)]
 pub struct Bubblewrap {
     init_binary: PathBuf,
+    /// The BPF program of [`crate::seccomp`], handed to bubblewrap on fd 3.
+    seccomp_filter: PathBuf,
     proxy_socket: Option<PathBuf>,
     agents_dir: Option<PathBuf>,
     proxy_port: u16,
@@ -65,6 +67,11 @@ impl Bubblewrap {
                 ))
             })?;
         set_mode(&init, 0o755)?;
+        let seccomp_filter = bin_dir.join("seccomp.bpf");
+        let filter = crate::seccomp::filter_bytes().map_err(BackendError::Spawn)?;
+        std::fs::write(&seccomp_filter, filter).map_err(|e| {
+            BackendError::Spawn(format!("cannot write {}: {e}", seccomp_filter.display()))
+        })?;
         make_traversable(&config.state_dir)?;
         set_mode(&bin_dir, 0o755)?;
         let scope = uuid::Uuid::new_v5(
@@ -75,6 +82,7 @@ impl Bubblewrap {
         tracing::info!(limits = cgroups.describe(), "bubblewrap backend ready");
         Ok(Self {
             init_binary: init,
+            seccomp_filter,
             proxy_socket: config.proxy_socket.clone(),
             agents_dir: config.agents_dir.clone(),
             proxy_port: config.proxy_port,
@@ -97,6 +105,8 @@ impl Bubblewrap {
         // needs the user namespace asked for by name. bwrap also sets no-new-privs and
         // gives the command no capabilities.
         push(&[
+            "--seccomp",
+            "3",
             "--unshare-all",
             "--unshare-user",
             "--disable-userns",
@@ -312,8 +322,10 @@ impl Backend for Bubblewrap {
                 sandbox.limits.pids
             ));
         }
-        script.push_str("exec \"$@\"");
+        // bubblewrap reads the seccomp filter from fd 3 (`--seccomp 3`).
+        script.push_str("exec 3<\"$ARL_SECCOMP_FILTER\"; exec \"$@\"");
         let mut command = tokio::process::Command::new("/bin/sh");
+        command.env("ARL_SECCOMP_FILTER", &self.seccomp_filter);
         command.arg("-c").arg(script).arg("arl-exec");
         command.args(sandbox.cgroup.procs_files());
         command.arg("--");

@@ -18,6 +18,7 @@ pub mod config;
 pub mod environment;
 pub mod lease;
 pub mod pool;
+pub mod seccomp;
 pub mod service;
 
 pub use config::SandboxConfig;

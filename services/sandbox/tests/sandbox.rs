@@ -586,6 +586,154 @@ async fn no_new_user_namespaces_privileges_or_unbounded_tmp_inside() {
     h.stop().await;
 }
 
+/// A tar of `(name, kind)` members written by Python's tarfile: `("x", "file:body")`,
+/// `("l", "link:/target")`. Members may be absolute or climb with `..`: that is the test.
+fn crafted_tar(members: &[(&str, &str)]) -> Vec<u8> {
+    let script = r#"
+import io, sys, tarfile, json
+out = io.BytesIO()
+with tarfile.open(fileobj=out, mode="w") as tar:
+    for name, kind in json.loads(sys.argv[1]):
+        info = tarfile.TarInfo(name)
+        if kind.startswith("link:"):
+            info.type, info.linkname = tarfile.SYMTYPE, kind[5:]
+            tar.addfile(info)
+        else:
+            body = kind[5:].encode()
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+sys.stdout.buffer.write(out.getvalue())
+"#;
+    let members = serde_json::to_string(members).unwrap();
+    let out = std::process::Command::new("python3")
+        .args(["-c", script, &members])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
+/// Through the file and tar API: `..`, absolute members and symlinks planted by the agent
+/// all resolve inside the sandbox, where the host's files are read-only or absent.
+#[tokio::test(flavor = "multi_thread")]
+async fn symlink_and_dotdot_tricks_through_the_file_and_tar_api_stay_inside() {
+    let h = Harness::start().await;
+    let grant = h.lease().await;
+    let marker = format!("arl-tar-{}", grant.lease_id);
+    // A planted link to a host secret reads the sandbox's view of it (an unreadable or
+    // absent file), never the host's.
+    std::fs::write(format!("/root/{marker}"), "host secret").unwrap();
+    exec(
+        &grant,
+        &format!("ln -s /root/{marker} secret && ln -s /root root-link"),
+    )
+    .await;
+    let read = call(&grant, "GET", "/files?path=secret", b"").await;
+    assert!(!read.text().contains("host secret"), "{}", read.text());
+    let through = call(
+        &grant,
+        "GET",
+        &format!("/files?path=root-link/{marker}"),
+        b"",
+    )
+    .await;
+    assert!(
+        !through.text().contains("host secret"),
+        "{}",
+        through.text()
+    );
+    let tarred = call(&grant, "GET", "/tar?path=root-link", b"").await;
+    assert!(
+        !String::from_utf8_lossy(&tarred.body).contains("host secret"),
+        "the tar of a link to /root holds the host's file"
+    );
+    // Writing through a planted link to a host folder: refused inside, host unchanged.
+    exec(&grant, "ln -s /usr usr-link").await;
+    let write = call(
+        &grant,
+        "PUT",
+        &format!("/files?path=usr-link/{marker}"),
+        b"x",
+    )
+    .await;
+    assert_ne!(write.status, 200, "{}", write.text());
+    assert!(!Path::new("/usr").join(&marker).exists());
+    // Tar members that climb out, are absolute, or go through a link they planted first.
+    let tar = crafted_tar(&[
+        (&format!("../../{marker}-up"), "file:x"),
+        (&format!("/tmp/{marker}-abs"), "file:x"),
+        ("etc-link", "link:/etc"),
+        (&format!("etc-link/{marker}-via-link"), "file:x"),
+        ("inside.txt", "file:fine"),
+    ]);
+    let _ = call(&grant, "PUT", "/tar?path=upload", &tar).await;
+    for host in [
+        format!("/{marker}-up"),
+        format!("/tmp/{marker}-abs"),
+        format!("/etc/{marker}-via-link"),
+    ] {
+        assert!(!Path::new(&host).exists(), "{host} was written on the host");
+    }
+    assert!(
+        h.files
+            .path()
+            .join("state/leases")
+            .join(grant.lease_id.as_str())
+            .join("tree/upload/inside.txt")
+            .exists(),
+        "an ordinary member is extracted"
+    );
+    std::fs::remove_file(format!("/root/{marker}")).unwrap();
+    h.stop().await;
+}
+
+// The probe's syscall numbers are x86_64's.
+#[cfg(target_arch = "x86_64")]
+#[tokio::test(flavor = "multi_thread")]
+async fn ipv6_udp_raw_and_packet_sockets_and_risky_syscalls_are_refused() {
+    let h = Harness::start().await;
+    let grant = h.lease().await;
+    let probe = r#"
+import ctypes, os, socket
+cases = [("ipv6", socket.AF_INET6, socket.SOCK_STREAM, 0),
+         ("udp", socket.AF_INET, socket.SOCK_DGRAM, 0),
+         ("udp-nonblock", socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK, 0),
+         ("raw", socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP),
+         ("packet", socket.AF_PACKET, socket.SOCK_RAW, 0)]
+for name, family, kind, proto in cases:
+    try:
+        socket.socket(family, kind, proto).close()
+        print("OPENED", name)
+    except OSError as e:
+        print("refused", name, e.errno)
+socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
+socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).close()
+print("tcp and unix ok")
+libc = ctypes.CDLL(None, use_errno=True)
+for name, number in [("keyctl", 250), ("bpf", 321), ("userfaultfd", 323), ("io_uring_setup", 425)]:
+    result = libc.syscall(number, 0, 0, 0, 0)
+    print("refused" if result == -1 and ctypes.get_errno() == 1 else "ALLOWED", name)
+print(open("/proc/self/status").read().split("Seccomp:")[1].split()[0], "seccomp")
+"#;
+    let result = exec(&grant, &format!("python3 - <<'PY'\n{probe}\nPY")).await;
+    let out = &result.stdout;
+    assert!(
+        !out.contains("OPENED") && !out.contains("ALLOWED"),
+        "{result:?}"
+    );
+    assert_eq!(out.matches("refused").count(), 9, "{result:?}");
+    assert!(out.contains("tcp and unix ok"), "{result:?}");
+    assert!(
+        out.contains("2 seccomp"),
+        "a filter is installed: {result:?}"
+    );
+    h.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_fork_bomb_is_contained() {
     let h = Harness::start().await;

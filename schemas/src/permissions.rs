@@ -1,0 +1,322 @@
+//! Least privilege on the bus: for each service (and the CLI), the subjects it may
+//! publish and subscribe to, as nats-server permissions. A service may publish only the
+//! events it owns (the trainer alone `weights.published`, the rollout alone
+//! `trajectory.ready` and `trial.finished`, the CLI `run.requested`), read only the streams
+//! and buckets it consumes, and receive replies only on its own inbox prefix
+//! (`_INBOX_<role>.`), so no one reads another's lease grants or trial keys.
+//! `arl nats-config` turns this into a nats-server configuration; `arl up --least-privilege`
+//! runs on it.
+
+use crate::namespace::{Bucket, Domain, Namespace, ObjectStore};
+
+/// Who connects to the bus.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    Controller,
+    Dataset,
+    Imagebuilder,
+    Sandbox,
+    Inference,
+    Proxy,
+    Reward,
+    Rollout,
+    Trainer,
+    Evaluator,
+    Cli,
+}
+
+impl Role {
+    pub const ALL: [Role; 11] = [
+        Role::Controller,
+        Role::Dataset,
+        Role::Imagebuilder,
+        Role::Sandbox,
+        Role::Inference,
+        Role::Proxy,
+        Role::Reward,
+        Role::Rollout,
+        Role::Trainer,
+        Role::Evaluator,
+        Role::Cli,
+    ];
+
+    /// The role's name: its user's name and its inbox prefix's suffix.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Controller => "controller",
+            Role::Dataset => "dataset",
+            Role::Imagebuilder => "imagebuilder",
+            Role::Sandbox => "sandbox",
+            Role::Inference => "inference",
+            Role::Proxy => "proxy",
+            Role::Reward => "reward",
+            Role::Rollout => "rollout",
+            Role::Trainer => "trainer",
+            Role::Evaluator => "evaluator",
+            Role::Cli => "cli",
+        }
+    }
+
+    /// The role of a service binary (`arl-rollout` → rollout, `arl` → the CLI).
+    pub fn of_binary(binary: &str) -> Option<Role> {
+        let name =
+            binary
+                .strip_prefix("arl-")
+                .unwrap_or(if binary == "arl" { "cli" } else { binary });
+        Role::ALL.into_iter().find(|r| r.name() == name)
+    }
+
+    /// Where this role's replies arrive; its client must use this inbox prefix.
+    pub fn inbox_prefix(self) -> String {
+        format!("_INBOX_{}", self.name())
+    }
+}
+
+/// Subjects a role may publish and subscribe to (nats-server wildcards).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Permissions {
+    pub publish: Vec<String>,
+    pub subscribe: Vec<String>,
+    /// The role answers requests (it may publish to the reply subject of a request it got).
+    pub answers_requests: bool,
+}
+
+impl Permissions {
+    fn publish(&mut self, subject: impl Into<String>) {
+        self.publish.push(subject.into());
+    }
+
+    fn subscribe(&mut self, subject: impl Into<String>) {
+        self.subscribe.push(subject.into());
+    }
+
+    /// JetStream consumers on stream `s` (create, info, next, delete; acks).
+    fn consume(&mut self, s: &str) {
+        for pattern in [
+            format!("$JS.API.CONSUMER.*.{s}"),
+            format!("$JS.API.CONSUMER.*.{s}.>"),
+            format!("$JS.API.CONSUMER.*.*.{s}.>"),
+            format!("$JS.API.DIRECT.GET.{s}"),
+            format!("$JS.API.DIRECT.GET.{s}.>"),
+            format!("$JS.API.STREAM.MSG.GET.{s}"),
+            format!("$JS.ACK.{s}.>"),
+            format!("$JS.FC.{s}.>"),
+        ] {
+            self.publish(pattern);
+        }
+    }
+}
+
+impl Namespace {
+    /// What `role` may do on the bus in this namespace.
+    pub fn permissions(&self, role: Role) -> Permissions {
+        let mut p = Permissions::default();
+        let root = self.subject_root();
+        let event = |domain: Domain, name: &str| self.event_filter(domain, name);
+        let stream = |domain: Domain| self.stream(domain);
+        let kv = |bucket: Bucket| self.bucket(bucket);
+        // Every client: JetStream's account and stream info, its own inbox, dead letters
+        // of its consumers, and (idempotent) provisioning of ARL's streams and buckets.
+        p.publish("$JS.API.INFO");
+        p.publish("$JS.API.STREAM.INFO.*");
+        p.publish("$JS.API.STREAM.NAMES");
+        p.subscribe(format!("{}.>", role.inbox_prefix()));
+        p.publish(format!("{root}.dlq.>"));
+        for domain in Domain::ALL {
+            p.publish(format!("$JS.API.STREAM.CREATE.{}", stream(domain)));
+        }
+        for bucket in [
+            Bucket::RunState,
+            Bucket::EvalState,
+            Bucket::Trials,
+            Bucket::Trainers,
+        ] {
+            p.publish(format!("$JS.API.STREAM.CREATE.KV_{}", kv(bucket)));
+        }
+        let objects = self.object_store(ObjectStore::Datasets);
+        p.publish(format!("$JS.API.STREAM.CREATE.OBJ_{objects}"));
+        // Reading the registered datasets (every role but the CLI, the sandbox and the proxy).
+        let read_datasets = |p: &mut Permissions| {
+            p.consume(&format!("OBJ_{objects}"));
+            p.publish("$JS.API.STREAM.INFO.*");
+        };
+        let read_kv =
+            |p: &mut Permissions, bucket: Bucket| p.consume(&format!("KV_{}", kv(bucket)));
+        let write_kv = |p: &mut Permissions, bucket: Bucket| {
+            p.consume(&format!("KV_{}", kv(bucket)));
+            p.publish(format!("$KV.{}.>", kv(bucket)));
+        };
+        let sandbox_rpc = format!("{root}.rpc.sandbox.>");
+        let proxy_rpc = format!("{root}.rpc.proxy.>");
+        match role {
+            Role::Controller => {
+                // The controller provisions: it may change a stream's configuration.
+                for domain in Domain::ALL {
+                    p.publish(format!("$JS.API.STREAM.UPDATE.{}", stream(domain)));
+                }
+                for name in ["accepted", "rejected", "progress", "completed", "failed"] {
+                    p.publish(event(Domain::Run, name));
+                }
+                for domain in [
+                    Domain::Run,
+                    Domain::Task,
+                    Domain::Train,
+                    Domain::Trial,
+                    Domain::Weights,
+                    Domain::Eval,
+                    Domain::Reward,
+                ] {
+                    p.consume(&stream(domain));
+                }
+                write_kv(&mut p, Bucket::RunState);
+                read_kv(&mut p, Bucket::Trainers);
+                read_datasets(&mut p);
+            }
+            Role::Dataset => {
+                p.publish(event(Domain::Task, "batch"));
+                p.publish(event(Domain::Task, "dataset"));
+                p.publish(event(Domain::Run, "failed"));
+                p.consume(&stream(Domain::Run));
+                p.consume(&stream(Domain::Train));
+                p.consume(&stream(Domain::Task));
+                read_kv(&mut p, Bucket::RunState);
+                read_datasets(&mut p);
+                p.publish(format!("$O.{objects}.>"));
+                p.publish(format!("$JS.API.STREAM.PURGE.OBJ_{objects}"));
+            }
+            Role::Imagebuilder => {
+                p.publish(event(Domain::Image, "ready"));
+                p.publish(event(Domain::Image, "failed"));
+                p.consume(&stream(Domain::Task));
+                read_kv(&mut p, Bucket::RunState);
+                read_datasets(&mut p);
+            }
+            Role::Sandbox => {
+                for name in ["leased", "released", "failed"] {
+                    p.publish(event(Domain::Sandbox, name));
+                }
+                p.subscribe(sandbox_rpc);
+                p.answers_requests = true;
+            }
+            Role::Inference => {
+                p.consume(&stream(Domain::Weights));
+            }
+            Role::Proxy => {
+                p.publish(event(Domain::Llm, "call"));
+                p.subscribe(proxy_rpc);
+                p.answers_requests = true;
+            }
+            Role::Reward => {
+                p.publish(event(Domain::Reward, "scored"));
+                p.publish(event(Domain::Trial, "failed"));
+                p.consume(&stream(Domain::Trial));
+                read_kv(&mut p, Bucket::RunState);
+                read_kv(&mut p, Bucket::Trials);
+                read_datasets(&mut p);
+                p.publish(sandbox_rpc);
+            }
+            Role::Rollout => {
+                for name in ["requested", "started", "finished", "failed"] {
+                    p.publish(event(Domain::Trial, name));
+                }
+                p.publish(event(Domain::Trajectory, "ready"));
+                for domain in [Domain::Task, Domain::Trial, Domain::Llm, Domain::Reward] {
+                    p.consume(&stream(domain));
+                }
+                // Live calls and grades of the trials it waits on.
+                p.subscribe(event(Domain::Llm, "call"));
+                p.subscribe(event(Domain::Reward, "scored"));
+                p.subscribe(event(Domain::Trial, "failed"));
+                write_kv(&mut p, Bucket::Trials);
+                read_kv(&mut p, Bucket::RunState);
+                read_datasets(&mut p);
+                p.publish(sandbox_rpc);
+                p.publish(proxy_rpc);
+            }
+            Role::Trainer => {
+                p.publish(event(Domain::Train, "step"));
+                p.publish(event(Domain::Weights, "published"));
+                p.publish(event(Domain::Run, "failed"));
+                p.consume(&stream(Domain::Trajectory));
+                write_kv(&mut p, Bucket::Trainers);
+                write_kv(&mut p, Bucket::Trials);
+                read_kv(&mut p, Bucket::RunState);
+                read_datasets(&mut p);
+            }
+            Role::Evaluator => {
+                p.publish(event(Domain::Eval, "completed"));
+                p.publish(event(Domain::Task, "batch"));
+                for domain in [Domain::Task, Domain::Reward, Domain::Trial, Domain::Train] {
+                    p.consume(&stream(domain));
+                }
+                write_kv(&mut p, Bucket::EvalState);
+                read_kv(&mut p, Bucket::RunState);
+                read_datasets(&mut p);
+            }
+            Role::Cli => {
+                p.publish(event(Domain::Run, "requested"));
+                for domain in [Domain::Run, Domain::Train, Domain::Eval, Domain::Trial] {
+                    p.consume(&stream(domain));
+                }
+                read_kv(&mut p, Bucket::RunState);
+                read_kv(&mut p, Bucket::EvalState);
+                read_kv(&mut p, Bucket::Trainers);
+            }
+        }
+        p.publish.sort();
+        p.publish.dedup();
+        p.subscribe.sort();
+        p.subscribe.dedup();
+        p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owners_alone_publish_their_events() {
+        let ns = Namespace::default();
+        let may_publish =
+            |role: Role, subject: &str| ns.permissions(role).publish.iter().any(|p| p == subject);
+        let weights = ns.event_filter(Domain::Weights, "published");
+        let trajectory = ns.event_filter(Domain::Trajectory, "ready");
+        let finished = ns.event_filter(Domain::Trial, "finished");
+        let requested = ns.event_filter(Domain::Run, "requested");
+        for role in Role::ALL {
+            assert_eq!(
+                may_publish(role, &weights),
+                role == Role::Trainer,
+                "{role:?}"
+            );
+            assert_eq!(
+                may_publish(role, &trajectory),
+                role == Role::Rollout,
+                "{role:?}"
+            );
+            assert_eq!(
+                may_publish(role, &finished),
+                role == Role::Rollout,
+                "{role:?}"
+            );
+            assert_eq!(may_publish(role, &requested), role == Role::Cli, "{role:?}");
+        }
+        // Only the sandbox service answers leases; only callers may ask.
+        let lease = "arl.rpc.sandbox.>";
+        assert!(
+            ns.permissions(Role::Sandbox)
+                .subscribe
+                .iter()
+                .any(|s| s == lease)
+        );
+        assert!(
+            !ns.permissions(Role::Evaluator)
+                .publish
+                .iter()
+                .any(|s| s == lease)
+        );
+        assert_eq!(Role::of_binary("arl-rollout"), Some(Role::Rollout));
+        assert_eq!(Role::of_binary("arl"), Some(Role::Cli));
+    }
+}
