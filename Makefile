@@ -177,6 +177,8 @@ $(CARGO_FUZZ):
 	cargo install --quiet --locked --root $(ARL_CACHE)/cargo-fuzz cargo-fuzz
 
 fuzz: $(CARGO_FUZZ)
+	@# The fuzz project resolves from the workspace's lock (same versions as the tests).
+	[ -f fuzz/Cargo.lock ] || cp Cargo.lock fuzz/Cargo.lock
 	cargo run --quiet -p arl-fuzz --bin arl-fuzz-seeds -- $(ARL_CACHE)/fuzz/corpus
 	mkdir -p $(ARL_CACHE)/fuzz/crashes
 	for t in $(FUZZ_TARGETS); do \
