@@ -136,10 +136,7 @@ impl Namespace {
         let objects = self.object_store(ObjectStore::Datasets);
         p.publish(format!("$JS.API.STREAM.CREATE.OBJ_{objects}"));
         // Reading the registered datasets (every role but the CLI, the sandbox and the proxy).
-        let read_datasets = |p: &mut Permissions| {
-            p.consume(&format!("OBJ_{objects}"));
-            p.publish("$JS.API.STREAM.INFO.*");
-        };
+        let read_datasets = |p: &mut Permissions| p.consume(&format!("OBJ_{objects}"));
         let read_kv =
             |p: &mut Permissions, bucket: Bucket| p.consume(&format!("KV_{}", kv(bucket)));
         let write_kv = |p: &mut Permissions, bucket: Bucket| {

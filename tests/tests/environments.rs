@@ -93,6 +93,38 @@ async fn diff(grant: &LeaseGrantV1) -> String {
     response.text()
 }
 
+/// What an agent leaves: `script` run in a fresh lease of `request`'s environment, and
+/// the work tree's diff (the lease is released).
+async fn work_as_agent(
+    bus: &Bus,
+    ns: &Namespace,
+    request: &LeaseRequestV1,
+    script: &str,
+) -> (ExecResult, String) {
+    let grant: LeaseGrantV1 = bus
+        .request(
+            ns.sandbox_rpc("any", SandboxOp::Lease),
+            request,
+            Duration::from_secs(120),
+        )
+        .await
+        .unwrap();
+    let ran = exec(&grant, script).await;
+    let patch = diff(&grant).await;
+    let _: arl_schemas::rpc::ReleasedV1 = bus
+        .request(
+            ns.sandbox_rpc(&grant.instance, SandboxOp::Release),
+            &ReleaseRequestV2 {
+                lease_id: grant.lease_id.clone(),
+                token: grant.token.clone(),
+            },
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    (ran, patch)
+}
+
 /// Reward hacks an RL policy finds, as shell scripts run in the instance's work tree (the
 /// way an agent would); `names` are the instance's FAIL_TO_PASS tests. Each must score 0.
 /// The ones named in [`FOOLS_THE_LOG`] do make the log report the tests as passing: only
@@ -489,29 +521,9 @@ async fn every_swebench_instance_builds_runs_its_tests_and_grades_gold_and_empty
                 ttl_s: 300,
                 limits: SandboxLimits::default(),
             };
-            let grant: LeaseGrantV1 = bus
-                .request(
-                    ns.sandbox_rpc("any", SandboxOp::Lease),
-                    &request,
-                    Duration::from_secs(120),
-                )
-                .await
-                .unwrap();
-            let done = exec(&grant, &script).await;
+            let (done, patch) = work_as_agent(&bus, &ns, &request, &script).await;
             assert_eq!(done.exit_code, 0, "{id} {what}: {done:?}");
-            let patch = diff(&grant).await;
             assert!(!patch.trim().is_empty(), "{id} {what}: no change");
-            let _: serde_json::Value = bus
-                .request(
-                    ns.sandbox_rpc(&grant.instance, SandboxOp::Release),
-                    &ReleaseRequestV2 {
-                        lease_id: grant.lease_id.clone(),
-                        token: grant.token.clone(),
-                    },
-                    Duration::from_secs(30),
-                )
-                .await
-                .unwrap();
             let trial = grading.finish(&run, id, 10 + sample as u32, &patch).await;
             hacks.insert(trial, (id, what));
         }
@@ -774,28 +786,8 @@ async fn harbor_and_math_tasks_are_graded_by_the_reward_service() {
     let hack = |script: &'static str| {
         let (bus, ns, request) = (bus.clone(), ns.clone(), request.clone());
         async move {
-            let grant: LeaseGrantV1 = bus
-                .request(
-                    ns.sandbox_rpc("any", SandboxOp::Lease),
-                    &request,
-                    Duration::from_secs(60),
-                )
-                .await
-                .unwrap();
-            let ran = exec(&grant, script).await;
+            let (ran, patch) = work_as_agent(&bus, &ns, &request, script).await;
             assert_eq!(ran.exit_code, 0, "{}{}", ran.stdout, ran.stderr);
-            let patch = diff(&grant).await;
-            let _: arl_schemas::rpc::ReleasedV1 = bus
-                .request(
-                    ns.sandbox_rpc(&grant.instance, SandboxOp::Release),
-                    &ReleaseRequestV2 {
-                        lease_id: grant.lease_id.clone(),
-                        token: grant.token.clone(),
-                    },
-                    Duration::from_secs(30),
-                )
-                .await
-                .unwrap();
             patch
         }
     };

@@ -134,7 +134,7 @@ pub fn gguf() -> Vec<Vec<u8>> {
     w.key_strings("tokenizer.ggml.merges", &["a b"]);
     let mut offset = 0u64;
     for (name, rows, cols) in &params {
-        let gguf = hf_to_gguf(name);
+        let gguf = arl_model::weights::gguf_name(name).unwrap_or_else(|| name.clone());
         w.string(&gguf);
         if *rows == 1 {
             w.u32(1);
@@ -157,27 +157,6 @@ pub fn gguf() -> Vec<Vec<u8>> {
         }
     }
     vec![w.bytes]
-}
-
-fn hf_to_gguf(name: &str) -> String {
-    match name {
-        "model.embed_tokens.weight" => return "token_embd.weight".into(),
-        "model.norm.weight" => return "output_norm.weight".into(),
-        _ => {}
-    }
-    let rest = name.trim_start_matches("model.layers.0.");
-    let short = match rest {
-        "input_layernorm.weight" => "attn_norm.weight",
-        "self_attn.q_proj.weight" => "attn_q.weight",
-        "self_attn.k_proj.weight" => "attn_k.weight",
-        "self_attn.v_proj.weight" => "attn_v.weight",
-        "self_attn.o_proj.weight" => "attn_output.weight",
-        "post_attention_layernorm.weight" => "ffn_norm.weight",
-        "mlp.gate_proj.weight" => "ffn_gate.weight",
-        "mlp.up_proj.weight" => "ffn_up.weight",
-        _ => "ffn_down.weight",
-    };
-    format!("blk.0.{short}")
 }
 
 const SPECS: [&str; 3] = [

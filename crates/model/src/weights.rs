@@ -461,8 +461,8 @@ fn to_f32(dtype: safetensors::Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     })
 }
 
-/// GGUF tensor name of a Hugging Face parameter.
-fn gguf_name(hf: &str) -> Option<String> {
+/// GGUF tensor name of a Hugging Face parameter (llama.cpp's naming).
+pub fn gguf_name(hf: &str) -> Option<String> {
     match hf {
         "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
         "model.norm.weight" => return Some("output_norm.weight".into()),

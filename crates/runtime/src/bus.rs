@@ -471,27 +471,43 @@ impl Bus {
         Ok(live)
     }
 
-    /// The controller's record of a run (`ARL_RUN_STATE`), if it has one.
+    /// The value under `key` in `bucket`, decoded; None when absent, deleted or purged.
+    /// `what` names it in errors ("run X"), `noun` its kind ("state").
+    async fn read_value<T, E: std::fmt::Display>(
+        &self,
+        bucket: Bucket,
+        key: &str,
+        what: &str,
+        noun: &str,
+        decode: impl FnOnce(&[u8]) -> Result<T, E>,
+    ) -> Result<Option<T>, BusError> {
+        let kv = self.bucket(bucket).await?;
+        let error = |reason: String| BusError::KeyValue {
+            bucket: self.namespace.bucket(bucket),
+            reason: format!("{what}: {reason}"),
+        };
+        let entry = kv.entry(key).await.map_err(|e| error(e.to_string()))?;
+        let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
+            return Ok(None);
+        };
+        decode(&entry.value)
+            .map(Some)
+            .map_err(|e| error(format!("unreadable {noun}: {e}")))
+    }
+
     /// A trial's entry in `ARL_TRIALS` (the rollout service's claim on its attempts).
     pub async fn trial_record(
         &self,
         trial: &arl_schemas::TrialId,
     ) -> Result<Option<arl_schemas::state::TrialRecordV1>, BusError> {
-        let kv = self.bucket(Bucket::Trials).await?;
-        let error = |reason: String| BusError::KeyValue {
-            bucket: self.namespace.bucket(Bucket::Trials),
-            reason: format!("trial {trial}: {reason}"),
-        };
-        let entry = kv
-            .entry(trial.as_str())
-            .await
-            .map_err(|e| error(e.to_string()))?;
-        let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
-            return Ok(None);
-        };
-        serde_json::from_slice(&entry.value)
-            .map(Some)
-            .map_err(|e| error(format!("unreadable record: {e}")))
+        self.read_value(
+            Bucket::Trials,
+            trial.as_str(),
+            &format!("trial {trial}"),
+            "record",
+            |bytes| serde_json::from_slice(bytes),
+        )
+        .await
     }
 
     /// Refuses an event about a trial the rollout service never requested: one whose
@@ -515,26 +531,20 @@ impl Bus {
         )))
     }
 
+    /// The controller's record of a run (`ARL_RUN_STATE`), if it has one (a deleted or
+    /// purged run has none).
     pub async fn run_state(
         &self,
         run: &arl_schemas::RunId,
     ) -> Result<Option<arl_schemas::state::RunStateV1>, BusError> {
-        let kv = self.bucket(Bucket::RunState).await?;
-        let error = |reason: String| BusError::KeyValue {
-            bucket: self.namespace.bucket(Bucket::RunState),
-            reason: format!("run {run}: {reason}"),
-        };
-        let entry = kv
-            .entry(run.as_str())
-            .await
-            .map_err(|e| error(e.to_string()))?;
-        // A deleted or purged run has no state.
-        let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
-            return Ok(None);
-        };
-        arl_schemas::state::RunStateV1::decode(&entry.value)
-            .map(Some)
-            .map_err(|e| error(format!("unreadable state: {e}")))
+        self.read_value(
+            Bucket::RunState,
+            run.as_str(),
+            &format!("run {run}"),
+            "state",
+            arl_schemas::state::RunStateV1::decode,
+        )
+        .await
     }
 
     /// A registered dataset (`ARL_DATASETS`) by digest, if there is one (read once per

@@ -241,7 +241,7 @@ impl RewardService {
                     parser,
                     &guard,
                 );
-                let log = self.run_plan(trial, task, |_| plan).await?;
+                let (log, ()) = self.run_plan(trial, task, |_| (plan, ())).await?;
                 let report = grade(repo, &log, fail_to_pass, pass_to_pass, &guard, &canary)
                     .map_err(|e| grading_failure(e, &log))?;
                 if report.tampered {
@@ -268,16 +268,11 @@ impl RewardService {
                     .map(|f| (f.path.clone(), f.content.clone()))
                     .collect();
                 let guard = Guard::new(&uuid::Uuid::new_v4().simple().to_string());
-                let mut verdict = None;
-                let log = self
+                let (log, verdict) = self
                     .run_plan(trial, task, |workdir| {
-                        let (plan, v) =
-                            crate::harbor::eval_plan(&trial.patch, &files, workdir, &guard);
-                        verdict = Some(v);
-                        plan
+                        crate::harbor::eval_plan(&trial.patch, &files, workdir, &guard)
                     })
                     .await?;
-                let verdict = verdict.unwrap_or(crate::harbor::Verdict::RewardFile);
                 let grade = crate::harbor::grade(&log, &guard, &verdict)
                     .map_err(|e| grading_failure(e, &log))?;
                 if grade.tampered {
@@ -296,13 +291,14 @@ impl RewardService {
         }
     }
 
-    /// Runs an evaluation plan in a fresh sandbox of the task's environment; the log.
-    async fn run_plan(
+    /// Runs an evaluation plan in a fresh sandbox of the task's environment (`plan` makes it
+    /// for the lease's workdir, with what reading its log needs); the log, and that.
+    async fn run_plan<R>(
         &self,
         trial: &TrialFinishedV1,
         task: &TaskRecord,
-        plan: impl FnOnce(&str) -> EvalPlan,
-    ) -> Result<String, Failure> {
+        plan: impl FnOnce(&str) -> (EvalPlan, R),
+    ) -> Result<(String, R), Failure> {
         let timeout_s = self.config.test_timeout.as_secs();
         let request = LeaseRequestV1 {
             run_id: trial.run_id.clone(),
@@ -317,7 +313,7 @@ impl RewardService {
             .lease(&request, self.config.lease_timeout)
             .await
             .map_err(Failure::Sandbox)?;
-        let plan = plan(&lease.grant.workdir);
+        let (plan, reading) = plan(&lease.grant.workdir);
         let result = async {
             for (path, content) in &plan.files {
                 lease.write(path, content).await?;
@@ -345,7 +341,7 @@ impl RewardService {
                 ),
             ));
         }
-        Ok(log)
+        Ok((log, reading))
     }
 }
 
