@@ -48,6 +48,7 @@ pub fn all_events() -> Vec<EventEntry> {
         entry::<events::ImageFailedV1>(),
         entry::<events::SandboxLeasedV1>(),
         entry::<events::SandboxReleasedV1>(),
+        entry::<events::SandboxReleasedV2>(),
         entry::<events::SandboxFailedV1>(),
         entry::<events::TrialRequestedV1>(),
         entry::<events::TrialStartedV1>(),

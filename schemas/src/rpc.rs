@@ -73,6 +73,10 @@ pub struct SandboxLimits {
     /// CPU seconds one command may use.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_seconds: Option<u64>,
+    /// MB the work tree may grow beyond the environment's own files (like a container's
+    /// writable layer); no single file may be larger. A lease past it is ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_mb: Option<u64>,
 }
 
 /// Ask for a sandbox of an environment, held for `ttl_s` unless renewed.

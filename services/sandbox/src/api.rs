@@ -93,7 +93,11 @@ fn authorize<B: Backend>(
         )
     };
     let id = LeaseId::new(lease_id).map_err(|_| not_found())?;
-    let lease = service.inner.leases.get(&id).ok_or_else(not_found)?;
+    let lease = service
+        .inner
+        .leases
+        .get(&id)
+        .ok_or_else(|| ended_by_service(service, &id).unwrap_or_else(not_found))?;
     let presented = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -149,7 +153,21 @@ async fn run_in<B: Backend>(
         timeout,
         output_limit,
     };
-    Ok(service.exec(lease, spec).await?)
+    let output = service.exec(lease, spec).await?;
+    match ended_by_service(service, lease.id()) {
+        Some(ended) => Err(ended),
+        None => Ok(output),
+    }
+}
+
+/// `410 Gone` for a lease the service ended itself (its disk limit), saying why.
+fn ended_by_service<B: Backend>(service: &SandboxService<B>, id: &LeaseId) -> Option<ApiError> {
+    let why = service.inner.leases.end_of(id)?;
+    Some(ApiError::new(
+        StatusCode::GONE,
+        "lease_ended",
+        format!("lease {id} was ended: {why}"),
+    ))
 }
 
 fn file_error(output: &ExecOutput, what: &str) -> ApiError {

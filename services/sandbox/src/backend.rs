@@ -35,6 +35,8 @@ pub enum BackendError {
 pub struct PreparedTree {
     pub dir: PathBuf,
     pub base: String,
+    /// Disk the fresh tree holds: a lease's disk limit counts growth beyond it.
+    pub bytes: u64,
     pub environment: Environment,
 }
 

@@ -309,9 +309,12 @@ impl Backend for Bubblewrap {
         let mut script = String::from(
             "while [ \"$1\" != -- ]; do echo $$ > \"$1\" || exit 125; shift; done; shift; ",
         );
+        // No file larger than the tree's disk limit (dash counts 512-byte blocks): the disk
+        // watchdog may look only every few seconds.
         script.push_str(&format!(
-            "ulimit -t {} 2>/dev/null; ",
-            sandbox.limits.cpu_seconds
+            "ulimit -t {} 2>/dev/null; ulimit -f {} 2>/dev/null; ",
+            sandbox.limits.cpu_seconds,
+            sandbox.limits.disk_mb.saturating_mul(2048)
         ));
         if sandbox.cgroup.is_empty() {
             // Without cgroups: memory per process, and processes per user (every sandbox

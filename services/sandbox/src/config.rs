@@ -47,6 +47,8 @@ pub struct ResolvedLimits {
     pub pids: u64,
     pub cpus: f64,
     pub cpu_seconds: u64,
+    /// MB the work tree may grow beyond the environment's files ([`crate::disk`]).
+    pub disk_mb: u64,
 }
 
 impl ResolvedLimits {
@@ -56,6 +58,7 @@ impl ResolvedLimits {
             pids: requested.pids.unwrap_or(self.pids),
             cpus: requested.cpus.unwrap_or(self.cpus),
             cpu_seconds: requested.cpu_seconds.unwrap_or(self.cpu_seconds),
+            disk_mb: requested.disk_mb.unwrap_or(self.disk_mb),
         }
     }
 }
@@ -67,6 +70,7 @@ impl Default for ResolvedLimits {
             pids: 256,
             cpus: 1.0,
             cpu_seconds: 600,
+            disk_mb: 4096,
         }
     }
 }

@@ -1,6 +1,6 @@
 //! The lease table: who holds which sandbox until when.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
@@ -100,7 +100,12 @@ impl Lease {
 #[derive(Debug, Default)]
 pub struct LeaseTable {
     leases: RwLock<HashMap<LeaseId, Arc<Lease>>>,
+    /// Why the service itself ended recent leases, for holders who call again.
+    ended_by_service: Mutex<VecDeque<(LeaseId, String)>>,
 }
+
+/// Ended leases whose reason is kept for their holders.
+const ENDS_KEPT: usize = 1024;
 
 impl LeaseTable {
     pub fn insert(&self, lease: Arc<Lease>) {
@@ -118,6 +123,29 @@ impl LeaseTable {
     /// Removes a lease; only one caller gets it (release and expiry may race).
     pub fn remove(&self, id: &LeaseId) -> Option<Arc<Lease>> {
         self.write().remove(id)
+    }
+
+    /// Keeps why the service ended a lease (its holder's next call is told).
+    pub fn remember_end(&self, id: LeaseId, why: String) {
+        let mut ended = self
+            .ended_by_service
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if ended.len() == ENDS_KEPT {
+            ended.pop_front();
+        }
+        ended.push_back((id, why));
+    }
+
+    /// Why the service ended `id`, when it did so recently.
+    pub fn end_of(&self, id: &LeaseId) -> Option<String> {
+        self.ended_by_service
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .rev()
+            .find(|(ended, _)| ended == id)
+            .map(|(_, why)| why.clone())
     }
 
     pub fn expired(&self, now: DateTime<Utc>) -> Vec<LeaseId> {

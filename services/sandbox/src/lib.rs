@@ -15,6 +15,7 @@ pub mod backend;
 pub mod bwrap;
 pub mod cgroup;
 pub mod config;
+pub mod disk;
 pub mod environment;
 pub mod lease;
 pub mod pool;

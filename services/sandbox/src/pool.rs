@@ -27,10 +27,21 @@ impl<B: Backend> Manager for TreeManager<B> {
         let dir = self
             .warm_dir
             .join(uuid::Uuid::new_v4().simple().to_string());
-        match self.backend.prepare(&self.environment, &dir).await {
-            Ok(base) => Ok(PreparedTree {
+        let prepared = match self.backend.prepare(&self.environment, &dir).await {
+            Ok(base) => crate::disk::measure(&dir.join("tree"))
+                .await
+                .map(|(bytes, _)| (base, bytes))
+                .map_err(|err| BackendError::Prepare {
+                    environment: self.environment.name.clone(),
+                    reason: format!("cannot measure the prepared tree: {err}"),
+                }),
+            Err(err) => Err(err),
+        };
+        match prepared {
+            Ok((base, bytes)) => Ok(PreparedTree {
                 dir,
                 base,
+                bytes,
                 environment: self.environment.clone(),
             }),
             Err(err) => {

@@ -2,15 +2,14 @@
 //! earlier instance left; lifecycle events.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use arl_runtime::rpc::serve;
 use arl_runtime::{Bus, Shutdown};
 use arl_schemas::events::{
-    EnvironmentRef, ReleaseReason, SandboxBackend, SandboxFailedV1, SandboxLeasedV1,
-    SandboxReleasedV1,
+    EnvironmentRef, LeaseEnd, SandboxBackend, SandboxFailedV1, SandboxLeasedV1, SandboxReleasedV2,
 };
 use arl_schemas::rpc::{
     LeaseGrantV1, LeaseRequestV1, ReleaseRequest, ReleasedV1, RenewRequest, RenewedV1, RpcError,
@@ -322,6 +321,7 @@ impl<B: Backend> SandboxService<B> {
             }
         };
         let expires_at = Utc::now() + chrono::Duration::seconds(request.ttl_s as i64);
+        let baseline_bytes = tree.bytes;
         let handle = SandboxHandle {
             lease_id: lease_id.clone(),
             dir,
@@ -342,6 +342,14 @@ impl<B: Backend> SandboxService<B> {
             permit,
         ));
         self.inner.leases.insert(lease.clone());
+        let service = self.clone();
+        let (id, tree) = (lease_id.clone(), lease.handle.dir.join("tree"));
+        let (limit_mb, ended) = (lease.handle.limits.disk_mb, lease.handle.ended.clone());
+        self.inner.shutdown.spawn(async move {
+            service
+                .watch_disk(id, &tree, baseline_bytes, limit_mb, ended)
+                .await;
+        });
         let endpoint = format!("{}/leases/{lease_id}", config.public_url);
         self.announce(&SandboxLeasedV1 {
             run_id: request.run_id.clone(),
@@ -398,7 +406,7 @@ impl<B: Backend> SandboxService<B> {
             ReleaseRequest::V1(_) => return Err(token_required("release", "ReleaseRequestV2")),
         };
         self.holder_of(&request.lease_id, &request.token)?;
-        self.release(request.lease_id.clone(), ReleaseReason::Released)
+        self.release(request.lease_id.clone(), LeaseEnd::Released, None)
             .await?;
         Ok(ReleasedV1 {
             lease_id: request.lease_id,
@@ -421,26 +429,75 @@ impl<B: Backend> SandboxService<B> {
         Ok(lease)
     }
 
-    /// Ends a lease: kills what runs in it, deletes its files, and says so.
-    pub async fn release(&self, lease_id: LeaseId, reason: ReleaseReason) -> Result<(), RpcError> {
+    /// Ends a lease: kills what runs in it, deletes its files, and says so. `detail` says
+    /// why when the service ends it itself; the holder's next call is told.
+    pub async fn release(
+        &self,
+        lease_id: LeaseId,
+        reason: LeaseEnd,
+        detail: Option<String>,
+    ) -> Result<(), RpcError> {
         let lease = self
             .inner
             .leases
             .remove(&lease_id)
             .ok_or_else(|| not_found(&lease_id))?;
+        if let Some(why) = &detail {
+            self.inner
+                .leases
+                .remember_end(lease_id.clone(), why.clone());
+        }
         lease.handle.ended.cancel();
         self.inner
             .backend
             .destroy(&lease.handle.dir, &lease.handle.cgroup)
             .await;
-        self.announce(&SandboxReleasedV1 {
+        self.announce(&SandboxReleasedV2 {
             run_id: lease.record.run_id.clone(),
             lease_id,
+            trial_id: lease.trial_id.clone(),
             reason,
+            detail,
             at: Utc::now(),
         })
         .await;
         Ok(())
+    }
+
+    /// Ends the lease once its work tree has grown past its disk limit ([`crate::disk`]).
+    async fn watch_disk(
+        &self,
+        lease_id: LeaseId,
+        tree: &Path,
+        baseline_bytes: u64,
+        limit_mb: u64,
+        ended: CancellationToken,
+    ) {
+        let shutdown = self.inner.shutdown.clone();
+        let mut pause = Duration::from_secs(1);
+        loop {
+            tokio::select! {
+                () = ended.cancelled() => return,
+                () = shutdown.triggered() => return,
+                () = tokio::time::sleep(pause) => {}
+            }
+            let (bytes, took) = match crate::disk::measure(tree).await {
+                Ok(measured) => measured,
+                Err(_) if ended.is_cancelled() => return,
+                Err(err) => {
+                    tracing::warn!(lease = %lease_id, %err, "cannot measure a work tree");
+                    pause = Duration::from_secs(10);
+                    continue;
+                }
+            };
+            pause = crate::disk::next_check_in(took);
+            let grown = bytes.saturating_sub(baseline_bytes);
+            if let Some(why) = crate::disk::over_limit(grown, limit_mb) {
+                tracing::warn!(lease = %lease_id, %why, "ending a lease past its disk limit");
+                let _ = self.release(lease_id, LeaseEnd::DiskLimit, Some(why)).await;
+                return;
+            }
+        }
     }
 
     /// Runs a command in a lease's sandbox.
@@ -461,12 +518,12 @@ impl<B: Backend> SandboxService<B> {
             }
             for lease_id in self.inner.leases.expired(Utc::now()) {
                 tracing::info!(lease = %lease_id, "lease expired");
-                let _ = self.release(lease_id, ReleaseReason::Expired).await;
+                let _ = self.release(lease_id, LeaseEnd::Expired, None).await;
             }
         }
         // Leases die with the service; a restarted one would reap them anyway.
         for lease_id in self.inner.leases.ids() {
-            let _ = self.release(lease_id, ReleaseReason::Reaped).await;
+            let _ = self.release(lease_id, LeaseEnd::Reaped, None).await;
         }
         let _ = tokio::fs::remove_dir_all(self.inner.config.state_dir.join("warm")).await;
     }
@@ -480,10 +537,12 @@ impl<B: Backend> SandboxService<B> {
             self.inner.backend.destroy(&dir, &Default::default()).await;
             reaped += 1;
             if let Some(record) = record {
-                self.announce(&SandboxReleasedV1 {
+                self.announce(&SandboxReleasedV2 {
                     run_id: record.run_id,
                     lease_id: record.lease_id,
-                    reason: ReleaseReason::Reaped,
+                    trial_id: None,
+                    reason: LeaseEnd::Reaped,
+                    detail: None,
                     at: Utc::now(),
                 })
                 .await;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics};
-use arl_schemas::events::{EnvironmentRef, ReleaseReason, SandboxReleasedV1};
+use arl_schemas::events::{EnvironmentRef, LeaseEnd, SandboxReleasedV2};
 use arl_schemas::rpc::{LeaseGrantV1, LeaseRequestV1, SandboxLimits, SandboxOp};
 use arl_schemas::{Domain, Namespace, RunId};
 use arl_testkit::{NatsServer, http, test_namespace, wait_for};
@@ -129,9 +129,9 @@ async fn a_restarted_service_reaps_the_leases_of_a_killed_one() {
         || async { (std::fs::read_dir(&leases_dir).unwrap().count() == 0).then_some(()) },
     )
     .await;
-    let released: Vec<SandboxReleasedV1> =
+    let released: Vec<SandboxReleasedV2> =
         wait_for("two reaped events", Duration::from_secs(10), || async {
-            let events: Vec<SandboxReleasedV1> = bus
+            let events: Vec<SandboxReleasedV2> = bus
                 .replay(
                     Domain::Sandbox,
                     ns.event_subject(
@@ -145,7 +145,7 @@ async fn a_restarted_service_reaps_the_leases_of_a_killed_one() {
             (events.len() == 2).then_some(events)
         })
         .await;
-    assert!(released.iter().all(|e| e.reason == ReleaseReason::Reaped));
+    assert!(released.iter().all(|e| e.reason == LeaseEnd::Reaped));
     let mut reaped: Vec<_> = released.iter().map(|e| e.lease_id.clone()).collect();
     let mut granted: Vec<_> = grants.iter().map(|g| g.lease_id.clone()).collect();
     reaped.sort();

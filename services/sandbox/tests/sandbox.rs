@@ -9,7 +9,7 @@ use arl_runtime::bus::BusConfig;
 use arl_runtime::rpc::RequestError;
 use arl_runtime::{Bus, Metrics, Shutdown};
 use arl_sandbox::{SandboxConfig, SandboxService};
-use arl_schemas::events::{EnvironmentRef, ReleaseReason, SandboxReleasedV1};
+use arl_schemas::events::{EnvironmentRef, LeaseEnd, SandboxReleasedV2};
 use arl_schemas::rpc::{
     ExecResult, FileEntry, LeaseGrantV1, LeaseRequestV1, ReleaseRequestV2, ReleasedV1,
     RenewRequestV1, RenewRequestV2, RenewedV1, RpcErrorCode, SandboxLimits, SandboxOp,
@@ -309,7 +309,7 @@ async fn lease_exec_files_diff_release() {
     h.release(&grant).await;
     assert!(!lease_dir.exists());
     assert_eq!(call(&grant, "GET", "/diff", b"").await.status, 404);
-    let released: Vec<SandboxReleasedV1> = h
+    let released: Vec<SandboxReleasedV2> = h
         .bus
         .replay(
             Domain::Sandbox,
@@ -318,7 +318,7 @@ async fn lease_exec_files_diff_release() {
         .await
         .unwrap();
     assert_eq!(released.len(), 1);
-    assert_eq!(released[0].reason, ReleaseReason::Released);
+    assert_eq!(released[0].reason, LeaseEnd::Released);
     h.stop().await;
 }
 
@@ -379,9 +379,9 @@ async fn an_unrenewed_lease_expires_and_is_destroyed() {
             .status,
         404
     );
-    let released: Vec<SandboxReleasedV1> =
+    let released: Vec<SandboxReleasedV2> =
         wait_for("the released event", Duration::from_secs(10), || async {
-            let events: Vec<SandboxReleasedV1> = h
+            let events: Vec<SandboxReleasedV2> = h
                 .bus
                 .replay(
                     Domain::Sandbox,
@@ -396,7 +396,7 @@ async fn an_unrenewed_lease_expires_and_is_destroyed() {
             (!events.is_empty()).then_some(events)
         })
         .await;
-    assert_eq!(released[0].reason, ReleaseReason::Expired);
+    assert_eq!(released[0].reason, LeaseEnd::Expired);
     h.stop().await;
 }
 
@@ -583,6 +583,120 @@ async fn no_new_user_namespaces_privileges_or_unbounded_tmp_inside() {
         .and_then(|n| n.parse().ok())
         .unwrap_or(u64::MAX);
     assert!(written <= 64, "{written} MiB in /tmp: {fill:?}");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn filling_the_disk_ends_the_lease_and_leaves_the_host_unchanged() {
+    let h = Harness::start().await;
+    let grant = h
+        .lease_with(
+            SandboxLimits {
+                disk_mb: Some(32),
+                ..Default::default()
+            },
+            600,
+        )
+        .await;
+    let lease_dir = h
+        .files
+        .path()
+        .join("state/leases")
+        .join(grant.lease_id.as_str());
+    // No single file grows past the limit, even between two looks of the watchdog.
+    let one_file = exec(
+        &grant,
+        "dd if=/dev/zero of=big bs=1M count=48 2>&1; echo exit=$?; du -m big",
+    )
+    .await;
+    assert!(!one_file.stdout.contains("exit=0"), "{one_file:?}");
+    let written: u64 = one_file
+        .stdout
+        .lines()
+        .last()
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(u64::MAX);
+    assert!(written <= 32, "{written} MiB in one file: {one_file:?}");
+    exec(&grant, "rm big").await;
+    // Many files under the limit each, hidden deeper than PATH_MAX: the watchdog ends the
+    // lease, kills the command and deletes the tree.
+    let body = serde_json::json!({
+        "command": "python3 -c \"
+import os, time
+for _ in range(1500):
+    os.mkdir('dddd'); os.chdir('dddd')
+for f in range(4):
+    with open(f'f{f}', 'wb') as out: out.write(bytes(16 << 20))
+time.sleep(60)
+\"",
+        "timeout_s": 90.0,
+    });
+    let started = Instant::now();
+    let filled = call(&grant, "POST", "/exec", body.to_string().as_bytes()).await;
+    assert_eq!(filled.status, 410, "{}", filled.text());
+    assert!(
+        filled.text().contains("disk limit of 32 MB"),
+        "{}",
+        filled.text()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    wait_for(
+        "the tree to be deleted",
+        Duration::from_secs(10),
+        || async { (!lease_dir.exists()).then_some(()) },
+    )
+    .await;
+    // The holder's next call is told why, not just "not found".
+    let after = call(&grant, "POST", "/exec", br#"{"command":"true"}"#).await;
+    assert_eq!(after.status, 410, "{}", after.text());
+    assert!(after.text().contains("limits.disk_mb"), "{}", after.text());
+    let released: Vec<SandboxReleasedV2> =
+        wait_for("the released event", Duration::from_secs(10), || async {
+            let events: Vec<SandboxReleasedV2> = h
+                .bus
+                .replay(
+                    Domain::Sandbox,
+                    h.ns.event_subject(
+                        Domain::Sandbox,
+                        &RunId::new("run-sbx").unwrap(),
+                        "released",
+                    ),
+                )
+                .await
+                .unwrap();
+            (!events.is_empty()).then_some(events)
+        })
+        .await;
+    assert_eq!(released[0].reason, LeaseEnd::DiskLimit);
+    assert!(
+        released[0]
+            .detail
+            .as_deref()
+            .is_some_and(|d| d.contains("disk limit of 32 MB")),
+        "{released:?}"
+    );
+    // A lease with room is not ended for writing within it.
+    let roomy = h
+        .lease_with(
+            SandboxLimits {
+                disk_mb: Some(64),
+                ..Default::default()
+            },
+            600,
+        )
+        .await;
+    let within = exec(
+        &roomy,
+        "dd if=/dev/zero of=f bs=1M count=16 2>/dev/null; sleep 3; echo ok",
+    )
+    .await;
+    assert_eq!(within.stdout.trim(), "ok", "{within:?}");
+    h.release(&roomy).await;
     h.stop().await;
 }
 

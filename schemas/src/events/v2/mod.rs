@@ -2,7 +2,9 @@
 //! published.
 
 mod reward;
+mod sandbox;
 mod train;
 
 pub use reward::*;
+pub use sandbox::*;
 pub use train::*;
