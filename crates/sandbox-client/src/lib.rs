@@ -29,6 +29,13 @@ pub enum SandboxError {
         lease: String,
         reason: String,
     },
+    /// The sandbox service ended the lease for what ran in it (its disk limit).
+    #[error("{operation} on lease {lease}: {reason}")]
+    Ended {
+        operation: &'static str,
+        lease: String,
+        reason: String,
+    },
 }
 
 /// Leases sandboxes. Cheap to clone.
@@ -169,6 +176,13 @@ impl Lease {
             .await
             .map_err(|e| self.error(operation, e.to_string()))?
             .to_bytes();
+        if status == hyper::StatusCode::GONE {
+            return Err(SandboxError::Ended {
+                operation,
+                lease: self.grant.lease_id.to_string(),
+                reason: String::from_utf8_lossy(&body).into_owned(),
+            });
+        }
         if !status.is_success() {
             return Err(self.error(
                 operation,

@@ -223,7 +223,7 @@ pub async fn run_mini_swe_agent(
             stdin: Some(MINI_SWE_AGENT_RUNNER.to_owned()),
         })
         .await
-        .map_err(|e| TrialError::new(FailureClass::Infrastructure, e.to_string()))?;
+        .map_err(TrialError::from_sandbox)?;
     if result.timed_out {
         return Err(TrialError::new(
             FailureClass::Timeout,
@@ -364,7 +364,7 @@ async fn run_shell(
             stdin: None,
         })
         .await
-        .map_err(|e| TrialError::new(FailureClass::Infrastructure, e.to_string()))?;
+        .map_err(TrialError::from_sandbox)?;
     let mut output = result.stdout;
     output.push_str(&result.stderr);
     let status = if result.timed_out {

@@ -25,6 +25,16 @@ impl TrialError {
             message: message.into(),
         }
     }
+
+    /// A sandbox call that failed: the agent's fault when the service ended the lease for
+    /// what the agent did in it (filling its disk), the infrastructure's otherwise.
+    pub fn from_sandbox(error: arl_sandbox_client::SandboxError) -> Self {
+        let class = match error {
+            arl_sandbox_client::SandboxError::Ended { .. } => FailureClass::AgentError,
+            _ => FailureClass::Infrastructure,
+        };
+        Self::new(class, error.to_string())
+    }
 }
 
 /// Sampling settings of every call of a trial.
@@ -217,6 +227,27 @@ fn infrastructure(message: String) -> TrialError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lease_ended_for_its_disk_is_the_agents_fault_other_sandbox_trouble_is_not() {
+        let ended = arl_sandbox_client::SandboxError::Ended {
+            operation: "exec",
+            lease: "lease-1".into(),
+            reason: "lease lease-1 was ended: its work tree grew by 40 MB".into(),
+        };
+        let ended = TrialError::from_sandbox(ended);
+        assert_eq!(ended.class, FailureClass::AgentError);
+        assert!(ended.message.contains("grew by 40 MB"), "{ended:?}");
+        let api = arl_sandbox_client::SandboxError::Api {
+            operation: "exec",
+            lease: "lease-1".into(),
+            reason: "HTTP 500".into(),
+        };
+        assert_eq!(
+            TrialError::from_sandbox(api).class,
+            FailureClass::Infrastructure
+        );
+    }
 
     #[test]
     fn retries_back_off_exponentially_with_jitter_up_to_a_bound() {

@@ -319,7 +319,7 @@ impl Rollout {
             )),
         };
         let patch = match (&outcome, &lease) {
-            (Ok(_), Some(lease)) => lease.diff().await.map_err(sandbox_failure),
+            (Ok(_), Some(lease)) => lease.diff().await.map_err(TrialError::from_sandbox),
             _ => Ok(String::new()),
         };
         if let Some(lease) = lease {
@@ -425,7 +425,7 @@ impl Rollout {
                 }) if err.code == RpcErrorCode::NotFound && Instant::now() < limit => {
                     tokio::time::sleep(Duration::from_secs(2)).await;
                 }
-                Err(error) => return Err(sandbox_failure(error)),
+                Err(error) => return Err(TrialError::from_sandbox(error)),
             }
         }
     }
@@ -814,10 +814,6 @@ enum Claim {
 
 fn infrastructure(message: String) -> TrialError {
     TrialError::new(FailureClass::Infrastructure, message)
-}
-
-fn sandbox_failure(error: SandboxError) -> TrialError {
-    infrastructure(error.to_string())
 }
 
 #[cfg(test)]
