@@ -234,9 +234,11 @@ impl Namespace {
                 p.publish(event(Domain::Train, "step"));
                 p.publish(event(Domain::Weights, "published"));
                 p.publish(event(Domain::Run, "failed"));
+                // Trajectories, and each step's own task.batch (how many it needs).
                 p.consume(&stream(Domain::Trajectory));
+                p.consume(&stream(Domain::Task));
                 write_kv(&mut p, Bucket::Trainers);
-                write_kv(&mut p, Bucket::Trials);
+                read_kv(&mut p, Bucket::Trials);
                 read_kv(&mut p, Bucket::RunState);
                 read_datasets(&mut p);
             }

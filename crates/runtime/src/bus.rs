@@ -495,6 +495,40 @@ impl Bus {
             .map_err(|e| error(format!("unreadable {noun}: {e}")))
     }
 
+    /// A JSON record of a bucket (as [`Bus::modify_record`] writes them); None when absent.
+    pub async fn get_record<T: serde::de::DeserializeOwned>(
+        &self,
+        bucket: Bucket,
+        key: &str,
+    ) -> Result<Option<T>, BusError> {
+        self.read_value(bucket, key, key, "record", |bytes| {
+            serde_json::from_slice(bytes)
+        })
+        .await
+    }
+
+    /// What a handler needs to know about a run: its state and its spec. A run without a
+    /// state waits (retried, then dead-lettered with the reason: a run deleted mid-run
+    /// has none); one whose state has no spec was never accepted. Never a default spec.
+    pub async fn run_context(
+        &self,
+        run: &arl_schemas::RunId,
+    ) -> Result<crate::RunContext, crate::HandlerError> {
+        let state = self.run_state(run).await?.ok_or_else(|| {
+            crate::HandlerError::Retry(format!(
+                "run {run} has no state in {} (not written yet, or deleted mid-run)",
+                self.namespace.bucket(Bucket::RunState)
+            ))
+        })?;
+        let spec = state.spec.clone().ok_or_else(|| {
+            crate::HandlerError::DeadLetter(format!(
+                "run {run} has no spec in its state (status {}); it was never accepted",
+                state.status.as_str()
+            ))
+        })?;
+        Ok(crate::RunContext { state, spec })
+    }
+
     /// A trial's entry in `ARL_TRIALS` (the rollout service's claim on its attempts).
     pub async fn trial_record(
         &self,

@@ -161,6 +161,13 @@ pub enum HandlerError {
     DeadLetter(String),
 }
 
+/// A message that does not decode never will: it is dead-lettered with the reason.
+impl From<arl_schemas::DecodeError> for HandlerError {
+    fn from(err: arl_schemas::DecodeError) -> Self {
+        HandlerError::DeadLetter(err.to_string())
+    }
+}
+
 impl From<BusError> for HandlerError {
     fn from(err: BusError) -> Self {
         HandlerError::Retry(err.to_string())

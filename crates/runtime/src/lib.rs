@@ -28,3 +28,11 @@ pub use bus::{Bus, BusError, Published};
 pub use consumer::{ConsumerSpec, Delivery, HandlerError};
 pub use metrics::Metrics;
 pub use shutdown::Shutdown;
+
+/// A run as a handler sees it: the controller's record and the spec it was accepted
+/// with ([`Bus::run_context`]).
+#[derive(Clone, Debug)]
+pub struct RunContext {
+    pub state: arl_schemas::state::RunStateV1,
+    pub spec: arl_schemas::spec::RunSpec,
+}

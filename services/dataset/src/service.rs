@@ -69,9 +69,7 @@ impl DatasetService {
     }
 
     async fn on_run_accepted(&self, delivery: Delivery) -> Result<(), HandlerError> {
-        let accepted: RunAcceptedV1 = delivery
-            .decode()
-            .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+        let accepted: RunAcceptedV1 = delivery.decode()?;
         let state = self.run_state(&accepted.run_id).await?;
         let Some(spec) = state.spec.clone() else {
             return Err(HandlerError::DeadLetter(format!(

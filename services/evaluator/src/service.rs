@@ -198,16 +198,8 @@ impl Evaluator {
     /// The run's dataset is registered: with `val_before_train`, the base model (policy
     /// version 0) is evaluated as step 0.
     async fn on_dataset(&self, registered: DatasetRegisteredV1) -> Result<(), HandlerError> {
-        let state = self
-            .bus
-            .run_state(&registered.run_id)
-            .await?
-            .ok_or_else(|| {
-                HandlerError::Retry(format!("run {} has no state", registered.run_id))
-            })?;
-        let spec = state.spec.clone().ok_or_else(|| {
-            HandlerError::Retry(format!("run {} has no spec yet", registered.run_id))
-        })?;
+        let arl_runtime::RunContext { state, spec } =
+            self.bus.run_context(&registered.run_id).await?;
         if !spec.trainer.val_before_train || state.status.is_terminal() {
             return Ok(());
         }
@@ -217,18 +209,9 @@ impl Evaluator {
 
     async fn on_train_step(&self, trained: TrainStep) -> Result<(), HandlerError> {
         let run_id = trained.run_id();
-        let state = self
-            .bus
-            .run_state(run_id)
-            .await?
-            .ok_or_else(|| HandlerError::Retry(format!("run {run_id} has no state")))?;
         // A run state without a spec (a rejected request) has nothing to evaluate with:
         // default settings would measure something the user never asked for.
-        let Some(spec) = state.spec.clone() else {
-            return Err(HandlerError::DeadLetter(format!(
-                "run {run_id} has no accepted spec; it cannot be evaluated"
-            )));
-        };
+        let arl_runtime::RunContext { state, spec } = self.bus.run_context(run_id).await?;
         if !is_eval_step(trained.step(), spec.trainer.eval_every, state.total_steps) {
             return Ok(());
         }

@@ -108,9 +108,7 @@ impl ImageBuilder {
     }
 
     async fn on_batch(&self, delivery: Delivery) -> Result<(), HandlerError> {
-        let batch: TaskBatchV1 = delivery
-            .decode()
-            .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+        let batch: TaskBatchV1 = delivery.decode()?;
         let dataset = self.dataset_path(&batch.run_id).await?;
         // Math tasks run in a generic sandbox: nothing to build, nothing to announce.
         for task in batch.tasks.iter().filter(|t| t.kind != TaskKind::Math) {

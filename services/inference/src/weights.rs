@@ -46,9 +46,7 @@ async fn on_weights(
     weights_dir: &Path,
     delivery: &Delivery,
 ) -> Result<(), HandlerError> {
-    let event: WeightsPublishedV1 = delivery
-        .decode()
-        .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+    let event: WeightsPublishedV1 = delivery.decode()?;
     if engine
         .current()
         .is_some_and(|m| m.version >= event.policy_version)

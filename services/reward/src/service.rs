@@ -122,19 +122,13 @@ impl RewardService {
     }
 
     async fn on_trial_finished(&self, delivery: Delivery) -> Result<(), HandlerError> {
-        let trial: TrialFinishedV1 = delivery
-            .decode()
-            .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+        let trial: TrialFinishedV1 = delivery.decode()?;
         // Only the rollout's own trials are graded: a forged trial.finished could
         // otherwise buy a reward for a trial nobody ran.
         self.bus
             .check_requested(&trial.trial_id, trial.slot.attempt, "trial.finished")
             .await?;
-        let state =
-            self.bus.run_state(&trial.run_id).await?.ok_or_else(|| {
-                HandlerError::Retry(format!("run {} has no state yet", trial.run_id))
-            })?;
-        let spec = state.spec.clone().unwrap_or_default();
+        let arl_runtime::RunContext { state, spec } = self.bus.run_context(&trial.run_id).await?;
         let task = match &state.dataset_digest {
             None => {
                 return Err(HandlerError::Retry(format!(

@@ -167,9 +167,7 @@ impl Rollout {
     }
 
     async fn on_batch(&self, delivery: Delivery) -> Result<(), HandlerError> {
-        let batch: TaskBatchV1 = delivery
-            .decode()
-            .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+        let batch: TaskBatchV1 = delivery.decode()?;
         for (index, task) in batch.tasks.iter().enumerate() {
             for sample_index in 0..batch.samples_per_task {
                 let slot = TrialSlot {
@@ -195,14 +193,11 @@ impl Rollout {
     }
 
     async fn on_trial(&self, delivery: Delivery) -> Result<(), HandlerError> {
-        let request: TrialRequestedV1 = delivery
-            .decode()
-            .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+        let request: TrialRequestedV1 = delivery.decode()?;
         let attempt = request.slot.attempt;
         // What the trial needs, read before it is claimed: if this fails, the request
         // simply comes back.
-        let state = self.run_state(&request.run_id).await?;
-        let spec = state.spec.clone().unwrap_or_default();
+        let arl_runtime::RunContext { state, spec } = self.bus.run_context(&request.run_id).await?;
         let task = self.task(&request).await?;
         // Claim the attempt; learn whether a replica died holding it.
         let mut verdict = Claim::Run;
@@ -755,7 +750,7 @@ impl Rollout {
     async fn group_failed(&self, trial: &Trial) -> Result<bool, HandlerError> {
         let record = self
             .bus
-            .modify_record::<bool>(Bucket::Trials, &Self::group_key(trial), |_| false)
+            .get_record::<bool>(Bucket::Trials, &Self::group_key(trial))
             .await?;
         Ok(record.unwrap_or(false))
     }

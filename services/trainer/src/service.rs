@@ -17,13 +17,13 @@ use arl_model::backend::BackendErrorKind;
 use arl_model::cuda::Cuda;
 use arl_runtime::args::default_runs_dir;
 use arl_runtime::consumer::run_consumer;
-use arl_runtime::{Bus, BusError, ConsumerSpec, Delivery, HandlerError, Shutdown};
+use arl_runtime::{Bus, BusError, ConsumerSpec, Delivery, HandlerError, RunContext, Shutdown};
 use arl_schemas::events::{
-    BatchCounts, RunFailedV1, Split, StepTiming, TrainMetrics, TrainStepV2, TrajectoryV1,
-    WeightsFormat, WeightsPublishedV1,
+    BatchCounts, RunFailedV1, Split, StepTiming, TaskBatchV1, TrainMetrics, TrainStepV2,
+    TrajectoryV1, WeightsFormat, WeightsPublishedV1,
 };
 use arl_schemas::spec::{Device, KlLossType, LossAggMode, LrScheduler, OldLogprobSource, RunSpec};
-use arl_schemas::state::{GpuDeviceV1, RunStateV1, TRAINER_TTL_SECONDS, TrainerAnnouncementV1};
+use arl_schemas::state::{GpuDeviceV1, TRAINER_TTL_SECONDS, TrainerAnnouncementV1};
 use arl_schemas::{Domain, RunId};
 use tokio::sync::{Mutex, oneshot};
 
@@ -80,8 +80,9 @@ struct RunTrainer {
     spec: RunSpec,
     dir: PathBuf,
     policy: Option<Policy>,
-    /// Tasks per step: `train_batch_size`, or fewer when the training split is smaller.
-    batch_tasks: u32,
+    /// Trajectories each step needs, from the step's own `task.batch` (tasks × samples):
+    /// the last batch of an epoch may be short.
+    step_sizes: HashMap<u32, usize>,
     /// The last committed step (0 = none); the policy version equals it.
     step: u32,
     /// The last trained step (ahead of `step` between checkpoints).
@@ -98,8 +99,9 @@ struct RunTrainer {
 }
 
 impl RunTrainer {
-    fn expected(&self) -> usize {
-        (self.batch_tasks * self.spec.rollout.n) as usize
+    /// Trajectories step `step` needs; None until its batch has been read.
+    fn expected(&self, step: u32) -> Option<usize> {
+        self.step_sizes.get(&step).copied()
     }
 }
 
@@ -208,9 +210,7 @@ impl Trainer {
         delivery: Delivery,
         shutdown: &Shutdown,
     ) -> Result<(), HandlerError> {
-        let trajectory: TrajectoryV1 = delivery
-            .decode()
-            .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+        let trajectory: TrajectoryV1 = delivery.decode()?;
         batch::validate(&trajectory).map_err(HandlerError::DeadLetter)?;
         if trajectory.slot.split != Split::Train {
             // Validation trials are graded by the evaluator, never trained on.
@@ -232,6 +232,7 @@ impl Trainer {
                 return Ok(());
             };
             let mut run = run.lock().await;
+            self.learn_step_size(&mut run, trajectory.slot.step).await?;
             match self.admit(&mut run, trajectory)? {
                 None => return Ok(()),
                 Some(waiter) => {
@@ -252,6 +253,34 @@ impl Trainer {
                 "the trainer dropped the step before committing it".into(),
             )),
         }
+    }
+
+    /// Reads how many trajectories `step` needs from the step's own `task.batch` (tasks ×
+    /// samples per task), once per step.
+    async fn learn_step_size(&self, run: &mut RunTrainer, step: u32) -> Result<(), HandlerError> {
+        if run.failed.is_some() || step <= run.step || run.step_sizes.contains_key(&step) {
+            return Ok(());
+        }
+        let ns = self.bus.namespace();
+        let batches: Vec<TaskBatchV1> = self
+            .bus
+            .replay(
+                Domain::Task,
+                ns.event_subject(Domain::Task, &run.run_id, "batch"),
+            )
+            .await?;
+        let batch = batches
+            .into_iter()
+            .find(|b| b.split == Split::Train && b.step == step)
+            .ok_or_else(|| {
+                HandlerError::Retry(format!(
+                    "no training task.batch of step {step} for run {} yet",
+                    run.run_id
+                ))
+            })?;
+        let size = batch.tasks.len() * batch.samples_per_task as usize;
+        run.step_sizes.insert(step, size);
+        Ok(())
     }
 
     /// Places a trajectory in its step's batch; None when there is nothing to wait for.
@@ -293,11 +322,11 @@ impl Trainer {
     async fn train_ready_steps(&self, run: &mut RunTrainer) {
         loop {
             let next = run.trained + 1;
-            let expected = run.expected();
             let ready = run
                 .pending
                 .get(&next)
-                .is_some_and(|p| p.batch.len() >= expected);
+                .zip(run.expected(next))
+                .is_some_and(|(p, expected)| p.batch.len() >= expected);
             if !ready || run.failed.is_some() {
                 return;
             }
@@ -520,23 +549,19 @@ impl Trainer {
             }
             runs.remove(run_id);
         }
-        let Some(state) = self.bus.run_state(run_id).await? else {
-            return Err(HandlerError::Retry(format!(
-                "run {run_id} has no state yet (the controller has not admitted it)"
-            )));
-        };
-        if state.status.is_terminal() {
+        let context = self.bus.run_context(run_id).await?;
+        if context.state.status.is_terminal() {
             return Ok(None);
         }
-        if let (Some(spec), Err(why)) = (&state.spec, self.gpu.as_ref())
-            && spec.trainer.device == Device::Cuda
+        if let Err(why) = self.gpu.as_ref()
+            && context.spec.trainer.device == Device::Cuda
         {
             // Admission saw a trainer with a GPU: that one takes the run's trajectories.
             return Err(HandlerError::Retry(format!(
                 "run {run_id} trains on a GPU and this trainer has none ({why}); left to a GPU trainer"
             )));
         }
-        let opened = self.open(run_id, state).await;
+        let opened = self.open(run_id, context).await;
         let run = Arc::new(Mutex::new(opened));
         runs.insert(run_id.clone(), run.clone());
         Ok(Some(run))
@@ -558,7 +583,7 @@ impl Trainer {
             );
             let flag = self
                 .bus
-                .modify_record::<bool>(arl_schemas::Bucket::Trials, &key, |_| false)
+                .get_record::<bool>(arl_schemas::Bucket::Trials, &key)
                 .await
                 .map_err(|e| format!("reading failed groups: {e}"))?;
             if flag == Some(true) {
@@ -570,12 +595,13 @@ impl Trainer {
 
     /// Loads the model (from the last checkpoint, or the run's base model); a run that
     /// cannot be trained is failed with the reason.
-    async fn open(&self, run_id: &RunId, state: RunStateV1) -> RunTrainer {
+    async fn open(&self, run_id: &RunId, context: RunContext) -> RunTrainer {
+        let RunContext { state, spec } = context;
         let dir = self.config.runs_dir.join(run_id.as_str());
         let mut run = RunTrainer {
             run_id: run_id.clone(),
-            spec: state.spec.clone().unwrap_or_default(),
-            batch_tasks: state.spec.as_ref().map_or(1, |s| s.data.train_batch_size),
+            spec: spec.clone(),
+            step_sizes: HashMap::new(),
             dir: dir.clone(),
             policy: None,
             unrecoverable: None,
@@ -586,23 +612,8 @@ impl Trainer {
             failed: None,
             broken: false,
         };
-        // A training split smaller than `train_batch_size` makes every batch smaller.
-        if let Some(digest) = &state.dataset_digest {
-            match self.bus.dataset_manifest(digest).await {
-                Ok(Some(manifest)) => {
-                    let train = u32::try_from(manifest.train.len()).unwrap_or(u32::MAX);
-                    run.batch_tasks = run.batch_tasks.min(train).max(1);
-                }
-                Ok(None) => {}
-                Err(err) => {
-                    tracing::warn!(%err, "cannot read the run's dataset; assuming full batches")
-                }
-            }
-        }
-        let (Some(spec), Some(model_path)) = (state.spec, state.model_path) else {
-            return self
-                .fail(run, "the run state has no spec or model path")
-                .await;
+        let Some(model_path) = state.model_path else {
+            return self.fail(run, "the run state has no model path").await;
         };
         let open = OpenSpec {
             base: PathBuf::from(&model_path),
@@ -627,7 +638,6 @@ impl Trainer {
         .await
         .map_err(|e| e.to_string())
         .and_then(|r| r);
-        run.spec = spec;
         match loaded {
             Ok((policy, step)) => {
                 tracing::info!(run = %run_id, resumed_at = step, device = ?run.spec.trainer.device, "run opened");

@@ -13,8 +13,8 @@ use arl_model::weights::Weights;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown};
 use arl_schemas::events::{
-    CallSpan, Example, SampleStatus, Split, TrainStepV2, TrajectoryBranch, TrajectoryV1,
-    WeightsPublishedV1,
+    CallSpan, Example, SampleStatus, Split, TaskBatchV1, TaskRef, TrainStepV2, TrajectoryBranch,
+    TrajectoryV1, WeightsPublishedV1,
 };
 use arl_schemas::spec::RunSpec;
 use arl_schemas::state::{RunStateV1, RunStatus, TrialRecordV1};
@@ -96,6 +96,32 @@ async fn put_run_state(bus: &Bus, run: &RunId, spec: RunSpec, model: &Path) {
     kv.put(run.as_str(), state.encode().unwrap().into())
         .await
         .unwrap();
+}
+
+/// The training `task.batch` of `step` with `tasks` tasks (`task-0`…), as the dataset
+/// service publishes it: the trainer reads each step's size from it.
+async fn publish_batch(bus: &Bus, run: &RunId, step: u32, tasks: u32, samples: u32) {
+    let template = TaskBatchV1::example().tasks[0].clone();
+    let batch = TaskBatchV1 {
+        run_id: run.clone(),
+        step,
+        split: Split::Train,
+        samples_per_task: samples,
+        tasks: (0..tasks)
+            .map(|task| TaskRef {
+                task_id: TaskId::new(format!("task-{task}")).unwrap(),
+                ..template.clone()
+            })
+            .collect(),
+    };
+    bus.publish(&batch).await.unwrap();
+}
+
+/// Every step's batch: two tasks of `rollout.n` samples.
+async fn publish_batches(bus: &Bus, run: &RunId, spec: &RunSpec) {
+    for step in 1..=spec.trainer.total_steps {
+        publish_batch(bus, run, step, 2, spec.rollout.n).await;
+    }
 }
 
 /// Publishes a trajectory as the rollout service does: its trial's attempt claimed in
@@ -241,6 +267,7 @@ async fn trains_steps_publishes_versions_and_resumes_after_a_restart() {
     let runs_dir = tmp.path().join("runs");
     let run = RunId::new("run-trainer-1").unwrap();
     put_run_state(&bus, &run, spec(), &base).await;
+    publish_batches(&bus, &run, &spec()).await;
 
     // Step 1: three of four trajectories are held, nothing is trained.
     let trainer = start_trainer(&bus, &runs_dir);
@@ -348,6 +375,7 @@ async fn bad_trajectories_are_dead_lettered_and_untrainable_runs_fail() {
     // Misaligned arrays: dead-lettered with the reason.
     let run = RunId::new("run-trainer-bad").unwrap();
     put_run_state(&bus, &run, spec(), &tmp.path().join("no-such-model")).await;
+    publish_batches(&bus, &run, &spec()).await;
     let mut bad = trajectory(&run, 1, 1, 1, 1.0);
     bad.branches[0].loss_mask.pop();
     offer(&bus, &bad).await;
@@ -385,6 +413,47 @@ async fn bad_trajectories_are_dead_lettered_and_untrainable_runs_fail() {
     let failed = &events::<arl_schemas::events::RunFailedV1>(&bus, &run).await[0];
     assert_eq!(failed.service, "trainer");
     assert!(failed.reason.contains("no-such-model"), "{}", failed.reason);
+    trainer.trigger();
+    trainer.wait().await;
+}
+
+/// A training split that is not a multiple of `train_batch_size` ends each epoch with a
+/// short batch: the trainer trains it with the trajectories its own `task.batch` asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_short_last_batch_of_an_epoch_trains_with_what_its_batch_asked_for() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tiny_model(tmp.path());
+    let run = RunId::new("run-trainer-short").unwrap();
+    let mut spec = spec();
+    spec.trainer.total_steps = 2;
+    put_run_state(&bus, &run, spec.clone(), &base).await;
+    // Three training tasks, batches of two: step 1 has two tasks, step 2 one.
+    publish_batch(&bus, &run, 1, 2, spec.rollout.n).await;
+    publish_batch(&bus, &run, 2, 1, spec.rollout.n).await;
+    let trainer = start_trainer(&bus, &tmp.path().join("runs"));
+    for t in step_batch(&run, 1) {
+        offer(&bus, &t).await;
+    }
+    for t in step_batch(&run, 2)
+        .into_iter()
+        .filter(|t| t.slot.task_id.as_str() == "task-0")
+    {
+        offer(&bus, &t).await;
+    }
+    until("both steps published", 120, || async {
+        events::<WeightsPublishedV1>(&bus, &run).await.len() == 2
+    })
+    .await;
+    let steps = events::<TrainStepV2>(&bus, &run).await;
+    let trained: Vec<u32> = steps.iter().map(|s| s.metrics.trajectories).collect();
+    assert_eq!(trained, [4, 2]);
+    until("every trajectory acked", 30, || async {
+        held(&bus).await == 0
+    })
+    .await;
     trainer.trigger();
     trainer.wait().await;
 }
@@ -494,6 +563,7 @@ async fn a_gpu_trainer_trains_real_smollm2_trajectories() {
     spec.trainer.total_steps = 2;
     spec.rollout.n = 4;
     spec.optim.lr = 5e-6;
+    publish_batches(&bus, &run, &spec).await;
     put_run_state(&bus, &run, spec, &smollm2()).await;
     let original = LoadedModel::open(&smollm2()).unwrap();
     let batch = smollm2_trajectories(&run, &original);
