@@ -13,7 +13,8 @@ use std::time::Duration;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics};
 use arl_schemas::events::{
-    CallSpan, SampleStatus, Split, TrainStepV2, TrajectoryBranch, TrajectoryV1, TrialSlot,
+    CallSpan, Example, SampleStatus, Split, TaskBatchV1, TaskRef, TrainStepV2, TrajectoryBranch,
+    TrajectoryV1, TrialSlot,
 };
 use arl_schemas::state::{RunStateV1, TrialRecordV1};
 use arl_schemas::{Bucket, Event, RunId, TaskId, TrialId};
@@ -113,10 +114,28 @@ async fn one_grpo_step_flows_from_engine_to_trainer_and_back() {
     )
     .await
     .unwrap();
-    for (task, question) in [
+    let tasks = [
         ("capital", "What is the capital of France?"),
         ("sum", "What is 2 + 3?"),
-    ] {
+    ];
+    // As the dataset service does: the step's batch, which tells the trainer its size.
+    let template = TaskBatchV1::example().tasks[0].clone();
+    bus.publish(&TaskBatchV1 {
+        run_id: run_id.clone(),
+        step: 1,
+        split: Split::Train,
+        samples_per_task: 2,
+        tasks: tasks
+            .iter()
+            .map(|(task, _)| TaskRef {
+                task_id: TaskId::new(*task).unwrap(),
+                ..template.clone()
+            })
+            .collect(),
+    })
+    .await
+    .unwrap();
+    for (task, question) in tasks {
         for sample in 0..2u32 {
             let answer = chat(
                 &base,
