@@ -82,6 +82,10 @@ pub fn other_schemas() -> Vec<(&'static str, Schema)> {
             schemars::schema_for!(crate::state::TrialRecordV1),
         ),
         (
+            "trial-record.v2",
+            schemars::schema_for!(crate::state::TrialRecordV2),
+        ),
+        (
             "trainer-announcement.v1",
             schemars::schema_for!(crate::state::TrainerAnnouncementV1),
         ),

@@ -199,12 +199,13 @@ impl Namespace {
                 p.consume(&stream(Domain::Weights));
             }
             Role::Proxy => {
-                p.publish(event(Domain::Llm, "call"));
+                p.publish(self.entity_filter(Domain::Llm, "call"));
                 p.subscribe(proxy_rpc);
                 p.answers_requests = true;
             }
             Role::Reward => {
                 p.publish(event(Domain::Reward, "scored"));
+                p.publish(event(Domain::Run, "failed"));
                 p.publish(event(Domain::Trial, "failed"));
                 p.consume(&stream(Domain::Trial));
                 read_kv(&mut p, Bucket::RunState);
@@ -217,13 +218,12 @@ impl Namespace {
                     p.publish(event(Domain::Trial, name));
                 }
                 p.publish(event(Domain::Trajectory, "ready"));
+                p.publish(event(Domain::Run, "failed"));
+                // Trials, their calls (by subject filter) and their grades: durable
+                // hand-offs only, no live subscription.
                 for domain in [Domain::Task, Domain::Trial, Domain::Llm, Domain::Reward] {
                     p.consume(&stream(domain));
                 }
-                // Live calls and grades of the trials it waits on.
-                p.subscribe(event(Domain::Llm, "call"));
-                p.subscribe(event(Domain::Reward, "scored"));
-                p.subscribe(event(Domain::Trial, "failed"));
                 write_kv(&mut p, Bucket::Trials);
                 read_kv(&mut p, Bucket::RunState);
                 read_datasets(&mut p);
@@ -244,6 +244,7 @@ impl Namespace {
             }
             Role::Evaluator => {
                 p.publish(event(Domain::Eval, "completed"));
+                p.publish(event(Domain::Run, "failed"));
                 p.publish(event(Domain::Task, "batch"));
                 for domain in [Domain::Task, Domain::Reward, Domain::Trial, Domain::Train] {
                     p.consume(&stream(domain));

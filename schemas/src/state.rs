@@ -215,6 +215,56 @@ impl TrialRecordV1 {
     }
 }
 
+/// Version 2 of a trial's entry in `ARL_TRIALS`: version 1's fields, plus what the
+/// trial's saga needs between its hand-offs. A superset in JSON (a version 1 reader
+/// ignores `finished`; a version 1 entry reads as one with nothing finished), so both
+/// versions live in the bucket side by side.
+///
+/// The saga: the rollout claims an attempt (`finished` absent) → runs the agent → writes
+/// `finished` → publishes `trial.finished` and lets the request go; the grade
+/// (`reward.scored`, or a grader's `trial.failed` for an attempt whose `finished` is set)
+/// is joined with the attempt's recorded calls into `trajectory.ready` by whichever
+/// replica takes it → `done`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TrialRecordV2 {
+    /// The attempt claimed last.
+    pub attempt: u32,
+    /// The attempt is over (published, or not to be run).
+    pub done: bool,
+    /// Set once the attempt's agent has finished and its `trial.finished` is (about to
+    /// be) published; absent while the agent runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished: Option<FinishedAttemptV1>,
+}
+
+/// What joining a finished attempt's grade needs that the grade does not carry.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FinishedAttemptV1 {
+    /// The task as the request named it (a retry is requested with it).
+    pub task: crate::events::TaskRef,
+    /// Calls the proxy counted for the attempt: the join waits until all are readable.
+    pub calls: u32,
+    /// Agent turns whose reply could not be parsed (reported with the trajectory).
+    pub parse_failures: u32,
+}
+
+impl TrialRecordV2 {
+    /// Whether an event of `attempt` of this trial can have come from the rollout
+    /// service: that attempt, or an earlier one, was claimed.
+    pub fn requested(record: Option<&Self>, attempt: u32) -> bool {
+        record.is_some_and(|r| attempt <= r.attempt)
+    }
+
+    /// The attempt whose grade is awaited, if this record awaits one for `attempt`.
+    pub fn awaiting_grade(&self, attempt: u32) -> Option<&FinishedAttemptV1> {
+        if self.attempt == attempt && !self.done {
+            self.finished.as_ref()
+        } else {
+            None
+        }
+    }
+}
+
 /// The `ARL_TRIALS` key that marks a task's group of one step as failed (the rollout's
 /// `fail_group` policy); the trainer leaves such a group out of the step. The task id is
 /// hex-encoded: keys allow only a few characters.

@@ -41,6 +41,9 @@ fn model_dir() -> PathBuf {
         .unwrap_or(home().join(".cache/arl/models"))
 }
 
+/// The rollout replicas' `--ack-wait-s`: how soon a held trial of a dead replica comes back.
+const ACK_WAIT_S: u64 = 3;
+
 struct Stack {
     server: NatsServer,
     ns: Namespace,
@@ -58,6 +61,14 @@ impl Stack {
 
     async fn start_with(agents: bool) -> Self {
         let stack = Self::start_without_engine(agents).await;
+        stack.start_engine().await;
+        stack
+    }
+
+    /// Everything but the reward service: the test grades (publishes `reward.scored`)
+    /// when its scenario says so.
+    async fn start_graded_by_test() -> Self {
+        let stack = Self::start_parts(false, false).await;
         stack.start_engine().await;
         stack
     }
@@ -89,6 +100,10 @@ impl Stack {
     /// every sandbox relays to, and sandboxes get a copy of the agents venv
     /// (mini-swe-agent) at /opt/arl-agents.
     async fn start_without_engine(agents: bool) -> Self {
+        Self::start_parts(agents, true).await
+    }
+
+    async fn start_parts(agents: bool, reward: bool) -> Self {
         let files = tempfile::Builder::new()
             .prefix("arl-rollout-")
             .tempdir()
@@ -160,7 +175,9 @@ impl Stack {
         )
         .await
         .unwrap();
-        RewardService::new(bus.clone(), RewardConfig::default()).start(&shutdown, 2);
+        if reward {
+            RewardService::new(bus.clone(), RewardConfig::default()).start(&shutdown, 2);
+        }
         Self {
             server,
             ns,
@@ -173,12 +190,40 @@ impl Stack {
     }
 
     fn rollout(&self) -> Child {
+        self.rollout_with_concurrency(2)
+    }
+
+    fn rollout_with_concurrency(&self, concurrency: usize) -> Child {
         spawn(
             &self.server,
             &self.ns,
             "arl-rollout",
-            &["--concurrency", "2", "--ack-wait-s", "3"],
+            &[
+                "--concurrency",
+                &concurrency.to_string(),
+                "--ack-wait-s",
+                &ACK_WAIT_S.to_string(),
+            ],
         )
+    }
+
+    /// A file of `count` one-step addition problems (GSM8K form) for math trials, which
+    /// need no sandbox.
+    fn math_dataset(&self, count: u32) -> PathBuf {
+        let data = self.files.path().join("math.jsonl");
+        std::fs::write(
+            &data,
+            (1..=count)
+                .map(|i| {
+                    format!(
+                        "{{\"question\": \"What is {i} + {i}?\", \"answer\": \"#### {}\"}}\n",
+                        2 * i
+                    )
+                })
+                .collect::<String>(),
+        )
+        .unwrap();
+        data
     }
 
     async fn submit(&self, n: u32) -> RunId {
@@ -209,6 +254,17 @@ impl Stack {
             .await
             .unwrap();
         run
+    }
+
+    /// Every `llm.call` of the run (`arl.llm.<run>.<trial>.call`).
+    async fn calls(&self, run: &RunId) -> Vec<LlmCallV1> {
+        self.bus
+            .replay::<LlmCallV1>(
+                Domain::Llm,
+                self.ns.run_entity_filter(Domain::Llm, run, "call"),
+            )
+            .await
+            .unwrap()
     }
 
     async fn events<E: Event>(&self, run: &RunId, domain: Domain, event: &str) -> Vec<E> {
@@ -319,7 +375,7 @@ async fn trials_on_bundled_tasks_become_graded_token_true_trajectories() {
     let started: Vec<TrialStartedV1> = stack.events(&run, Domain::Trial, "started").await;
     let finished: Vec<TrialFinishedV1> = stack.events(&run, Domain::Trial, "finished").await;
     let scored: Vec<RewardScoredV2> = stack.events(&run, Domain::Reward, "scored").await;
-    let calls: Vec<LlmCallV1> = stack.events(&run, Domain::Llm, "call").await;
+    let calls: Vec<LlmCallV1> = stack.calls(&run).await;
     assert_eq!((started.len(), finished.len(), scored.len()), (2, 2, 2));
     let mut samples: Vec<u32> = trajectories.iter().map(|t| t.slot.sample_index).collect();
     samples.sort();
@@ -421,7 +477,7 @@ async fn a_mini_swe_agent_trial_runs_in_the_sandbox_through_the_proxy() {
     .await;
     let failed: Vec<TrialFailedV1> = stack.events(&run, Domain::Trial, "failed").await;
     assert!(failed.is_empty(), "{failed:?}");
-    let calls: Vec<LlmCallV1> = stack.events(&run, Domain::Llm, "call").await;
+    let calls: Vec<LlmCallV1> = stack.calls(&run).await;
     for trajectory in &trajectories {
         assert_eq!(trajectory.status, SampleStatus::Scored, "{trajectory:?}");
         let mine: Vec<LlmCallV1> = calls
@@ -493,19 +549,7 @@ async fn a_failure_under_fail_group_masks_the_whole_group() {
 async fn trials_wait_for_an_engine_that_starts_late_and_none_fails() {
     let stack = Stack::start_without_engine(false).await;
     let _rollout = Children(vec![stack.rollout()]);
-    let data = stack.files.path().join("math.jsonl");
-    std::fs::write(
-        &data,
-        (1..=3)
-            .map(|i| {
-                format!(
-                    "{{\"question\": \"What is {i} + {i}?\", \"answer\": \"#### {}\"}}\n",
-                    2 * i
-                )
-            })
-            .collect::<String>(),
-    )
-    .unwrap();
+    let data = stack.math_dataset(3);
     let run = stack
         .submit_with(2, |spec| {
             spec.data.dataset = data.display().to_string();
@@ -534,6 +578,92 @@ async fn trials_wait_for_an_engine_that_starts_late_and_none_fails() {
             .all(|t| t.status == SampleStatus::Scored),
         "{trajectories:?}"
     );
+    stack.shutdown.trigger();
+    stack.shutdown.wait().await;
+}
+
+/// The trial saga: a replica that runs one trial at a time finishes both trials of a group
+/// while neither is graded (the hand-off to grading holds no slot), the grades come after
+/// twice the ack wait and while no replica runs at all (a live subscription would have
+/// missed them), and a replica started afterwards joins each grade with its recorded calls
+/// into a token-true trajectory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grades_slower_than_the_ack_wait_hold_no_slot_and_any_replica_joins_them() {
+    let stack = Stack::start_graded_by_test().await;
+    let mut first = stack.rollout_with_concurrency(1);
+    let data = stack.math_dataset(3);
+    let run = stack
+        .submit_with(2, |spec| {
+            spec.data.dataset = data.display().to_string();
+            spec.data.source = arl_schemas::spec::DataSource::Gsm8k;
+            spec.rollout.max_response_tokens = 16;
+        })
+        .await;
+    let finished = wait_for(
+        "both trials handed to grading",
+        Duration::from_secs(180),
+        || async {
+            let f: Vec<TrialFinishedV1> = stack.events(&run, Domain::Trial, "finished").await;
+            (f.len() >= 2).then_some(f)
+        },
+    )
+    .await;
+    // The scenario itself is the delay: grading takes longer than the ack wait, twice.
+    tokio::time::sleep(Duration::from_secs(2 * ACK_WAIT_S)).await;
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let trajectories: Vec<TrajectoryV1> = stack.events(&run, Domain::Trajectory, "ready").await;
+    assert!(trajectories.is_empty(), "no grade yet: {trajectories:?}");
+    // Graded while no replica runs: sample 0 solved, sample 1 not.
+    for trial in &finished {
+        let reward = if trial.slot.sample_index == 0 {
+            1.0
+        } else {
+            0.0
+        };
+        stack
+            .bus
+            .publish(&RewardScoredV2 {
+                run_id: run.clone(),
+                trial_id: trial.trial_id.clone(),
+                slot: trial.slot.clone(),
+                reward,
+                resolved: reward > 0.0,
+                tests: None,
+                ..RewardScoredV2::example()
+            })
+            .await
+            .unwrap();
+    }
+    let _second = Children(vec![stack.rollout_with_concurrency(1)]);
+    let trajectories = wait_for("both trajectories", Duration::from_secs(60), || async {
+        let t: Vec<TrajectoryV1> = stack.events(&run, Domain::Trajectory, "ready").await;
+        (t.len() >= 2).then_some(t)
+    })
+    .await;
+    let failed: Vec<TrialFailedV1> = stack.events(&run, Domain::Trial, "failed").await;
+    assert!(failed.is_empty(), "{failed:?}");
+    let calls = stack.calls(&run).await;
+    for trajectory in &trajectories {
+        assert_eq!(trajectory.status, SampleStatus::Scored, "{trajectory:?}");
+        let want = if trajectory.slot.sample_index == 0 {
+            1.0
+        } else {
+            0.0
+        };
+        assert_eq!(trajectory.reward, want);
+        let mine: Vec<LlmCallV1> = calls
+            .iter()
+            .filter(|c| c.trial_id == trajectory.trial_id)
+            .cloned()
+            .collect();
+        assert_eq!(mine.len(), 1, "a math trial is one call");
+        assert_eq!(trajectory.num_turns, 1);
+        check_token_truth(trajectory, &mine);
+    }
+    // Each trial ran once: the killed replica had handed both off.
+    let started: Vec<TrialStartedV1> = stack.events(&run, Domain::Trial, "started").await;
+    assert_eq!(started.len(), 2, "{started:?}");
     stack.shutdown.trigger();
     stack.shutdown.wait().await;
 }

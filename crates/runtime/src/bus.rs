@@ -103,6 +103,8 @@ pub struct Bus {
     namespace: Namespace,
     metrics: Metrics,
     publish_timeout: Duration,
+    /// The client name given at connect ("arl-rollout"): who speaks in `run.failed`.
+    client_name: std::sync::Arc<str>,
     /// Registered datasets read so far, by digest: immutable, so never stale; a few
     /// runs' worth, so thousands of trials of a run read the object store once.
     manifests: std::sync::Arc<
@@ -159,12 +161,18 @@ impl Bus {
             namespace: config.namespace,
             metrics,
             publish_timeout: config.publish_timeout,
+            client_name: config.client_name.as_str().into(),
             manifests: Default::default(),
         })
     }
 
     pub fn namespace(&self) -> &Namespace {
         &self.namespace
+    }
+
+    /// The service this connection speaks for (its client name, "arl-rollout").
+    pub fn service_name(&self) -> &str {
+        &self.client_name
     }
 
     pub fn metrics(&self) -> &Metrics {
@@ -514,12 +522,16 @@ impl Bus {
         &self,
         run: &arl_schemas::RunId,
     ) -> Result<crate::RunContext, crate::HandlerError> {
-        let state = self.run_state(run).await?.ok_or_else(|| {
-            crate::HandlerError::Retry(format!(
-                "run {run} has no state in {} (not written yet, or deleted mid-run)",
-                self.namespace.bucket(Bucket::RunState)
-            ))
-        })?;
+        let state = self
+            .run_state(run)
+            .await?
+            .ok_or_else(|| crate::HandlerError::RunGone {
+                run: run.clone(),
+                reason: format!(
+                    "run {run} has no state in {} (not written yet, or deleted mid-run)",
+                    self.namespace.bucket(Bucket::RunState)
+                ),
+            })?;
         let spec = state.spec.clone().ok_or_else(|| {
             crate::HandlerError::DeadLetter(format!(
                 "run {run} has no spec in its state (status {}); it was never accepted",
@@ -533,7 +545,7 @@ impl Bus {
     pub async fn trial_record(
         &self,
         trial: &arl_schemas::TrialId,
-    ) -> Result<Option<arl_schemas::state::TrialRecordV1>, BusError> {
+    ) -> Result<Option<arl_schemas::state::TrialRecordV2>, BusError> {
         self.read_value(
             Bucket::Trials,
             trial.as_str(),
@@ -553,7 +565,7 @@ impl Bus {
         what: &str,
     ) -> Result<(), crate::HandlerError> {
         let record = self.trial_record(trial).await?;
-        if arl_schemas::state::TrialRecordV1::requested(record.as_ref(), attempt) {
+        if arl_schemas::state::TrialRecordV2::requested(record.as_ref(), attempt) {
             return Ok(());
         }
         Err(crate::HandlerError::DeadLetter(format!(
@@ -579,6 +591,47 @@ impl Bus {
             arl_schemas::state::RunStateV1::decode,
         )
         .await
+    }
+
+    /// Waits until the run's state satisfies `ready`, watching its entry (the latest value,
+    /// then each change; no polling), and returns that state — or the latest one seen,
+    /// if `limit` passes first (the caller tells by asking `ready` again). `None`: the run
+    /// has no state.
+    pub async fn await_run_state(
+        &self,
+        run: &arl_schemas::RunId,
+        limit: Duration,
+        ready: impl Fn(&arl_schemas::state::RunStateV1) -> bool,
+    ) -> Result<Option<arl_schemas::state::RunStateV1>, BusError> {
+        use futures::StreamExt;
+        let bucket = Bucket::RunState;
+        let kv = self.bucket(bucket).await?;
+        let error = |reason: String| BusError::KeyValue {
+            bucket: self.namespace.bucket(bucket),
+            reason: format!("run {run}: {reason}"),
+        };
+        let mut watch = kv
+            .watch_with_history(run.as_str())
+            .await
+            .map_err(|e| error(e.to_string()))?;
+        let deadline = tokio::time::Instant::now() + limit;
+        let mut latest = None;
+        loop {
+            let entry = match tokio::time::timeout_at(deadline, watch.next()).await {
+                Err(_) | Ok(None) => return Ok(latest),
+                Ok(Some(entry)) => entry.map_err(|e| error(e.to_string()))?,
+            };
+            if entry.operation != kv::Operation::Put {
+                latest = None;
+                continue;
+            }
+            let state = arl_schemas::state::RunStateV1::decode(&entry.value)
+                .map_err(|e| error(format!("unreadable state: {e}")))?;
+            if ready(&state) {
+                return Ok(Some(state));
+            }
+            latest = Some(state);
+        }
     }
 
     /// A registered dataset (`ARL_DATASETS`) by digest, if there is one (read once per
@@ -637,22 +690,12 @@ impl Bus {
 
     /// Reads every stored event of type `E` on subjects matching `filter` in `domain`'s
     /// stream, oldest first. Events that do not decode are skipped with a warning. For
-    /// status views and tests; services consume with [`crate::consumer::run_consumer`].
+    /// status views, tests, and reads by an exact subject (a trial's calls, a step's
+    /// batch); services consume with [`crate::consumer::run_consumer`].
     pub async fn replay<E: Event>(
         &self,
         domain: Domain,
         filter: String,
-    ) -> Result<Vec<E>, BusError> {
-        self.replay_since(domain, filter, None).await
-    }
-
-    /// Like [`Bus::replay`], from the first message stored at or after `since` — a trial
-    /// reads its own records without scanning the run's whole history.
-    pub async fn replay_since<E: Event>(
-        &self,
-        domain: Domain,
-        filter: String,
-        since: Option<chrono::DateTime<chrono::Utc>>,
     ) -> Result<Vec<E>, BusError> {
         use async_nats::jetstream::consumer::{self, pull};
         use futures::StreamExt;
@@ -663,15 +706,7 @@ impl Bus {
         let config = pull::Config {
             filter_subject: filter.clone(),
             ack_policy: consumer::AckPolicy::None,
-            deliver_policy: match since {
-                None => consumer::DeliverPolicy::All,
-                Some(at) => consumer::DeliverPolicy::ByStartTime {
-                    start_time: time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(
-                        at.timestamp_nanos_opt().unwrap_or(0),
-                    ))
-                    .unwrap_or(time::OffsetDateTime::UNIX_EPOCH),
-                },
-            },
+            deliver_policy: consumer::DeliverPolicy::All,
             inactive_threshold: Duration::from_secs(30),
             ..Default::default()
         };

@@ -159,6 +159,14 @@ pub enum HandlerError {
     /// The message can never be handled: park it on the dead-letter subject now.
     #[error("{0}")]
     DeadLetter(String),
+    /// The run the message belongs to has no state (not written yet, or deleted mid-run):
+    /// retried like `Retry`; on the last delivery the service gives the run up — it
+    /// publishes `run.failed` with the reason — and the message is dead-lettered.
+    #[error("{reason}")]
+    RunGone {
+        run: arl_schemas::RunId,
+        reason: String,
+    },
 }
 
 /// A message that does not decode never will: it is dead-lettered with the reason.
@@ -346,11 +354,19 @@ async fn handle_message<H, Fut>(
                 settle(&message, AckKind::Ack).await;
                 "ok"
             }
-            Err(HandlerError::Retry(reason)) if attempt < spec.max_deliver => {
+            Err(HandlerError::Retry(reason) | HandlerError::RunGone { reason, .. })
+                if attempt < spec.max_deliver =>
+            {
                 let delay = spec.retry_delay(attempt);
                 tracing::warn!(%reason, attempt, ?delay, "handler failed; will retry");
                 settle(&message, AckKind::Nak(Some(delay))).await;
                 "retry"
+            }
+            Err(HandlerError::RunGone { run, reason }) => {
+                let reason = format!("gave up after {attempt} deliveries: {reason}");
+                give_up_run(bus, &run, &reason).await;
+                dead_letter(bus, spec, &message, &delivery, &reason).await;
+                "dead_letter"
             }
             Err(HandlerError::Retry(reason)) => {
                 let reason = format!("gave up after {attempt} deliveries: {reason}");
@@ -372,6 +388,20 @@ async fn handle_message<H, Fut>(
             outcome,
         })
         .inc();
+}
+
+/// Tells everyone that this service gave up on a run: `run.failed` with the reason. A
+/// failed publish is logged; the dead letter that follows still keeps the message.
+async fn give_up_run(bus: &Bus, run: &arl_schemas::RunId, reason: &str) {
+    let failed = arl_schemas::events::RunFailedV1 {
+        run_id: run.clone(),
+        failed_at: chrono::Utc::now(),
+        service: bus.service_name().to_owned(),
+        reason: reason.to_owned(),
+    };
+    if let Err(err) = bus.publish(&failed).await {
+        tracing::error!(error = %err, %run, "cannot publish run.failed");
+    }
 }
 
 async fn dead_letter(

@@ -432,3 +432,86 @@ async fn held_messages_are_kept_alive_until_their_handler_returns() {
     shutdown.trigger();
     shutdown.wait().await;
 }
+
+/// A run whose state disappears mid-run: a handler that needs the run's context gets it
+/// while the state is there; once it is deleted, the handler's message is retried, then
+/// the service gives the run up — `run.failed` naming the service and the reason — and the
+/// message is dead-lettered. Never a default spec.
+#[tokio::test]
+async fn a_run_whose_state_disappears_is_failed_with_the_reason() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = Bus::connect(
+        BusConfig::new(server.url(), ns.clone(), "arl-rollout"),
+        Metrics::new(),
+    )
+    .await
+    .unwrap();
+    bus.provision().await.unwrap();
+    let run = RunId::new("run-gone").unwrap();
+    let state = serde_json::json!({
+        "run_id": run, "name": "gone", "status": "running", "phase": "training",
+        "submitted_by": "test", "submitted_at": "2026-11-30T00:00:00Z",
+        "updated_at": "2026-11-30T00:00:00Z", "spec": arl_schemas::spec::RunSpec::default(),
+        "total_steps": 1, "step": 0, "policy_version": 0, "trials_finished": 0,
+        "failures": {"infrastructure": 0, "agent_error": 0, "timeout": 0,
+                     "context_overflow": 0, "grading_error": 0},
+        "progress_sequence": 0
+    });
+    let state: arl_schemas::state::RunStateV1 = serde_json::from_value(state).unwrap();
+    let kv = bus.bucket(arl_schemas::Bucket::RunState).await.unwrap();
+    kv.put(run.as_str(), state.encode().unwrap().into())
+        .await
+        .unwrap();
+    let shutdown = Shutdown::new();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let handler_bus = bus.clone();
+    shutdown.spawn(run_consumer(
+        bus.clone(),
+        fast_spec(&ns, "needs-context"),
+        move |delivery: Delivery| {
+            let (bus, tx) = (handler_bus.clone(), tx.clone());
+            async move {
+                let event = delivery.decode::<RunProgressV1>()?;
+                let outcome = bus.run_context(&event.run_id).await.map(|_| ());
+                let _ = tx.send((event.sequence, delivery.attempt, outcome.is_ok()));
+                outcome
+            }
+        },
+        shutdown.clone(),
+    ));
+    bus.publish(&progress(run.as_str(), 1)).await.unwrap();
+    assert_eq!(rx.recv().await.unwrap(), (1, 1, true));
+    kv.delete(run.as_str()).await.unwrap();
+    bus.publish(&progress(run.as_str(), 2)).await.unwrap();
+    for attempt in 1..=3 {
+        assert_eq!(rx.recv().await.unwrap(), (2, attempt, false));
+    }
+    let failed = wait_for("run.failed", Duration::from_secs(10), || async {
+        let failed: Vec<RunFailedV1> = bus
+            .replay(Domain::Run, ns.event_subject(Domain::Run, &run, "failed"))
+            .await
+            .ok()?;
+        failed.into_iter().next()
+    })
+    .await;
+    assert_eq!(failed.service, "arl-rollout");
+    assert!(
+        failed.reason.contains("gave up after 3 deliveries")
+            && failed.reason.contains("deleted mid-run"),
+        "{}",
+        failed.reason
+    );
+    let dlq_stream = ns.stream(Domain::DeadLetter);
+    wait_for("the dead letter", Duration::from_secs(10), || {
+        let js = bus.jetstream().clone();
+        let stream = dlq_stream.clone();
+        async move {
+            let info = js.get_stream(&stream).await.ok()?.get_info().await.ok()?;
+            (info.state.messages == 1).then_some(())
+        }
+    })
+    .await;
+    shutdown.trigger();
+    shutdown.wait().await;
+}

@@ -150,10 +150,7 @@ async fn main() -> anyhow::Result<()> {
                 concurrency: level,
                 ..RolloutConfig::default()
             },
-            &shutdown,
         )
-        .await
-        .map_err(anyhow::Error::msg)?
         .start(&shutdown);
 
         // `level` trials: level / 2 math tasks, 2 samples each, one step.

@@ -70,13 +70,7 @@ impl DatasetService {
 
     async fn on_run_accepted(&self, delivery: Delivery) -> Result<(), HandlerError> {
         let accepted: RunAcceptedV1 = delivery.decode()?;
-        let state = self.run_state(&accepted.run_id).await?;
-        let Some(spec) = state.spec.clone() else {
-            return Err(HandlerError::DeadLetter(format!(
-                "run {} has no spec in its state",
-                accepted.run_id
-            )));
-        };
+        let arl_runtime::RunContext { spec, .. } = self.bus.run_context(&accepted.run_id).await?;
         let path = PathBuf::from(&accepted.dataset_path);
         let data = spec.data.clone();
         let built = tokio::task::spawn_blocking(move || manifest::build(&data, &path))
@@ -129,10 +123,8 @@ impl DatasetService {
         let trained = delivery
             .decode_train_step()
             .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
-        let state = self.run_state(trained.run_id()).await?;
-        let Some(spec) = state.spec.clone() else {
-            return Ok(());
-        };
+        let arl_runtime::RunContext { state, spec } =
+            self.bus.run_context(trained.run_id()).await?;
         let next = trained.step() + 1 + spec.algorithm.max_staleness;
         if next > state.total_steps {
             return Ok(());
@@ -172,10 +164,6 @@ impl DatasetService {
         Ok(())
     }
 
-    async fn run_state(&self, run: &RunId) -> Result<RunStateV1, HandlerError> {
-        read_run_state(&self.bus, run).await
-    }
-
     async fn manifest(
         &self,
         state: &RunStateV1,
@@ -189,6 +177,15 @@ impl DatasetService {
         };
         read_manifest(&self.bus, digest).await
     }
+}
+
+async fn read_manifest(
+    bus: &Bus,
+    digest: &str,
+) -> Result<std::sync::Arc<DatasetManifestV1>, HandlerError> {
+    bus.dataset_manifest(digest)
+        .await?
+        .ok_or_else(|| HandlerError::DeadLetter(format!("dataset {digest} is not registered")))
 }
 
 fn count(n: usize) -> u32 {
@@ -208,19 +205,4 @@ pub fn task_refs<'a>(
             environment: task.environment.clone(),
         })
         .collect()
-}
-
-async fn read_run_state(bus: &Bus, run: &RunId) -> Result<RunStateV1, HandlerError> {
-    bus.run_state(run)
-        .await?
-        .ok_or_else(|| HandlerError::Retry(format!("run {run} has no state yet")))
-}
-
-async fn read_manifest(
-    bus: &Bus,
-    digest: &str,
-) -> Result<std::sync::Arc<DatasetManifestV1>, HandlerError> {
-    bus.dataset_manifest(digest)
-        .await?
-        .ok_or_else(|| HandlerError::DeadLetter(format!("dataset {digest} is not registered")))
 }

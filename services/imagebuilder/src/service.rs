@@ -13,8 +13,7 @@ use arl_schemas::events::{
     EnvironmentLocation, ImageFailedV1, ImageFailureReason, ImageReadyV1, TaskBatchV1, TaskKind,
     TaskRef,
 };
-use arl_schemas::state::RunStateV1;
-use arl_schemas::{Bucket, Domain, RunId};
+use arl_schemas::{Domain, RunId};
 
 use crate::buildkit::BuildKit;
 use crate::local::{BuildError, LocalBuilder};
@@ -237,15 +236,8 @@ impl ImageBuilder {
 
     /// The run's dataset location (Harbor task folders live under it).
     async fn dataset_path(&self, run: &RunId) -> Result<Option<PathBuf>, HandlerError> {
-        let kv = self.bus.bucket(Bucket::RunState).await?;
-        let entry = kv
-            .get(run.as_str())
-            .await
-            .map_err(|e| HandlerError::Retry(format!("cannot read run state: {e}")))?;
-        Ok(entry
-            .and_then(|bytes| RunStateV1::decode(&bytes).ok())
-            .and_then(|state| state.dataset_path)
-            .map(PathBuf::from))
+        let context = self.bus.run_context(run).await?;
+        Ok(context.state.dataset_path.map(PathBuf::from))
     }
 
     fn recipe(&self, task: &TaskRef, dataset: Option<&PathBuf>) -> Result<Recipe, Failure> {

@@ -46,12 +46,8 @@ async fn main() -> anyhow::Result<()> {
         concurrency: args.concurrency,
         wait_limit: Duration::from_secs(args.wait_limit_s),
         ack_wait: Duration::from_secs(args.ack_wait_s.max(1)),
-        ..RolloutConfig::default()
     };
-    Rollout::new(bus, config, &shutdown)
-        .await
-        .map_err(anyhow::Error::msg)?
-        .start(&shutdown);
+    Rollout::new(bus, config).start(&shutdown);
     tracing::info!("rollout service running");
     shutdown.triggered().await;
     shutdown.wait().await;

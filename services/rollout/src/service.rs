@@ -1,17 +1,25 @@
 //! The rollout service. `task.batch` fans out into one `trial.requested` per (task,
 //! sample); replicas share a durable consumer on those, each running up to its
-//! concurrency at once. A trial: wait until the run's weights are fresh enough → lease a
-//! sandbox of the task's environment → issue a proxy key → run the agent within the turn
-//! limit and the wall-clock budget → `git diff` → release → revoke the key →
-//! `trial.finished` → wait for its grade → assemble the trajectory from the proxy's
-//! `llm.call` records → `trajectory.ready`. Each failure has a class, and the run's
-//! policy for that class decides: retry (a new request, next attempt, fresh sandbox),
-//! mask, fail the group, or score zero.
+//! concurrency at once. A trial is a saga of durable hand-offs, never one long-held
+//! handler:
+//!
+//! 1. here, on `trial.requested`: wait until the run's weights are fresh enough (a watch
+//!    on the run's state) → lease a sandbox of the task's environment → issue a proxy
+//!    key → run the agent within the turn limit and the wall-clock budget → `git diff` →
+//!    release → revoke the key → `trial.finished` → record the hand-off in `ARL_TRIALS`
+//!    and let the request go: grading (which can take an hour) holds no slot;
+//! 2. in [`crate::join`], on the grade (`reward.scored`, or the grader's `trial.failed`):
+//!    read the attempt's `llm.call` records by their subject and assemble them into
+//!    `trajectory.ready` — on whichever replica takes the grade.
+//!
+//! Each failure has a class, and the run's policy for that class decides: retry (a new
+//! request, next attempt, fresh sandbox), mask, fail the group, or score zero.
 //!
 //! Exactly once: the `ARL_TRIALS` bucket records each trial's attempt and phase. A
 //! request for an attempt that is already done, or superseded, is acknowledged without
-//! running; one found `running` was held by a replica that died — it is failed as
-//! `infrastructure` ("replica lost") and the policy applies.
+//! running; one found claimed but not done was held by a replica that died — it is failed
+//! as `infrastructure` ("replica lost") and the policy applies; a grade for an attempt
+//! that is done or superseded joins nothing.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,24 +30,23 @@ use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_sandbox_client::{Lease, SandboxClient, SandboxError};
 use arl_schemas::dataset::TaskRecord;
 use arl_schemas::events::{
-    FailureClass, LlmCallV1, RewardScoredV2, SampleStatus, Split, TaskBatchV1, TaskKind,
-    TrajectoryV1, TrialFailedV1, TrialFinishedV1, TrialRequestedV1, TrialSlot, TrialStartedV1,
+    FailureClass, LlmCallV1, SampleStatus, Split, TaskBatchV1, TaskKind, TrajectoryV1,
+    TrialFailedV1, TrialFinishedV1, TrialRequestedV1, TrialSlot, TrialStartedV1,
 };
 use arl_schemas::rpc::{
     LeaseRequestV1, ProxyOp, RpcErrorCode, SandboxLimits, TrialKeyGrantV1, TrialKeyRequestV1,
     TrialKeyRevokeV1, TrialKeyRevokedV1,
 };
 use arl_schemas::spec::{AgentKind, FailureAction, RunSpec};
-use arl_schemas::state::{RunStateV1, TrialRecordV1};
+use arl_schemas::state::{FinishedAttemptV1, TrialRecordV2};
 use arl_schemas::{Bucket, Domain, RunId, TrialId};
 
 use crate::agent::{self, AgentContext, AgentOutcome};
 use crate::llm::{LlmClient, Sampling, TrialError};
 use crate::metrics::RolloutMetrics;
 use crate::trajectory::{Assembled, assemble};
-use crate::watch::{Grade, Watch};
 
-const SERVICE: &str = "rollout";
+pub(crate) const SERVICE: &str = "rollout";
 
 #[derive(Clone, Debug)]
 pub struct RolloutConfig {
@@ -48,8 +55,6 @@ pub struct RolloutConfig {
     /// How long a trial waits for its environment to exist (the image builder may still
     /// be building it) and for fresh enough weights.
     pub wait_limit: Duration,
-    /// How long a finished trial waits for its grade.
-    pub grading_timeout: Duration,
     /// How soon a trial held by a replica that stopped signalling comes back.
     pub ack_wait: Duration,
 }
@@ -59,7 +64,6 @@ impl Default for RolloutConfig {
         Self {
             concurrency: 8,
             wait_limit: Duration::from_secs(1800),
-            grading_timeout: Duration::from_secs(3600),
             ack_wait: Duration::from_secs(60),
         }
     }
@@ -67,12 +71,11 @@ impl Default for RolloutConfig {
 
 #[derive(Clone)]
 pub struct Rollout {
-    bus: Bus,
+    pub(crate) bus: Bus,
     sandboxes: SandboxClient,
     llm: LlmClient,
     config: Arc<RolloutConfig>,
-    metrics: RolloutMetrics,
-    watch: Watch,
+    pub(crate) metrics: RolloutMetrics,
 }
 
 /// The trial id of a slot: stable, so a retry keeps it.
@@ -89,7 +92,7 @@ pub fn trial_id(run: &RunId, slot: &TrialSlot, task_index: usize) -> Result<Tria
 }
 
 /// The id the proxy records an attempt's calls under: each attempt has its own record.
-fn call_scope(trial: &TrialId, attempt: u32) -> Result<TrialId, String> {
+pub(crate) fn call_scope(trial: &TrialId, attempt: u32) -> Result<TrialId, String> {
     if attempt == 0 {
         return Ok(trial.clone());
     }
@@ -109,22 +112,23 @@ struct Trial {
 struct Ran {
     outcome: AgentOutcome,
     patch: String,
-    calls: Vec<LlmCallV1>,
+    /// Calls the proxy recorded for the attempt.
+    calls: u32,
 }
 
-impl Rollout {
-    /// A replica; subscribes to the calls and grades its trials will wait for.
-    pub async fn new(bus: Bus, config: RolloutConfig, shutdown: &Shutdown) -> Result<Self, String> {
-        let watch = Watch::start(&bus, shutdown).await?;
-        Ok(Self {
-            watch,
+/// A failed agent's part: the error, and how many calls the proxy recorded, when known
+/// (their records become the masked or zero-scored trajectory).
+type RunFailure = (TrialError, Option<u32>);
 
+impl Rollout {
+    pub fn new(bus: Bus, config: RolloutConfig) -> Self {
+        Self {
             sandboxes: SandboxClient::new(bus.clone()),
             llm: LlmClient::default(),
             metrics: RolloutMetrics::register(bus.metrics()),
             bus,
             config: Arc::new(config),
-        })
+        }
     }
 
     pub fn start(&self, shutdown: &Shutdown) {
@@ -155,15 +159,17 @@ impl Rollout {
             },
             shutdown.clone(),
         ));
+        let on_trial = this.clone();
         shutdown.spawn(run_consumer(
             self.bus.clone(),
             trials,
             move |delivery: Delivery| {
-                let this = this.clone();
+                let this = on_trial.clone();
                 async move { this.on_trial(delivery).await }
             },
             shutdown.clone(),
         ));
+        crate::join::start(this, shutdown);
     }
 
     async fn on_batch(&self, delivery: Delivery) -> Result<(), HandlerError> {
@@ -202,18 +208,23 @@ impl Rollout {
         // Claim the attempt; learn whether a replica died holding it.
         let mut verdict = Claim::Run;
         self.bus
-            .modify_record::<TrialRecordV1>(Bucket::Trials, request.trial_id.as_str(), |r| {
+            .modify_record::<TrialRecordV2>(Bucket::Trials, request.trial_id.as_str(), |r| {
                 verdict = match r {
-                    Some(r) if r.attempt > attempt || (r.attempt == attempt && r.done) => {
+                    // Done, superseded, or handed to grading (the join finishes it).
+                    Some(r)
+                        if r.attempt > attempt
+                            || (r.attempt == attempt && (r.done || r.finished.is_some())) =>
+                    {
                         Claim::Skip
                     }
                     Some(r) if r.attempt == attempt => Claim::Orphaned,
                     _ => Claim::Run,
                 };
                 if verdict == Claim::Run {
-                    *r = Some(TrialRecordV1 {
+                    *r = Some(TrialRecordV2 {
                         attempt,
                         done: false,
+                        finished: None,
                     });
                     return true;
                 }
@@ -239,16 +250,21 @@ impl Rollout {
                 FailureClass::Infrastructure,
                 "the rollout replica running this attempt was lost",
             );
-            return self.fail(&trial, error, None, true).await;
+            return self
+                .fail(&trial.request, &trial.spec, error, None, true)
+                .await;
         }
         match self.run(&trial).await {
-            Ok(ran) => self.grade_and_publish(&trial, ran).await,
-            Err((error, calls)) => self.fail(&trial, error, calls, true).await,
+            Ok(ran) => self.hand_off(&trial, ran).await,
+            Err((error, calls)) => {
+                self.fail(&trial.request, &trial.spec, error, calls, true)
+                    .await
+            }
         }
     }
 
     /// The agent's part: everything up to the patch and the recorded calls.
-    async fn run(&self, trial: &Trial) -> Result<Ran, (TrialError, Option<Vec<LlmCallV1>>)> {
+    async fn run(&self, trial: &Trial) -> Result<Ran, RunFailure> {
         let req = &trial.request;
         let spec = &trial.spec;
         let version = self.wait_for_weights(trial).await.map_err(|e| (e, None))?;
@@ -269,11 +285,9 @@ impl Rollout {
         };
         let scope = call_scope(&req.trial_id, req.slot.attempt)
             .map_err(|e| (TrialError::new(FailureClass::Infrastructure, e), None))?;
-        self.watch.expect_calls(&scope);
         let key = match self.issue_key(trial, &scope, version).await {
             Ok(key) => key,
             Err(error) => {
-                self.watch.take_calls(&scope, 0, Duration::ZERO).await;
                 if let Some(lease) = lease {
                     lease.release().await;
                 }
@@ -320,22 +334,14 @@ impl Rollout {
         if let Some(lease) = lease {
             lease.release().await;
         }
-        let recorded = self.revoke_key(&key).await;
-        let calls = match recorded {
-            Ok(count) => self.recorded_calls(trial, &scope, count).await,
-            Err(error) => Err(error),
-        };
-        let calls = match calls {
-            Ok(calls) => calls,
-            Err(error) => return Err((error, None)),
-        };
+        let calls = self.revoke_key(&key).await.map_err(|e| (e, None))?;
         let mut outcome = match outcome {
             Ok(outcome) => outcome,
             Err(error) => return Err((error, Some(calls))),
         };
         // A turn is an LLM call, as the proxy recorded it (a command agent's own count
         // leaves out replies it rejected).
-        outcome.turns = u32::try_from(calls.len()).unwrap_or(u32::MAX);
+        outcome.turns = calls;
         let patch = match patch {
             Ok(patch) => patch,
             Err(error) => return Err((error, Some(calls))),
@@ -368,7 +374,7 @@ impl Rollout {
 
     /// Waits until the run's weights are fresh enough for the trial: a training trial of
     /// step s needs version ≥ s - 1 - max_staleness, a validation trial of step s the
-    /// weights of step s. Returns the version.
+    /// weights of step s. Watches the run's state (no polling). Returns the version.
     async fn wait_for_weights(&self, trial: &Trial) -> Result<u64, TrialError> {
         let slot = &trial.request.slot;
         let needed = match slot.split {
@@ -376,22 +382,22 @@ impl Rollout {
                 .saturating_sub(1 + u64::from(trial.spec.algorithm.max_staleness)),
             Split::Validation => u64::from(slot.step),
         };
-        let limit = Instant::now() + self.config.wait_limit;
-        loop {
-            let state = self
-                .run_state(&trial.request.run_id)
-                .await
-                .map_err(|e| infrastructure(e.to_string()))?;
-            if state.policy_version >= needed {
-                return Ok(state.policy_version);
-            }
-            if Instant::now() > limit {
-                return Err(infrastructure(format!(
-                    "weights of version {needed} never arrived (the run is at {})",
-                    state.policy_version
-                )));
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
+        let run = &trial.request.run_id;
+        let state = self
+            .bus
+            .await_run_state(run, self.config.wait_limit, |s| s.policy_version >= needed)
+            .await
+            .map_err(|e| infrastructure(e.to_string()))?;
+        match state {
+            Some(state) if state.policy_version >= needed => Ok(state.policy_version),
+            Some(state) => Err(infrastructure(format!(
+                "weights of version {needed} never arrived within {} s (the run is at {})",
+                self.config.wait_limit.as_secs(),
+                state.policy_version
+            ))),
+            None => Err(infrastructure(format!(
+                "run {run} has no state (deleted mid-run?)"
+            ))),
         }
     }
 
@@ -463,47 +469,42 @@ impl Rollout {
         Ok(revoked.calls)
     }
 
-    /// The proxy's records of this attempt's calls (stored before each answer ended).
-    async fn recorded_calls(
+    /// The attempt's calls as the proxy recorded them (each stored before its answer
+    /// ended), read by their subject, `arl.llm.<run>.<call scope>.call`. An error when
+    /// fewer than the `count` the proxy reported are readable.
+    pub(crate) async fn recorded_calls(
         &self,
-        trial: &Trial,
-        scope: &TrialId,
+        request: &TrialRequestedV1,
         count: u32,
     ) -> Result<Vec<LlmCallV1>, TrialError> {
-        if let Some(calls) = self
-            .watch
-            .take_calls(scope, count as usize, Duration::from_secs(5))
-            .await
-        {
-            return Ok(calls);
-        }
-        // Not all came through the subscription: read them from the stream.
+        let scope = call_scope(&request.trial_id, request.slot.attempt)
+            .map_err(|e| TrialError::new(FailureClass::Infrastructure, e))?;
         let ns = self.bus.namespace();
-        let filter = ns.event_subject(Domain::Llm, &trial.request.run_id, "call");
-        let since = trial.started_at - chrono::Duration::seconds(5);
-        for _ in 0..50 {
-            let calls: Vec<LlmCallV1> = self
-                .bus
-                .replay_since::<LlmCallV1>(Domain::Llm, filter.clone(), Some(since))
-                .await
-                .map_err(|e| infrastructure(e.to_string()))?
-                .into_iter()
-                .filter(|c| &c.trial_id == scope)
-                .collect();
-            if calls.len() >= count as usize {
-                return Ok(calls);
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        let subject = ns.entity_subject(Domain::Llm, &request.run_id, scope.as_str(), "call");
+        let mut calls: Vec<LlmCallV1> = self
+            .bus
+            .replay(Domain::Llm, subject)
+            .await
+            .map_err(|e| infrastructure(e.to_string()))?;
+        // A redelivered record is stored once (de-duplicated by its message id); order
+        // by turn all the same.
+        calls.sort_by_key(|c| c.turn_index);
+        calls.dedup_by_key(|c| c.turn_index);
+        if calls.len() < count as usize {
+            return Err(infrastructure(format!(
+                "the proxy counted {count} calls for {scope}, but {} are in the stream",
+                calls.len()
+            )));
         }
-        Err(infrastructure(format!(
-            "the proxy counted {count} calls for {scope}, but not all are in the stream"
-        )))
+        Ok(calls)
     }
 
-    async fn grade_and_publish(&self, trial: &Trial, ran: Ran) -> Result<(), HandlerError> {
+    /// Hands the finished attempt on: `trial.finished` for the grader, then the record
+    /// the join reads when the grade comes. In this order, so that a replica dying in
+    /// between leaves an attempt claimed without a hand-off: redelivered, it is failed
+    /// once as `infrastructure` and its grade (if any) joins nothing.
+    async fn hand_off(&self, trial: &Trial, ran: Ran) -> Result<(), HandlerError> {
         let req = &trial.request;
-        let finished_at = chrono::Utc::now();
-        self.watch.expect_grade(&req.trial_id, req.slot.attempt);
         self.bus
             .publish(&TrialFinishedV1 {
                 run_id: req.run_id.clone(),
@@ -511,132 +512,56 @@ impl Rollout {
                 slot: req.slot.clone(),
                 exit: ran.outcome.exit,
                 num_turns: ran.outcome.turns,
-                patch: ran.patch.clone(),
+                patch: ran.patch,
                 duration_seconds: trial.started.elapsed().as_secs_f64(),
-                finished_at,
+                finished_at: chrono::Utc::now(),
             })
             .await?;
-        tracing::info!(trial = %req.trial_id, turns = ran.outcome.turns, exit = ?ran.outcome.exit, "trial finished; waiting for its grade");
-        let grade = self.wait_for_grade(trial, finished_at).await;
-        self.watch.forget_grade(&req.trial_id, req.slot.attempt);
-        match grade? {
-            Grade::Scored(scored) => {
-                let status = if self.group_failed(trial).await? {
-                    SampleStatus::Masked
-                } else {
-                    SampleStatus::Scored
-                };
-                self.metrics.trial("scored", None);
-                self.metrics.turns.inc_by(u64::from(ran.outcome.turns));
-                self.metrics
-                    .parse_failures
-                    .inc_by(u64::from(ran.outcome.parse_failures));
-                self.publish_trajectory(
-                    trial,
-                    status,
-                    scored.reward,
-                    &ran.calls,
-                    ran.outcome.turns,
-                    ran.outcome.parse_failures,
-                )
-                .await?;
-                self.mark_done(req).await
-            }
-            Grade::Failed(failed) => {
-                // The reward service already announced the failure.
-                let error = TrialError::new(failed.class, failed.message);
-                self.fail(trial, error, Some(ran.calls), false).await
-            }
-        }
-    }
-
-    async fn wait_for_grade(
-        &self,
-        trial: &Trial,
-        since: chrono::DateTime<chrono::Utc>,
-    ) -> Result<Grade, HandlerError> {
-        let req = &trial.request;
-        let ns = self.bus.namespace();
-        let since = Some(since - chrono::Duration::seconds(5));
-        let limit = Instant::now() + self.config.grading_timeout;
-        loop {
-            if let Some(grade) = self
-                .watch
-                .grade(&req.trial_id, req.slot.attempt, Duration::from_secs(30))
-                .await
-            {
-                return Ok(grade);
-            }
-            // Nothing through the subscription for a while: read the streams (a failed
-            // read is tried again later; grading may just be slow).
-            let scored = self
-                .bus
-                .replay_since::<RewardScoredV2>(
-                    Domain::Reward,
-                    ns.event_subject(Domain::Reward, &req.run_id, "scored"),
-                    since,
-                )
-                .await
-                .unwrap_or_else(|err| {
-                    tracing::warn!(%err, "reading grades back");
-                    Vec::new()
-                });
-            if let Some(s) = scored
-                .into_iter()
-                .find(|s| s.trial_id == req.trial_id && s.slot.attempt == req.slot.attempt)
-            {
-                return Ok(Grade::Scored(s));
-            }
-            let failed = self
-                .bus
-                .replay_since::<TrialFailedV1>(
-                    Domain::Trial,
-                    ns.event_subject(Domain::Trial, &req.run_id, "failed"),
-                    since,
-                )
-                .await
-                .unwrap_or_else(|err| {
-                    tracing::warn!(%err, "reading grading failures back");
-                    Vec::new()
-                });
-            if let Some(f) = failed.into_iter().find(|f| {
-                f.trial_id == req.trial_id
-                    && f.slot.attempt == req.slot.attempt
-                    && f.class == FailureClass::GradingError
-            }) {
-                return Ok(Grade::Failed(f));
-            }
-            if Instant::now() > limit {
-                return Ok(Grade::Failed(TrialFailedV1 {
-                    run_id: req.run_id.clone(),
-                    trial_id: req.trial_id.clone(),
-                    slot: req.slot.clone(),
-                    class: FailureClass::GradingError,
-                    message: "no grade within the grading timeout".into(),
-                    will_retry: false,
-                    failed_at: chrono::Utc::now(),
-                }));
-            }
-        }
+        let attempt = req.slot.attempt;
+        let finished = FinishedAttemptV1 {
+            task: req.task.clone(),
+            calls: ran.calls,
+            parse_failures: ran.outcome.parse_failures,
+        };
+        self.bus
+            .modify_record::<TrialRecordV2>(Bucket::Trials, req.trial_id.as_str(), |r| match r {
+                Some(r) if r.attempt == attempt && !r.done => {
+                    r.finished = Some(finished.clone());
+                    true
+                }
+                _ => false,
+            })
+            .await?;
+        tracing::info!(trial = %req.trial_id, turns = ran.outcome.turns, exit = ?ran.outcome.exit, "trial finished; handed to grading");
+        Ok(())
     }
 
     /// Applies the run's policy for the failure's class. `announce`: publish the
     /// `trial.failed` (false when the reward service already did).
-    async fn fail(
+    pub(crate) async fn fail(
         &self,
-        trial: &Trial,
+        req: &TrialRequestedV1,
+        spec: &RunSpec,
         error: TrialError,
-        calls: Option<Vec<LlmCallV1>>,
+        calls: Option<u32>,
         announce: bool,
     ) -> Result<(), HandlerError> {
-        let req = &trial.request;
-        let spec = &trial.spec;
         let mut action = spec.rollout.on_failure.action(error.class);
         let retry =
             action == FailureAction::Retry && req.slot.attempt + 1 < spec.rollout.max_attempts;
         if action == FailureAction::Retry && !retry {
             action = FailureAction::Mask;
         }
+        // The records of a trajectory to be published (training trials that end here),
+        // read before the failure is announced: if they cannot be read, the message comes
+        // back and nothing was said twice. Validation trials are never trained on.
+        let calls = match calls {
+            Some(count) if !retry && req.slot.split == Split::Train => self
+                .recorded_calls(req, count)
+                .await
+                .map_err(|e| HandlerError::Retry(e.message))?,
+            _ => Vec::new(),
+        };
         tracing::warn!(trial = %req.trial_id, attempt = req.slot.attempt, class = error.class.as_str(), ?action, message = %error.message, "trial failed");
         if announce {
             self.bus
@@ -667,31 +592,27 @@ impl Rollout {
             return self.mark_done(req).await;
         }
         if action == FailureAction::FailGroup {
-            self.fail_group(trial).await?;
+            self.fail_group(req).await?;
         }
         let status = match action {
-            FailureAction::ScoreZero if !self.group_failed(trial).await? => {
-                SampleStatus::ScoredZero
-            }
+            FailureAction::ScoreZero if !self.group_failed(req).await? => SampleStatus::ScoredZero,
             _ => SampleStatus::Masked,
         };
-        let calls = calls.unwrap_or_default();
         let turns = u32::try_from(calls.len()).unwrap_or(u32::MAX);
-        self.publish_trajectory(trial, status, 0.0, &calls, turns, 0)
+        self.publish_trajectory(req, status, 0.0, &calls, turns, 0)
             .await?;
         self.mark_done(req).await
     }
 
-    async fn publish_trajectory(
+    pub(crate) async fn publish_trajectory(
         &self,
-        trial: &Trial,
+        req: &TrialRequestedV1,
         status: SampleStatus,
         reward: f64,
         calls: &[LlmCallV1],
         turns: u32,
         parse_failures: u32,
     ) -> Result<(), HandlerError> {
-        let req = &trial.request;
         // Validation trials are graded for the evaluator, never trained on.
         if req.slot.split == Split::Validation {
             return Ok(());
@@ -727,19 +648,14 @@ impl Rollout {
         Ok(())
     }
 
-    fn group_key(trial: &Trial) -> String {
-        let slot = &trial.request.slot;
-        arl_schemas::state::failed_group_key(
-            &trial.request.run_id,
-            slot.split,
-            slot.step,
-            &slot.task_id,
-        )
+    fn group_key(req: &TrialRequestedV1) -> String {
+        let slot = &req.slot;
+        arl_schemas::state::failed_group_key(&req.run_id, slot.split, slot.step, &slot.task_id)
     }
 
-    async fn fail_group(&self, trial: &Trial) -> Result<(), HandlerError> {
+    async fn fail_group(&self, req: &TrialRequestedV1) -> Result<(), HandlerError> {
         self.bus
-            .modify_record::<bool>(Bucket::Trials, &Self::group_key(trial), |failed| {
+            .modify_record::<bool>(Bucket::Trials, &Self::group_key(req), |failed| {
                 *failed = Some(true);
                 true
             })
@@ -747,26 +663,27 @@ impl Rollout {
         Ok(())
     }
 
-    async fn group_failed(&self, trial: &Trial) -> Result<bool, HandlerError> {
+    pub(crate) async fn group_failed(&self, req: &TrialRequestedV1) -> Result<bool, HandlerError> {
         let record = self
             .bus
-            .get_record::<bool>(Bucket::Trials, &Self::group_key(trial))
+            .get_record::<bool>(Bucket::Trials, &Self::group_key(req))
             .await?;
         Ok(record.unwrap_or(false))
     }
 
-    async fn mark_done(&self, request: &TrialRequestedV1) -> Result<(), HandlerError> {
+    pub(crate) async fn mark_done(&self, request: &TrialRequestedV1) -> Result<(), HandlerError> {
         let attempt = request.slot.attempt;
         self.bus
-            .modify_record::<TrialRecordV1>(
+            .modify_record::<TrialRecordV2>(
                 Bucket::Trials,
                 request.trial_id.as_str(),
                 |r| match r {
                     Some(r) if r.attempt > attempt => false,
                     _ => {
-                        *r = Some(TrialRecordV1 {
+                        *r = Some(TrialRecordV2 {
                             attempt,
                             done: true,
+                            finished: None,
                         });
                         true
                     }
@@ -774,13 +691,6 @@ impl Rollout {
             )
             .await?;
         Ok(())
-    }
-
-    async fn run_state(&self, run: &RunId) -> Result<RunStateV1, HandlerError> {
-        self.bus
-            .run_state(run)
-            .await?
-            .ok_or_else(|| HandlerError::Retry(format!("run {run} has no state yet")))
     }
 
     async fn task(&self, request: &TrialRequestedV1) -> Result<TaskRecord, HandlerError> {
@@ -807,7 +717,7 @@ enum Claim {
     Orphaned,
 }
 
-fn infrastructure(message: String) -> TrialError {
+pub(crate) fn infrastructure(message: String) -> TrialError {
     TrialError::new(FailureClass::Infrastructure, message)
 }
 

@@ -5,7 +5,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{example_run, example_time, example_trial};
-use crate::events::{Example, event};
+use crate::events::Example;
 use crate::{RunId, TrialId};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -50,10 +50,25 @@ pub struct LlmCallV1 {
     pub backend: String,
     pub model: String,
 }
-event!(LlmCallV1, llm, "call", 1, |e| format!(
-    "llm.call:{}:{}",
-    e.trial_id, e.turn_index
-));
+// The trial is a token of the subject (`arl.llm.<run_id>.<trial_id>.call`): the rollout
+// reads one trial's calls by subject filter instead of scanning the run's.
+impl crate::Event for LlmCallV1 {
+    const TYPE: &'static str = "llm.call";
+    const VERSION: u32 = 1;
+
+    fn subject(&self, ns: &crate::Namespace) -> String {
+        ns.entity_subject(
+            crate::Domain::Llm,
+            &self.run_id,
+            self.trial_id.as_str(),
+            "call",
+        )
+    }
+
+    fn message_id(&self) -> String {
+        format!("llm.call:{}:{}", self.trial_id, self.turn_index)
+    }
+}
 
 impl Example for LlmCallV1 {
     fn example() -> Self {

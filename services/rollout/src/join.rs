@@ -1,0 +1,189 @@
+//! The trial saga's second hand-off: a finished attempt's grade joined with its recorded
+//! calls into `trajectory.ready`.
+//!
+//! Two durable consumers, shared by every replica: `reward.scored`, and `trial.failed` —
+//! of which only the grader's count here: a failure for an attempt whose record says it
+//! was handed to grading (the rollout announces its own failures before it hands off, or
+//! instead). The record in `ARL_TRIALS` (written at the hand-off) carries what the grade
+//! does not: the task, the number of calls the proxy counted, the parse failures. Whichever
+//! replica takes a grade reads the attempt's calls by their subject and publishes; no
+//! replica waits for a grade, and one that dies between hand-offs holds nothing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arl_runtime::consumer::run_consumer;
+use arl_runtime::{ConsumerSpec, Delivery, HandlerError, Shutdown};
+use arl_schemas::events::{
+    RewardScoredV2, SampleStatus, TrialFailedV1, TrialRequestedV1, TrialSlot,
+};
+use arl_schemas::state::FinishedAttemptV1;
+use arl_schemas::{Domain, RunId, TrialId};
+
+use crate::llm::TrialError;
+use crate::service::{Rollout, SERVICE};
+
+/// The durable consumer of grading failures on the trials stream (where `rollout` is
+/// already the consumer of requests).
+const FAILURES: &str = "rollout-grading-failures";
+/// Deliveries of a grade before it is dead-lettered: a grade can arrive a moment before
+/// its hand-off is recorded (the record is written just after `trial.finished`).
+const GRADE_DELIVERIES: i64 = 20;
+
+/// Starts the join's consumers.
+pub(crate) fn start(rollout: Arc<Rollout>, shutdown: &Shutdown) {
+    let ns = rollout.bus.namespace();
+    let retry_backoff = vec![
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+        Duration::from_secs(15),
+        Duration::from_secs(30),
+    ];
+    // Kept alive while handled: a grading failure under a retry policy backs off before
+    // requesting the next attempt.
+    let mut grades = ConsumerSpec::new(
+        Domain::Reward,
+        SERVICE,
+        vec![ns.event_filter(Domain::Reward, "scored")],
+    );
+    grades.keep_alive = true;
+    grades.max_deliver = GRADE_DELIVERIES;
+    grades.retry_backoff = retry_backoff.clone();
+    let mut failures = ConsumerSpec::new(
+        Domain::Trial,
+        FAILURES,
+        vec![ns.event_filter(Domain::Trial, "failed")],
+    );
+    failures.keep_alive = true;
+    failures.max_deliver = GRADE_DELIVERIES;
+    failures.retry_backoff = retry_backoff;
+    let on_grade = rollout.clone();
+    shutdown.spawn(run_consumer(
+        rollout.bus.clone(),
+        grades,
+        move |delivery: Delivery| {
+            let this = on_grade.clone();
+            async move { this.on_scored(delivery).await }
+        },
+        shutdown.clone(),
+    ));
+    shutdown.spawn(run_consumer(
+        rollout.bus.clone(),
+        failures,
+        move |delivery: Delivery| {
+            let this = rollout.clone();
+            async move { this.on_failed(delivery).await }
+        },
+        shutdown.clone(),
+    ));
+}
+
+/// What a grade joins with.
+enum Awaiting {
+    /// The attempt was handed to grading: join.
+    Grade(FinishedAttemptV1),
+    /// The attempt is done, superseded, or was never handed off: nothing to join.
+    Nothing,
+    /// The attempt is claimed but its hand-off is not recorded yet.
+    NotYet,
+}
+
+impl Rollout {
+    async fn awaiting(&self, trial: &TrialId, attempt: u32) -> Result<Awaiting, HandlerError> {
+        let record = self.bus.trial_record(trial).await?;
+        Ok(match record {
+            Some(r) if r.attempt == attempt && !r.done => match r.finished {
+                Some(finished) => Awaiting::Grade(finished),
+                None => Awaiting::NotYet,
+            },
+            _ => Awaiting::Nothing,
+        })
+    }
+
+    /// A grade: the trajectory of the attempt it grades.
+    async fn on_scored(&self, delivery: Delivery) -> Result<(), HandlerError> {
+        let scored: RewardScoredV2 = delivery.decode()?;
+        let finished = match self.awaiting(&scored.trial_id, scored.slot.attempt).await? {
+            Awaiting::Grade(finished) => finished,
+            Awaiting::Nothing => return Ok(()),
+            Awaiting::NotYet => {
+                return Err(HandlerError::Retry(format!(
+                    "the hand-off of trial {} attempt {} is not recorded yet",
+                    scored.trial_id, scored.slot.attempt
+                )));
+            }
+        };
+        let request = request_of(&scored.run_id, &scored.trial_id, &scored.slot, &finished);
+        let calls = match self.recorded_calls(&request, finished.calls).await {
+            Ok(calls) => calls,
+            // The proxy stores each record before its answer ends, so they are all there
+            // unless the stream lost some: after the last delivery that fails the trial.
+            Err(error) if delivery.attempt >= GRADE_DELIVERIES - 1 => {
+                let spec = self.bus.run_context(&scored.run_id).await?.spec;
+                return self.fail(&request, &spec, error, None, true).await;
+            }
+            Err(error) => return Err(HandlerError::Retry(error.message)),
+        };
+        let status = if self.group_failed(&request).await? {
+            SampleStatus::Masked
+        } else {
+            SampleStatus::Scored
+        };
+        self.metrics.trial("scored", None);
+        self.metrics.turns.inc_by(u64::from(finished.calls));
+        self.metrics
+            .parse_failures
+            .inc_by(u64::from(finished.parse_failures));
+        let turns = u32::try_from(calls.len()).unwrap_or(u32::MAX);
+        self.publish_trajectory(
+            &request,
+            status,
+            scored.reward,
+            &calls,
+            turns,
+            finished.parse_failures,
+        )
+        .await?;
+        self.mark_done(&request).await
+    }
+
+    /// A `trial.failed`: the grader's (the attempt was handed to grading) goes through the
+    /// run's failure policy; the rollout's own announcements are passed by.
+    async fn on_failed(&self, delivery: Delivery) -> Result<(), HandlerError> {
+        let failed: TrialFailedV1 = delivery.decode()?;
+        let finished = match self.awaiting(&failed.trial_id, failed.slot.attempt).await? {
+            Awaiting::Grade(finished) => finished,
+            Awaiting::Nothing => return Ok(()),
+            // Either the rollout's own announcement (its attempt is about to be done or
+            // retried) or a grader's failure that came before the hand-off's record: the
+            // next delivery tells which.
+            Awaiting::NotYet => {
+                return Err(HandlerError::Retry(format!(
+                    "trial {} attempt {} is neither handed off nor done yet",
+                    failed.trial_id, failed.slot.attempt
+                )));
+            }
+        };
+        let spec = self.bus.run_context(&failed.run_id).await?.spec;
+        let request = request_of(&failed.run_id, &failed.trial_id, &failed.slot, &finished);
+        let error = TrialError::new(failed.class, failed.message);
+        // The grader already announced the failure.
+        self.fail(&request, &spec, error, Some(finished.calls), false)
+            .await
+    }
+}
+
+/// The request of a handed-off attempt, as it was made (a retry repeats it).
+fn request_of(
+    run: &RunId,
+    trial: &TrialId,
+    slot: &TrialSlot,
+    finished: &FinishedAttemptV1,
+) -> TrialRequestedV1 {
+    TrialRequestedV1 {
+        run_id: run.clone(),
+        trial_id: trial.clone(),
+        slot: slot.clone(),
+        task: finished.task.clone(),
+    }
+}
