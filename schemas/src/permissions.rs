@@ -197,6 +197,8 @@ impl Namespace {
             }
             Role::Inference => {
                 p.consume(&stream(Domain::Weights));
+                // A run's end: back to the base model for the next run.
+                p.consume(&stream(Domain::Run));
             }
             Role::Proxy => {
                 p.publish(self.entity_filter(Domain::Llm, "call"));

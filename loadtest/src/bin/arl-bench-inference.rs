@@ -131,7 +131,11 @@ async fn main() -> anyhow::Result<()> {
             queue_limit: 256,
             ..EngineConfig::default()
         },
-        Some(ServedModel { version: 0, loaded }),
+        Some(ServedModel {
+            run_id: None,
+            version: 0,
+            loaded,
+        }),
     )?;
     let shutdown = Shutdown::new();
     let state = AppState {

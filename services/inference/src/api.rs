@@ -105,6 +105,9 @@ async fn models(State(state): State<AppState>) -> Json<Value> {
             "owned_by": "arl",
             "max_model_len": state.engine.max_len(),
             "policy_version": current.as_ref().map(|m| m.version),
+            // With the version, the policy's identity: whose trained weights (null for
+            // the model the engine started with).
+            "run_id": current.as_ref().and_then(|m| m.run_id.as_ref()),
             "ready": current.is_some(),
         }],
     }))

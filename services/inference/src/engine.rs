@@ -25,8 +25,18 @@ use tokio::sync::mpsc;
 /// A loaded policy version.
 #[derive(Debug)]
 pub struct ServedModel {
+    /// The run whose trained weights these are; None for the model the engine started
+    /// with (version 0). A policy is (run, version): two runs' version 3 differ.
+    pub run_id: Option<arl_schemas::RunId>,
     pub version: u64,
     pub loaded: LoadedModel,
+}
+
+impl ServedModel {
+    /// Whether this is `run`'s version `version` or a newer version of the same run.
+    pub fn is_at_least(&self, run: &arl_schemas::RunId, version: u64) -> bool {
+        self.run_id.as_ref() == Some(run) && self.version >= version
+    }
 }
 
 /// What to do with requests in flight when new weights arrive.

@@ -87,13 +87,18 @@ async fn main() -> anyhow::Result<()> {
         .map(RunId::new)
         .transpose()
         .context("--run")?;
+    let base = args.model.as_deref().map(model_path_or_name);
     let initial = match &args.model {
         Some(name) => {
             let path = model_path_or_name(name);
             let loaded = tokio::task::spawn_blocking(move || LoadedModel::open(&path))
                 .await?
                 .with_context(|| format!("loading {name}"))?;
-            Some(ServedModel { version: 0, loaded })
+            Some(ServedModel {
+                run_id: None,
+                version: 0,
+                loaded,
+            })
         }
         None => None,
     };
@@ -120,6 +125,7 @@ async fn main() -> anyhow::Result<()> {
         run.as_ref(),
         args.weights_dir
             .unwrap_or_else(arl_runtime::args::default_runs_dir),
+        base,
         &shutdown,
     );
 

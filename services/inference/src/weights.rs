@@ -7,22 +7,29 @@ use arl_model::load::LoadedModel;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::digest::sha256_file;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
-use arl_schemas::events::WeightsPublishedV1;
-use arl_schemas::{Domain, RunId};
+use arl_schemas::events::{RunCompletedV1, RunFailedV1, WeightsPublishedV1};
+use arl_schemas::{Domain, Event, RunId};
 
 use crate::engine::{EngineHandle, ServedModel};
 
 /// Consumes weight versions (of one run, or of every run) and swaps them in; only
-/// weights under `weights_dir` are loaded.
+/// weights under `weights_dir` are loaded. With a `base` model (the one the engine started
+/// with), the engine goes back to it when the run whose weights it serves ends, so that
+/// the next run's first trials (version 0) find their policy: a run's version 0 is the
+/// base model, never another run's trained weights.
 pub fn follow(
     bus: &Bus,
     engine: EngineHandle,
     durable: &str,
     run: Option<&RunId>,
     weights_dir: PathBuf,
+    base: Option<PathBuf>,
     shutdown: &Shutdown,
 ) {
     let ns = bus.namespace();
+    if let Some(base) = base {
+        follow_run_ends(bus, engine.clone(), durable, run, base, shutdown);
+    }
     let filter = match run {
         Some(run) => ns.event_subject(Domain::Weights, run, "published"),
         None => ns.event_filter(Domain::Weights, "published"),
@@ -49,9 +56,9 @@ async fn on_weights(
     let event: WeightsPublishedV1 = delivery.decode()?;
     if engine
         .current()
-        .is_some_and(|m| m.version >= event.policy_version)
+        .is_some_and(|m| m.is_at_least(&event.run_id, event.policy_version))
     {
-        return Ok(()); // already serving this version or a newer one
+        return Ok(()); // already serving this run's version or a newer one
     }
     let dir = local_path(&event.uri).map_err(HandlerError::DeadLetter)?;
     let dir = confined(&dir, weights_dir).map_err(HandlerError::DeadLetter)?;
@@ -62,9 +69,74 @@ async fn on_weights(
         .map_err(|e| HandlerError::Retry(format!("loading version {version} panicked: {e}")))?
         .map_err(HandlerError::Retry)?;
     engine
-        .swap(ServedModel { version, loaded })
+        .swap(ServedModel {
+            run_id: Some(event.run_id.clone()),
+            version,
+            loaded,
+        })
         .map_err(|e| HandlerError::Retry(e.to_string()))?;
-    tracing::info!(policy_version = version, uri = %event.uri, "serving new weights");
+    tracing::info!(run = %event.run_id, policy_version = version, uri = %event.uri, "serving new weights");
+    Ok(())
+}
+
+/// On `run.completed` / `run.failed` of the run whose weights are served: back to the
+/// base model.
+fn follow_run_ends(
+    bus: &Bus,
+    engine: EngineHandle,
+    durable: &str,
+    run: Option<&RunId>,
+    base: PathBuf,
+    shutdown: &Shutdown,
+) {
+    let ns = bus.namespace();
+    let filters = ["completed", "failed"]
+        .map(|event| match run {
+            Some(run) => ns.event_subject(Domain::Run, run, event),
+            None => ns.event_filter(Domain::Run, event),
+        })
+        .to_vec();
+    let mut spec = ConsumerSpec::new(Domain::Run, format!("{durable}-run-ends"), filters).ordered();
+    spec.keep_alive = true;
+    shutdown.spawn(run_consumer(
+        bus.clone(),
+        spec,
+        move |delivery: Delivery| {
+            let (engine, base) = (engine.clone(), base.clone());
+            async move { on_run_end(&engine, &base, &delivery).await }
+        },
+        shutdown.clone(),
+    ));
+}
+
+async fn on_run_end(
+    engine: &EngineHandle,
+    base: &Path,
+    delivery: &Delivery,
+) -> Result<(), HandlerError> {
+    let ended = match delivery.event_type().as_deref() {
+        Some(RunFailedV1::TYPE) => delivery.decode::<RunFailedV1>()?.run_id,
+        _ => delivery.decode::<RunCompletedV1>()?.run_id,
+    };
+    let serving_it = engine
+        .current()
+        .is_some_and(|m| m.run_id.as_ref() == Some(&ended));
+    if !serving_it {
+        return Ok(());
+    }
+    let path = base.to_path_buf();
+    let loaded = tokio::task::spawn_blocking(move || LoadedModel::open(&path))
+        .await
+        .map_err(|e| HandlerError::Retry(format!("loading the base model panicked: {e}")))?
+        .map_err(|e| HandlerError::Retry(format!("loading the base model: {e}")))?;
+    engine
+        .swap(ServedModel {
+            run_id: None,
+            version: 0,
+            loaded,
+        })
+        .map_err(|e| HandlerError::Retry(e.to_string()))?;
+    tracing::info!(run = %ended, "the run ended; serving the base model again");
     Ok(())
 }
 

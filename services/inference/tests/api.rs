@@ -15,7 +15,7 @@ use arl_model::model::Model;
 use arl_model::weights::Weights;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown};
-use arl_schemas::events::{WeightsFormat, WeightsPublishedV1};
+use arl_schemas::events::{Example, RunCompletedV1, WeightsFormat, WeightsPublishedV1};
 use arl_schemas::{Domain, RunId};
 use arl_testkit::{NatsServer, http, test_namespace, wait_for};
 use serde_json::{Value, json};
@@ -138,8 +138,13 @@ impl Server {
     }
 }
 
+/// The model the engine starts with (no run's weights).
 fn served(loaded: LoadedModel, version: u64) -> Option<ServedModel> {
-    Some(ServedModel { version, loaded })
+    Some(ServedModel {
+        run_id: None,
+        version,
+        loaded,
+    })
 }
 
 fn ids(value: &Value) -> Vec<u32> {
@@ -436,6 +441,7 @@ async fn bad_requests_get_openai_errors() {
     empty
         .engine
         .swap(ServedModel {
+            run_id: Some(RunId::new("run-a").unwrap()),
             version: 3,
             loaded: tiny(2),
         })
@@ -507,6 +513,12 @@ async fn a_weight_swap_under_load_loses_nothing_and_versions_are_right() {
         greedy(&v1, &prompt, max_tokens),
     ];
     assert_ne!(expected[0], expected[1]);
+    let tmp = tempfile::tempdir().unwrap();
+    let runs = tmp.path().join("runs");
+    // The base model on disk, as `--model` names it: the engine returns to it when the
+    // run whose weights it serves ends.
+    let base = tmp.path().join("base");
+    v0.save_hf(&base).unwrap();
     let server = Server::start(
         EngineConfig {
             max_batch: 4,
@@ -515,14 +527,13 @@ async fn a_weight_swap_under_load_loses_nothing_and_versions_are_right() {
         served(v0, 0),
     )
     .await;
-    let tmp = tempfile::tempdir().unwrap();
-    let runs = tmp.path().join("runs");
     arl_inference::weights::follow(
         &server.bus,
         server.engine.clone(),
         "inference-test",
         None,
         runs.clone(),
+        Some(base),
         &server.shutdown,
     );
 
@@ -586,6 +597,63 @@ async fn a_weight_swap_under_load_loses_nothing_and_versions_are_right() {
             .map(|_| ())
     })
     .await;
+    // Another run's version 1 is another policy, though its number is lower: it is
+    // loaded, and `/v1/models` names whose weights are served.
+    let other = RunId::new("run-other").unwrap();
+    let theirs = publish_dir(&v1, &runs.join("other-step-1"), &other, 1);
+    server.bus.publish(&theirs).await.unwrap();
+    wait_for(
+        "the other run's version 1 served",
+        Duration::from_secs(30),
+        || async {
+            server
+                .engine
+                .current()
+                .filter(|m| m.is_at_least(&other, 1))
+                .map(|_| ())
+        },
+    )
+    .await;
+    let models = http(&format!("{}/v1/models", server.base), "GET", &[], b"")
+        .await
+        .unwrap()
+        .json::<Value>();
+    assert_eq!(
+        (
+            models["data"][0]["run_id"].as_str(),
+            models["data"][0]["policy_version"].as_u64()
+        ),
+        (Some("run-other"), Some(1))
+    );
+    // That run ends: the base model is served again — the next run's version 0.
+    server
+        .bus
+        .publish(&RunCompletedV1 {
+            run_id: other.clone(),
+            ..RunCompletedV1::example()
+        })
+        .await
+        .unwrap();
+    wait_for(
+        "the base model served again",
+        Duration::from_secs(30),
+        || async {
+            server
+                .engine
+                .current()
+                .filter(|m| m.run_id.is_none() && m.version == 0)
+                .map(|_| ())
+        },
+    )
+    .await;
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(ids(&body["choices"][0]["token_ids"]), expected[0]);
     let dlq = server
         .bus
         .jetstream()
@@ -732,6 +800,7 @@ async fn the_abort_policy_fails_in_flight_requests_clearly() {
         server
             .engine
             .swap(ServedModel {
+                run_id: Some(RunId::new("run-a").unwrap()),
                 version: 5,
                 loaded: tiny(21),
             })

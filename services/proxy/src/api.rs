@@ -223,15 +223,15 @@ async fn call(p: Arc<Proxy>, key: Option<String>, kind: Kind, request: Request) 
         .backends
         .candidates(&trial.trial_id)
         .into_iter()
-        .filter(|&i| p.backends.list[i].serves(trial.policy_version))
+        .filter(|&i| p.backends.list[i].serves(&trial.run_id, trial.policy_version))
         .collect();
     if candidates.is_empty() {
         let mut response = error(
             StatusCode::TOO_MANY_REQUESTS,
             "rate_limit_exceeded",
             format!(
-                "no engine serves policy version {} yet (it is loading); retry shortly",
-                trial.policy_version
+                "no engine serves run {}'s policy version {} yet (it is loading, or serves another run); retry shortly",
+                trial.run_id, trial.policy_version
             ),
         );
         response

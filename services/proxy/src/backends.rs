@@ -3,12 +3,12 @@
 //! speaks for token ids and logprobs.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use arl_runtime::Shutdown;
-use arl_schemas::TrialId;
+use arl_schemas::{RunId, TrialId};
 use serde_json::{Value, json};
 
 use crate::client::HttpClient;
@@ -58,28 +58,51 @@ pub struct Backend {
     pub dialect: Dialect,
     pub in_flight: AtomicUsize,
     healthy: AtomicBool,
-    /// The policy version the backend serves, from its `/v1/models` (ARL's engine says;
-    /// vLLM and SGLang do not: `UNKNOWN_VERSION`).
-    served_version: AtomicU64,
+    /// The policy the backend serves, from its `/v1/models`.
+    served: Mutex<Served>,
 }
 
-/// A backend that does not report which policy version it serves.
-pub const UNKNOWN_VERSION: u64 = u64::MAX;
+/// The policy a backend says it serves. A policy is (run, version): two runs' version 3
+/// are different weights.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Served {
+    /// It does not say (vLLM and SGLang): it serves whatever the deployment put there.
+    #[default]
+    Unknown,
+    /// The model it was started with (`policy_version` 0, no run).
+    Base,
+    /// A run's trained version.
+    Run { run: RunId, version: u64 },
+}
 
 impl Backend {
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::SeqCst)
     }
 
-    /// Whether the backend can serve a trial issued at `version`: it serves that
-    /// version or a newer one (or does not say).
-    pub fn serves(&self, version: u64) -> bool {
-        let served = self.served_version.load(Ordering::SeqCst);
-        served == UNKNOWN_VERSION || served >= version
+    /// Whether the backend can serve a trial of `run` issued at `version`: it serves that
+    /// run's version or a newer one of the same run, or the base model to a trial of
+    /// version 0 (or does not say).
+    pub fn serves(&self, run: &RunId, version: u64) -> bool {
+        match &*self.served.lock().unwrap_or_else(|e| e.into_inner()) {
+            Served::Unknown => true,
+            Served::Base => version == 0,
+            Served::Run {
+                run: served_run,
+                version: served,
+            } => served_run == run && *served >= version,
+        }
     }
 
-    pub fn set_served_version(&self, version: u64) {
-        self.served_version.store(version, Ordering::SeqCst);
+    pub fn served(&self) -> Served {
+        self.served
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub fn set_served(&self, served: Served) {
+        *self.served.lock().unwrap_or_else(|e| e.into_inner()) = served;
     }
 }
 
@@ -105,12 +128,19 @@ pub fn parse_backend(spec: &str) -> Result<(Dialect, String), String> {
     ))
 }
 
-/// The `policy_version` of the first model in a `/v1/models` answer, if it names one.
-fn served_version(body: &[u8]) -> u64 {
-    serde_json::from_slice::<Value>(body)
-        .ok()
-        .and_then(|v| v["data"][0]["policy_version"].as_u64())
-        .unwrap_or(UNKNOWN_VERSION)
+/// The policy of the first model in a `/v1/models` answer: its `run_id` and
+/// `policy_version` (ARL's engine names both; version 0 without a run is the base model).
+fn served_policy(body: &[u8]) -> Served {
+    let Ok(answer) = serde_json::from_slice::<Value>(body) else {
+        return Served::Unknown;
+    };
+    let model = &answer["data"][0];
+    let run = model["run_id"].as_str().and_then(|r| RunId::new(r).ok());
+    match (model["policy_version"].as_u64(), run) {
+        (Some(version), Some(run)) => Served::Run { run, version },
+        (Some(0), None) => Served::Base,
+        _ => Served::Unknown,
+    }
 }
 
 #[derive(Debug)]
@@ -132,7 +162,7 @@ impl Backends {
                         // Healthy once a health check has answered (the first runs at
                         // start); until then a backend is still tried, last.
                         healthy: AtomicBool::new(false),
-                        served_version: AtomicU64::new(UNKNOWN_VERSION),
+                        served: Mutex::default(),
                     })
                 })
                 .collect(),
@@ -202,7 +232,7 @@ impl Backends {
                     let answer = tokio::time::timeout(period, client.get(&url)).await;
                     let ok = matches!(&answer, Ok(Ok((status, _))) if *status == 200);
                     if let Ok(Ok((200, body))) = &answer {
-                        b.set_served_version(served_version(body));
+                        b.set_served(served_policy(body));
                     }
                     if ok != b.is_healthy() {
                         tracing::info!(backend = %b.url, healthy = ok, "backend health changed");
@@ -221,22 +251,37 @@ impl Backends {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn backends_serve_trials_of_their_version_or_older() {
+    fn backends_serve_trials_of_their_run_and_version_or_older() {
         let b = Backends::new(vec![(Dialect::Arl, "http://a".into())]);
         let a = &b.list[0];
+        let (run, other) = (RunId::new("run-a").unwrap(), RunId::new("run-b").unwrap());
         assert!(
-            a.serves(7),
+            a.serves(&run, 7),
             "a backend that does not say serves every version"
         );
-        a.set_served_version(served_version(
-            br#"{"object":"list","data":[{"id":"policy","policy_version":2}]}"#,
+        a.set_served(served_policy(
+            br#"{"object":"list","data":[{"id":"policy","policy_version":0,"run_id":null}]}"#,
         ));
-        assert!(a.serves(2) && a.serves(1));
+        assert_eq!(a.served(), Served::Base);
+        assert!(a.serves(&run, 0) && a.serves(&other, 0) && !a.serves(&run, 1));
+        a.set_served(served_policy(
+            br#"{"object":"list","data":[{"id":"policy","policy_version":2,"run_id":"run-a"}]}"#,
+        ));
+        assert!(a.serves(&run, 2) && a.serves(&run, 1));
         assert!(
-            !a.serves(3),
+            !a.serves(&run, 3),
             "a trial of version 3 waits until the engine has loaded it"
         );
-        assert_eq!(served_version(br#"{"data":[]}"#), UNKNOWN_VERSION);
+        assert!(
+            !a.serves(&other, 0) && !a.serves(&other, 2),
+            "another run's weights are another policy"
+        );
+        assert_eq!(served_policy(br#"{"data":[]}"#), Served::Unknown);
+        assert_eq!(
+            served_policy(br#"{"data":[{"policy_version":2}]}"#),
+            Served::Unknown,
+            "a trained version that names no run identifies no policy"
+        );
     }
 
     use super::*;
