@@ -48,6 +48,22 @@ pub enum Command {
     /// Start every ARL service on this machine (and a private nats-server when NATS_URL
     /// is not set); runs until Ctrl-C.
     Up(UpArgs),
+    /// Run services in this process: `arl serve SERVICE [FLAGS…] [+ SERVICE [FLAGS…]]…`,
+    /// each with the flags of its `arl-<service>` binary (`arl serve rollout --help`).
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// controller, dataset, evaluator, imagebuilder, inference, proxy, reward, rollout,
+    /// sandbox or trainer, each followed by its own flags; `+` between services.
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "SERVICE [FLAGS]… [+ SERVICE [FLAGS]…]"
+    )]
+    pub services: Vec<String>,
 }
 
 #[derive(Debug, Args)]

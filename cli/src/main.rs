@@ -7,23 +7,40 @@ mod cli;
 mod model;
 mod natsconf;
 mod run;
+mod serve;
 mod up;
 
 use std::process::ExitCode;
 
 use clap::Parser;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     // `arl up` starts a private nats-server unless NATS_URL says where one is.
     let nats_url_given = std::env::var_os("NATS_URL").is_some()
         || std::env::args().any(|a| a.starts_with("--nats-url"));
     let cli = cli::Cli::parse();
-    let outcome = match cli.command {
-        cli::Command::Run(command) => run::execute(&cli.bus, command).await,
-        cli::Command::Model(command) => model::execute(command),
-        cli::Command::Up(args) => up::execute(&cli.bus, args, nats_url_given).await,
+    // `arl serve` runs services on the runtime's host (its own async runtime).
+    if let cli::Command::Serve(args) = &cli.command {
+        return serve::execute(&args.services);
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("error: cannot start the async runtime: {err}");
+            return ExitCode::FAILURE;
+        }
     };
+    let outcome = runtime.block_on(async {
+        match cli.command {
+            cli::Command::Run(command) => run::execute(&cli.bus, command).await,
+            cli::Command::Model(command) => model::execute(command),
+            cli::Command::Up(args) => up::execute(&cli.bus, args, nats_url_given).await,
+            cli::Command::Serve(_) => Ok(ExitCode::SUCCESS),
+        }
+    });
     match outcome {
         Ok(code) => code,
         Err(err) => {

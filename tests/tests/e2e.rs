@@ -10,7 +10,7 @@ use arl_runtime::{Bus, Metrics};
 use arl_schemas::events::{EvaluationCompletedV1, Example, TrainStepV2};
 use arl_schemas::state::{RunStateV1, RunStatus};
 use arl_schemas::{Bucket, Namespace, RunId};
-use arl_testkit::{NatsServer, built_binary, test_namespace, wait_for};
+use arl_testkit::{NatsServer, built_binary, free_port, http, test_namespace, wait_for};
 
 struct Deployment {
     server: NatsServer,
@@ -21,6 +21,12 @@ struct Deployment {
 
 impl Deployment {
     fn start() -> Self {
+        let mut deployment = Self::without_controller();
+        deployment.start_controller();
+        deployment
+    }
+
+    fn without_controller() -> Self {
         let server = NatsServer::start().unwrap();
         let files = tempfile::tempdir().unwrap();
         let models = files.path().join("models");
@@ -42,14 +48,12 @@ impl Deployment {
             "name = \"e2e\"\n[data]\ndataset = \"tasks\"\n[trainer]\ntotal_steps = 2\n",
         )
         .unwrap();
-        let mut deployment = Self {
+        Self {
             server,
             ns: test_namespace(),
             files,
             controller: None,
-        };
-        deployment.start_controller();
-        deployment
+        }
     }
 
     fn env(&self, command: &mut Command) {
@@ -246,4 +250,74 @@ async fn sigterm_stops_the_controller_gracefully() {
     })
     .await;
     assert!(status.success(), "controller exited with {status}");
+}
+
+/// One executable, any set of services: `arl serve controller + dataset` runs both in one
+/// process, each with its own flags and ops endpoints; a run submitted to it is admitted
+/// (the controller) and its dataset loaded (the dataset service); SIGTERM drains both.
+#[tokio::test(flavor = "multi_thread")]
+async fn arl_serve_hosts_several_services_in_one_process() {
+    let deployment = Deployment::without_controller();
+    let (controller_port, dataset_port) = (free_port().unwrap(), free_port().unwrap());
+    let mut command = Command::new(built_binary("arl"));
+    deployment.env(&mut command);
+    let mut served = command
+        .args(["serve", "controller", "--http-addr"])
+        .arg(format!("127.0.0.1:{controller_port}"))
+        .args(["+", "dataset", "--http-addr"])
+        .arg(format!("127.0.0.1:{dataset_port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    for (service, port) in [("controller", controller_port), ("dataset", dataset_port)] {
+        let ready = wait_for(service, Duration::from_secs(30), || async move {
+            let r = http(&format!("http://127.0.0.1:{port}/ready"), "GET", &[], b"")
+                .await
+                .ok()?;
+            (r.status == 200).then_some(r.json::<serde_json::Value>())
+        })
+        .await;
+        assert_eq!(ready["service"], service, "{ready}");
+    }
+    let submitted = deployment.arl(&["run", "submit", "smoke.toml", "--wait"]);
+    assert!(submitted.status.success(), "{}", text(&submitted.stderr));
+    let run_id = RunId::new(text(&submitted.stdout).trim()).unwrap();
+    let bus = deployment.bus().await;
+    // The dataset service of the same process loaded the run's dataset: registered, or
+    // refused with its reason — either way it answered.
+    let state = wait_for(
+        "the dataset service's answer",
+        Duration::from_secs(30),
+        || {
+            let (bus, run_id) = (bus.clone(), run_id.clone());
+            let deployment = &deployment;
+            async move {
+                let state = deployment.state(&bus, &run_id).await?;
+                (state.dataset_digest.is_some() || state.status == RunStatus::Failed)
+                    .then_some(state)
+            }
+        },
+    )
+    .await;
+    assert!(
+        state.dataset_digest.is_some()
+            || state
+                .failure_reason
+                .as_deref()
+                .is_some_and(|e| e.contains("dataset")),
+        "{state:?}"
+    );
+    let sent = Command::new("kill")
+        .arg("-TERM")
+        .arg(served.id().to_string())
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status = wait_for("arl serve to exit", Duration::from_secs(20), || {
+        let exited = served.try_wait().unwrap();
+        async move { exited }
+    })
+    .await;
+    assert!(status.success(), "arl serve exited with {status}");
 }

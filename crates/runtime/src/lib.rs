@@ -7,6 +7,8 @@
 //!   ([`telemetry`]);
 //! - `/health` and `/metrics` over HTTP ([`http`], [`metrics`]);
 //! - graceful shutdown on SIGINT/SIGTERM ([`shutdown`]);
+//! - one service shape: any [`host::Service`] run with all of the above, alone or with
+//!   others in one process ([`host`]);
 //! - the SHA-256 form digests are exchanged in ([`digest`]);
 //! - comparing secrets in constant time ([`secret`]).
 
@@ -16,6 +18,7 @@ pub mod bus;
 pub mod consumer;
 pub mod digest;
 pub mod headers;
+pub mod host;
 pub mod http;
 pub mod metrics;
 pub mod rpc;

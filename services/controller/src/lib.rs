@@ -9,6 +9,7 @@
 //! - [`service`] wires these to the bus.
 
 pub mod admission;
+pub mod hosted;
 pub mod progress;
 pub mod service;
 pub mod store;

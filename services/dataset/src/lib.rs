@@ -6,6 +6,7 @@
 //! - [`split`]: train / validation by seed, stable across machines, and step batches.
 
 pub mod harbor;
+pub mod hosted;
 pub mod manifest;
 pub mod math;
 pub mod service;

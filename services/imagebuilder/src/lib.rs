@@ -7,6 +7,7 @@
 //! - [`service`]: task batches in, `image.ready` / `image.failed` out.
 
 pub mod buildkit;
+pub mod hosted;
 pub mod local;
 pub mod recipe;
 pub mod registry;

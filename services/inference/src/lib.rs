@@ -8,6 +8,7 @@
 
 pub mod api;
 pub mod engine;
+pub mod hosted;
 pub mod protocol;
 pub mod tools;
 pub mod weights;

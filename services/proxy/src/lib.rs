@@ -9,5 +9,6 @@
 pub mod api;
 pub mod backends;
 pub mod client;
+pub mod hosted;
 pub mod keys;
 pub mod service;

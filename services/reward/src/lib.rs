@@ -8,6 +8,7 @@
 
 pub mod grading;
 pub mod harbor;
+pub mod hosted;
 pub mod logparse;
 pub mod service;
 pub mod swebench;

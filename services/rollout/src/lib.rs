@@ -10,6 +10,7 @@
 //! - [`trajectory`]: the training sample from the proxy's records (token truth).
 
 pub mod agent;
+pub mod hosted;
 pub mod join;
 pub mod llm;
 pub mod metrics;

@@ -17,6 +17,7 @@ pub mod cgroup;
 pub mod config;
 pub mod disk;
 pub mod environment;
+pub mod hosted;
 pub mod lease;
 pub mod pool;
 pub mod seccomp;

@@ -11,6 +11,7 @@
 
 pub mod batch;
 pub mod checkpoint;
+pub mod hosted;
 pub mod objective;
 pub mod policy;
 pub mod schedule;

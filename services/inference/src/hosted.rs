@@ -1,0 +1,145 @@
+//! `arl-inference` as a hosted service: its flags and how it starts (the runtime's host does
+//! the rest — connection, ops endpoints, signals, drain).
+
+use std::net::SocketAddr;
+
+use arl_model::load::LoadedModel;
+use arl_runtime::host::{Context, Ops, Service, StartError};
+use arl_schemas::RunId;
+use arl_schemas::spec::model_path_or_name;
+
+use crate::api::{self, AppState, InferenceMetrics};
+use crate::engine::{EngineConfig, EngineHandle, ServedModel, SwapPolicy};
+
+/// `arl-inference`'s own flags (beside the common ones).
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Initial weights (GGUF file, Hugging Face folder, or an installed model name), served
+    /// as policy version 0. Without it the server answers 503 until a version is published.
+    #[arg(long, env = "ARL_MODEL")]
+    model: Option<String>,
+
+    /// The name `/v1/models` reports.
+    #[arg(long, default_value = "policy")]
+    served_model_name: String,
+
+    /// Address of the OpenAI API (and of /health and /metrics).
+    #[arg(long, env = "ARL_INFERENCE_ADDR", default_value = "127.0.0.1:8100")]
+    listen: SocketAddr,
+
+    /// Follow only this run's `weights.published` (default: every run's).
+    #[arg(long)]
+    run: Option<String>,
+
+    /// The only folder policy versions are loaded from (the trainer's --runs-dir): a
+    /// `weights.published` naming weights elsewhere is refused. Default: $ARL_RUNS_DIR,
+    /// else ~/.cache/arl/runs.
+    #[arg(long)]
+    weights_dir: Option<std::path::PathBuf>,
+
+    /// Durable consumer name for weight events (one per engine instance).
+    #[arg(long, default_value = "inference")]
+    instance: String,
+
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
+    #[arg(long, default_value_t = 64)]
+    queue_limit: usize,
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
+    #[arg(long, default_value_t = 8192)]
+    max_model_len: usize,
+    /// In-flight requests when weights change: finish on their version, or abort.
+    #[arg(long, value_enum, default_value_t = SwapPolicy::Finish)]
+    swap_policy: SwapPolicy,
+    /// Sessions (`user` or `x-session-id`) whose KV cache is kept between turns.
+    #[arg(long, default_value_t = 32)]
+    session_cache: usize,
+    /// Prompt tokens whose KV caches are kept so that later requests sharing a prefix with
+    /// them (a GRPO group's trials, a common system prompt) skip its prefill; 0 turns it
+    /// off. SmolLM2-135M holds 46 KiB per token.
+    #[arg(long, default_value_t = 16_384)]
+    prefix_cache_tokens: usize,
+    /// Threads of the CPU kernels; default: the cores this process may use (its CPU
+    /// affinity and cgroup quota).
+    #[arg(long, env = "ARL_THREADS")]
+    threads: Option<usize>,
+}
+
+/// The inference service, for `arl_runtime::host`.
+pub struct Inference;
+
+impl Service for Inference {
+    const NAME: &'static str = "inference";
+    const ABOUT: &'static str =
+        "ARL inference: an OpenAI-compatible engine with token ids, logprobs and versioned weights";
+    type Args = Args;
+
+    async fn start(args: Args, ctx: Context) -> Result<Ops, StartError> {
+        // Each step frees and re-allocates gigabytes of activations: keep them in the
+        // process.
+        arl_model::ops::retain_freed_memory();
+        let threads = arl_model::ops::size_thread_pool(args.threads)
+            .map_err(|e| format!("--threads: {e}"))?;
+        tracing::info!(threads, "CPU kernels sized");
+        let run = args
+            .run
+            .as_deref()
+            .map(RunId::new)
+            .transpose()
+            .map_err(|e| format!("--run: {e}"))?;
+        let base = args.model.as_deref().map(model_path_or_name);
+        let initial = match &args.model {
+            Some(name) => {
+                let path = model_path_or_name(name);
+                let loaded = tokio::task::spawn_blocking(move || LoadedModel::open(&path))
+                    .await?
+                    .map_err(|e| format!("loading {name}: {e}"))?;
+                Some(ServedModel {
+                    run_id: None,
+                    version: 0,
+                    loaded,
+                })
+            }
+            None => None,
+        };
+        let config = EngineConfig {
+            max_batch: args.max_batch.max(1),
+            queue_limit: args.queue_limit,
+            prefill_chunk: args.prefill_chunk.max(1),
+            max_model_len: args.max_model_len,
+            swap_policy: args.swap_policy,
+            session_cache: args.session_cache,
+            prefix_cache_tokens: args.prefix_cache_tokens,
+        };
+        let engine = EngineHandle::start(config, initial)
+            .map_err(|e| format!("starting the engine thread: {e}"))?;
+        crate::weights::follow(
+            &ctx.bus,
+            engine.clone(),
+            &args.instance,
+            run.as_ref(),
+            args.weights_dir
+                .unwrap_or_else(arl_runtime::args::default_runs_dir),
+            base,
+            &ctx.shutdown,
+        );
+        let state = AppState {
+            engine,
+            model_name: args.served_model_name,
+            metrics: InferenceMetrics::register(&ctx.metrics),
+        };
+        let router = api::router(state).merge(arl_runtime::http::ops_router(
+            "inference",
+            ctx.bus,
+            ctx.metrics,
+            arl_runtime::http::Readiness::always(),
+        ));
+        let addr = arl_runtime::http::serve(args.listen, router, &ctx.shutdown)
+            .await
+            .map_err(|e| format!("--listen {}: {e}", args.listen))?;
+        tracing::info!(%addr, "inference serving");
+        println!("listening on http://{addr}");
+        Ok(Ops::Own)
+    }
+}
