@@ -14,8 +14,14 @@ pub trait Event: Serialize + DeserializeOwned + JsonSchema + Send + Sync + 'stat
     /// Dotted name of the event, `domain.event`, e.g. `run.requested`.
     const TYPE: &'static str;
     const VERSION: u32;
+    /// The domain, and so the stream, the event is stored in.
+    const DOMAIN: crate::Domain;
 
     fn subject(&self, ns: &Namespace) -> String;
+
+    /// The subject filter that takes this event of every run: what a consumer of it
+    /// subscribes to.
+    fn filter(ns: &Namespace) -> String;
 
     /// A deterministic id of this logical event, used for de-duplication.
     fn message_id(&self) -> String;

@@ -183,6 +183,7 @@ impl Namespace {
             }
             Role::Imagebuilder => {
                 p.publish(event(Domain::Image, "ready"));
+                p.publish(event(Domain::Run, "failed"));
                 p.publish(event(Domain::Image, "failed"));
                 p.consume(&stream(Domain::Task));
                 read_kv(&mut p, Bucket::RunState);

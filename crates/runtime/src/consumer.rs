@@ -69,6 +69,23 @@ impl ConsumerSpec {
         }
     }
 
+    /// A consumer of event `E` of every run in namespace `ns`, on `E`'s stream.
+    pub fn for_event<E: Event>(ns: &arl_schemas::Namespace, durable: impl Into<String>) -> Self {
+        Self::new(E::DOMAIN, durable, vec![E::filter(ns)])
+    }
+
+    /// Also takes event `E`, which must live in the same stream.
+    pub fn and_event<E: Event>(mut self, ns: &arl_schemas::Namespace) -> Self {
+        assert_eq!(
+            E::DOMAIN,
+            self.domain,
+            "{} is not in this consumer's stream",
+            E::TYPE
+        );
+        self.filter_subjects.push(E::filter(ns));
+        self
+    }
+
     /// Up to `capacity` messages held at once, each kept alive until its handler returns —
     /// for handlers that wait for a batch to be committed.
     pub fn held(mut self, capacity: usize) -> Self {

@@ -21,9 +21,14 @@ macro_rules! event {
         impl crate::Event for $ty {
             const TYPE: &'static str = concat!(stringify!($domain), ".", $event);
             const VERSION: u32 = $version;
+            const DOMAIN: crate::Domain = crate::event_domain!($domain);
 
             fn subject(&self, ns: &crate::Namespace) -> String {
-                ns.event_subject(crate::event_domain!($domain), &self.run_id, $event)
+                ns.event_subject(Self::DOMAIN, &self.run_id, $event)
+            }
+
+            fn filter(ns: &crate::Namespace) -> String {
+                ns.event_filter(Self::DOMAIN, $event)
             }
 
             fn message_id(&self) -> String {

@@ -8,7 +8,7 @@ use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
     DatasetRegisteredV1, EvaluationCompletedV1, RunAcceptedV1, RunFailedV1, RunPhase,
-    RunRejectedV1, TrialFailedV1, TrialFinishedV1, WeightsPublishedV1,
+    RunRejectedV1, RunRequestedV1, TrialFailedV1, TrialFinishedV1, WeightsPublishedV1,
 };
 use arl_schemas::state::{RunStateV1, RunStatus};
 use arl_schemas::{Domain, Event, RunId};
@@ -79,46 +79,26 @@ impl Controller {
     /// Starts every consumer on tasks tracked by `shutdown`, and returns.
     pub fn start(&self, shutdown: &Shutdown) {
         let ns = self.inner.bus.namespace().clone();
-        let mut admission = ConsumerSpec::new(
-            Domain::Run,
-            ADMISSION,
-            vec![ns.event_filter(Domain::Run, "requested")],
-        );
+        let mut admission = ConsumerSpec::for_event::<RunRequestedV1>(&ns, ADMISSION);
         admission.concurrency = self.inner.config.admission_concurrency;
         self.consume(shutdown, admission, |c, d| async move {
             c.on_run_requested(&d).await
         });
 
         // train.step comes in two versions: its fold reads both.
-        self.fold_decoded(
+        self.fold_decoded::<arl_schemas::events::TrainStepV2, _>(
             shutdown,
-            Domain::Train,
-            "step",
             Delivery::decode_train_step,
             progress::apply_train_step,
         );
-        self.fold::<EvaluationCompletedV1>(shutdown, Domain::Eval, "completed", |state, event| {
-            progress::apply_evaluation(state, event);
-        });
-        self.fold::<WeightsPublishedV1>(shutdown, Domain::Weights, "published", |state, event| {
-            progress::apply_weights(state, event);
-        });
-        self.fold::<DatasetRegisteredV1>(shutdown, Domain::Task, "dataset", |state, event| {
-            progress::apply_dataset(state, event);
-        });
-        self.fold::<RunFailedV1>(shutdown, Domain::Run, "failed", |state, event| {
-            progress::apply_run_failed(state, event);
-        });
+        self.fold::<EvaluationCompletedV1>(shutdown, progress::apply_evaluation);
+        self.fold::<WeightsPublishedV1>(shutdown, progress::apply_weights);
+        self.fold::<DatasetRegisteredV1>(shutdown, progress::apply_dataset);
+        self.fold::<RunFailedV1>(shutdown, progress::apply_run_failed);
         // Trial outcomes share one ordered consumer so their counts stay exact.
-        let trials = ConsumerSpec::new(
-            Domain::Trial,
-            FOLD,
-            vec![
-                ns.event_filter(Domain::Trial, "finished"),
-                ns.event_filter(Domain::Trial, "failed"),
-            ],
-        )
-        .ordered();
+        let trials = ConsumerSpec::for_event::<TrialFinishedV1>(&ns, FOLD)
+            .and_event::<TrialFailedV1>(&ns)
+            .ordered();
         self.consume(shutdown, trials, |c, d| async move {
             c.on_trial_outcome(&d).await
         });
@@ -139,39 +119,31 @@ impl Controller {
     }
 
     /// An ordered consumer that applies events of type `E` to their run's state.
-    fn fold<E: Event>(
-        &self,
-        shutdown: &Shutdown,
-        domain: Domain,
-        event: &str,
-        apply: fn(&mut RunStateV1, &E),
-    ) {
-        self.fold_decoded(shutdown, domain, event, Delivery::decode::<E>, apply);
+    fn fold<E: Event>(&self, shutdown: &Shutdown, apply: fn(&mut RunStateV1, &E)) {
+        self.fold_decoded::<E, E>(shutdown, Delivery::decode::<E>, apply);
     }
 
-    /// [`Controller::fold`] for an event read by `decode` (one that comes in several
-    /// versions).
-    fn fold_decoded<T: Send + Sync + 'static>(
+    /// [`Controller::fold`] for an event of type `E` read by `decode` (one that comes in
+    /// several versions).
+    fn fold_decoded<E: Event, T: Send + Sync + 'static>(
         &self,
         shutdown: &Shutdown,
-        domain: Domain,
-        event: &str,
         decode: fn(&Delivery) -> Result<T, arl_schemas::DecodeError>,
         apply: fn(&mut RunStateV1, &T),
     ) {
         let ns = self.inner.bus.namespace();
-        let durable = if domain == Domain::Run {
-            format!("{FOLD}-{event}")
+        // The run stream has the admission consumer too: one durable per folded event.
+        let durable = if E::DOMAIN == Domain::Run {
+            format!("{FOLD}-{}", E::TYPE.trim_start_matches("run."))
         } else {
             FOLD.into()
         };
-        let spec =
-            ConsumerSpec::new(domain, durable, vec![ns.event_filter(domain, event)]).ordered();
+        let spec = ConsumerSpec::for_event::<E>(ns, durable).ordered();
         self.consume(shutdown, spec, move |controller, delivery| async move {
             let event = decode(&delivery).map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
             let run_id = run_of(&controller, &delivery)?;
             controller
-                .apply(&delivery, domain, &run_id, |state| apply(state, &event))
+                .apply(&delivery, E::DOMAIN, &run_id, |state| apply(state, &event))
                 .await
         });
     }

@@ -12,10 +12,10 @@ use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::dataset::DatasetManifestV1;
 use arl_schemas::events::{
-    DatasetRegisteredV1, RunAcceptedV1, RunFailedV1, Split, TaskBatchV1, TaskRef,
+    DatasetRegisteredV1, RunAcceptedV1, RunFailedV1, Split, TaskBatchV1, TaskRef, TrainStepV2,
 };
 use arl_schemas::state::RunStateV1;
-use arl_schemas::{Domain, ObjectStore, RunId};
+use arl_schemas::{ObjectStore, RunId};
 
 use crate::{manifest, split};
 
@@ -33,19 +33,11 @@ impl DatasetService {
 
     pub fn start(&self, shutdown: &Shutdown) {
         let ns = self.bus.namespace();
-        let mut accepted = ConsumerSpec::new(
-            Domain::Run,
-            SERVICE,
-            vec![ns.event_filter(Domain::Run, "accepted")],
-        );
+        let mut accepted = ConsumerSpec::for_event::<RunAcceptedV1>(ns, SERVICE);
         // Loading 500 SWE-bench rows with their test patches takes a moment.
         accepted.keep_alive = true;
         accepted.concurrency = 2;
-        let steps = ConsumerSpec::new(
-            Domain::Train,
-            SERVICE,
-            vec![ns.event_filter(Domain::Train, "step")],
-        );
+        let steps = ConsumerSpec::for_event::<TrainStepV2>(ns, SERVICE);
         let service = Arc::new(self.clone());
         let on_accepted = service.clone();
         shutdown.spawn(run_consumer(

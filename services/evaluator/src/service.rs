@@ -15,7 +15,7 @@ use arl_schemas::events::{
     DatasetRegisteredV1, EvaluationCompletedV1, PassAtK, RewardScoredV2, Split, TaskBatchV1,
     TaskRef, TrainStep, TrainStepV2, TrialFailedV1, TrialSlot,
 };
-use arl_schemas::{Bucket, Domain, Event, RunId, TaskId};
+use arl_schemas::{Bucket, Event, RunId, TaskId};
 use serde::{Deserialize, Serialize};
 
 use crate::stats;
@@ -131,26 +131,10 @@ impl Evaluator {
         let ns = self.bus.namespace();
         let this = Arc::new(self.clone());
         let consumers = [
-            ConsumerSpec::new(
-                Domain::Train,
-                SERVICE,
-                vec![ns.event_filter(Domain::Train, "step")],
-            ),
-            ConsumerSpec::new(
-                Domain::Reward,
-                SERVICE,
-                vec![ns.event_filter(Domain::Reward, "scored")],
-            ),
-            ConsumerSpec::new(
-                Domain::Trial,
-                SERVICE,
-                vec![ns.event_filter(Domain::Trial, "failed")],
-            ),
-            ConsumerSpec::new(
-                Domain::Task,
-                SERVICE,
-                vec![ns.event_filter(Domain::Task, "dataset")],
-            ),
+            ConsumerSpec::for_event::<TrainStepV2>(ns, SERVICE),
+            ConsumerSpec::for_event::<RewardScoredV2>(ns, SERVICE),
+            ConsumerSpec::for_event::<TrialFailedV1>(ns, SERVICE),
+            ConsumerSpec::for_event::<DatasetRegisteredV1>(ns, SERVICE),
         ];
         for spec in consumers {
             let this = this.clone();

@@ -9,11 +9,11 @@ use std::sync::Arc;
 
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
+use arl_schemas::RunId;
 use arl_schemas::events::{
     EnvironmentLocation, ImageFailedV1, ImageFailureReason, ImageReadyV1, TaskBatchV1, TaskKind,
     TaskRef,
 };
-use arl_schemas::{Domain, RunId};
 
 use crate::buildkit::BuildKit;
 use crate::local::{BuildError, LocalBuilder};
@@ -85,11 +85,7 @@ impl ImageBuilder {
 
     pub fn start(self, shutdown: &Shutdown) {
         let ns = self.bus.namespace();
-        let mut spec = ConsumerSpec::new(
-            Domain::Task,
-            "imagebuilder",
-            vec![ns.event_filter(Domain::Task, "batch")],
-        );
+        let mut spec = ConsumerSpec::for_event::<TaskBatchV1>(ns, "imagebuilder");
         // A cold build takes minutes: keep the batch alive while it runs.
         spec.keep_alive = true;
         spec.concurrency = 4;
@@ -108,7 +104,11 @@ impl ImageBuilder {
 
     async fn on_batch(&self, delivery: Delivery) -> Result<(), HandlerError> {
         let batch: TaskBatchV1 = delivery.decode()?;
-        let dataset = self.dataset_path(&batch.run_id).await?;
+        let dataset = if batch.tasks.iter().any(|t| t.kind == TaskKind::Harbor) {
+            self.dataset_path(&batch.run_id).await?
+        } else {
+            None
+        };
         // Math tasks run in a generic sandbox: nothing to build, nothing to announce.
         for task in batch.tasks.iter().filter(|t| t.kind != TaskKind::Math) {
             let started = std::time::Instant::now();
@@ -234,10 +234,18 @@ impl ImageBuilder {
         })
     }
 
-    /// The run's dataset location (Harbor task folders live under it).
+    /// The run's dataset location (Harbor task folders live under it), from its state:
+    /// a run without one is waited for, then given up (`HandlerError::RunGone`).
     async fn dataset_path(&self, run: &RunId) -> Result<Option<PathBuf>, HandlerError> {
-        let context = self.bus.run_context(run).await?;
-        Ok(context.state.dataset_path.map(PathBuf::from))
+        let state = self
+            .bus
+            .run_state(run)
+            .await?
+            .ok_or_else(|| HandlerError::RunGone {
+                run: run.clone(),
+                reason: format!("run {run} has no state (not written yet, or deleted mid-run)"),
+            })?;
+        Ok(state.dataset_path.map(PathBuf::from))
     }
 
     fn recipe(&self, task: &TaskRef, dataset: Option<&PathBuf>) -> Result<Recipe, Failure> {

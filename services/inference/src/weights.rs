@@ -90,13 +90,14 @@ fn follow_run_ends(
     shutdown: &Shutdown,
 ) {
     let ns = bus.namespace();
-    let filters = ["completed", "failed"]
-        .map(|event| match run {
-            Some(run) => ns.event_subject(Domain::Run, run, event),
-            None => ns.event_filter(Domain::Run, event),
-        })
-        .to_vec();
-    let mut spec = ConsumerSpec::new(Domain::Run, format!("{durable}-run-ends"), filters).ordered();
+    let mut spec = ConsumerSpec::for_event::<RunCompletedV1>(ns, format!("{durable}-run-ends"))
+        .and_event::<RunFailedV1>(ns);
+    if let Some(run) = run {
+        spec.filter_subjects = ["completed", "failed"]
+            .map(|event| ns.event_subject(Domain::Run, run, event))
+            .to_vec();
+    }
+    let mut spec = spec.ordered();
     spec.keep_alive = true;
     shutdown.spawn(run_consumer(
         bus.clone(),

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_sandbox_client::{SandboxClient, SandboxError};
-use arl_schemas::Domain;
 use arl_schemas::dataset::{Grading, TaskRecord, answer_matches};
 use arl_schemas::events::{
     FailureClass, RewardBreakdown, RewardScoredV2, TestReport, TestSetOutcome, TrialFailedV1,
@@ -101,11 +100,7 @@ impl RewardService {
 
     pub fn start(&self, shutdown: &Shutdown, concurrency: usize) {
         let ns = self.bus.namespace();
-        let mut spec = ConsumerSpec::new(
-            Domain::Trial,
-            SERVICE,
-            vec![ns.event_filter(Domain::Trial, "finished")],
-        );
+        let mut spec = ConsumerSpec::for_event::<TrialFinishedV1>(ns, SERVICE);
         spec.keep_alive = true;
         spec.concurrency = concurrency.max(1);
         spec.max_deliver = SANDBOX_ATTEMPTS + 2;

@@ -18,7 +18,7 @@ use arl_schemas::events::{
     RewardScoredV2, SampleStatus, TrialFailedV1, TrialRequestedV1, TrialSlot,
 };
 use arl_schemas::state::FinishedAttemptV1;
-use arl_schemas::{Domain, RunId, TrialId};
+use arl_schemas::{RunId, TrialId};
 
 use crate::llm::TrialError;
 use crate::service::{Rollout, SERVICE};
@@ -41,19 +41,11 @@ pub(crate) fn start(rollout: Arc<Rollout>, shutdown: &Shutdown) {
     ];
     // Kept alive while handled: a grading failure under a retry policy backs off before
     // requesting the next attempt.
-    let mut grades = ConsumerSpec::new(
-        Domain::Reward,
-        SERVICE,
-        vec![ns.event_filter(Domain::Reward, "scored")],
-    );
+    let mut grades = ConsumerSpec::for_event::<RewardScoredV2>(ns, SERVICE);
     grades.keep_alive = true;
     grades.max_deliver = GRADE_DELIVERIES;
     grades.retry_backoff = retry_backoff.clone();
-    let mut failures = ConsumerSpec::new(
-        Domain::Trial,
-        FAILURES,
-        vec![ns.event_filter(Domain::Trial, "failed")],
-    );
+    let mut failures = ConsumerSpec::for_event::<TrialFailedV1>(ns, FAILURES);
     failures.keep_alive = true;
     failures.max_deliver = GRADE_DELIVERIES;
     failures.retry_backoff = retry_backoff;

@@ -133,17 +133,9 @@ impl Rollout {
 
     pub fn start(&self, shutdown: &Shutdown) {
         let ns = self.bus.namespace();
-        let batches = ConsumerSpec::new(
-            Domain::Task,
-            SERVICE,
-            vec![ns.event_filter(Domain::Task, "batch")],
-        );
-        let mut trials = ConsumerSpec::new(
-            Domain::Trial,
-            SERVICE,
-            vec![ns.event_filter(Domain::Trial, "requested")],
-        )
-        .held(self.config.concurrency.max(1));
+        let batches = ConsumerSpec::for_event::<TaskBatchV1>(ns, SERVICE);
+        let mut trials = ConsumerSpec::for_event::<TrialRequestedV1>(ns, SERVICE)
+            .held(self.config.concurrency.max(1));
         // A replica that dies mid-trial stops the in-progress signal: the trial comes
         // back within a minute; the record tells the next replica what happened.
         trials.ack_wait = self.config.ack_wait;

@@ -182,12 +182,8 @@ impl Trainer {
     /// Starts the announcements and the trajectory consumer.
     pub fn start(self, shutdown: &Shutdown) {
         let ns = self.bus.namespace();
-        let mut spec = ConsumerSpec::new(
-            Domain::Trajectory,
-            "trainer",
-            vec![ns.event_filter(Domain::Trajectory, "ready")],
-        )
-        .held(self.config.capacity);
+        let mut spec =
+            ConsumerSpec::for_event::<TrajectoryV1>(ns, "trainer").held(self.config.capacity);
         spec.ack_wait = self.config.ack_wait;
         spec.max_deliver = 20;
         let bus = self.bus.clone();

@@ -55,14 +55,14 @@ pub struct LlmCallV1 {
 impl crate::Event for LlmCallV1 {
     const TYPE: &'static str = "llm.call";
     const VERSION: u32 = 1;
+    const DOMAIN: crate::Domain = crate::Domain::Llm;
+
+    fn filter(ns: &crate::Namespace) -> String {
+        ns.entity_filter(Self::DOMAIN, "call")
+    }
 
     fn subject(&self, ns: &crate::Namespace) -> String {
-        ns.entity_subject(
-            crate::Domain::Llm,
-            &self.run_id,
-            self.trial_id.as_str(),
-            "call",
-        )
+        ns.entity_subject(Self::DOMAIN, &self.run_id, self.trial_id.as_str(), "call")
     }
 
     fn message_id(&self) -> String {
