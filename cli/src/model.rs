@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use arl_model::chat::ChatMessage;
 use arl_model::generate::{Sampling, generate};
 use arl_model::load::LoadedModel;
-use arl_schemas::spec::model_path_or_name;
+use arl_runtime::args::model_path_or_name;
 
 use crate::cli::ModelCommand;
 use crate::run::CliError;

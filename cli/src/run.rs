@@ -5,10 +5,11 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use arl_runtime::args::default_model_dir;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics};
 use arl_schemas::events::RunRequestedV1;
-use arl_schemas::spec::{RunSpec, default_model_dir};
+use arl_schemas::spec::RunSpec;
 use arl_schemas::state::{RunStateV1, RunStatus};
 use arl_schemas::{Bucket, FieldError, Namespace, RunId};
 use async_nats::jetstream::kv;
@@ -113,7 +114,7 @@ pub fn load_spec(path: &Path, check_resources: bool) -> Result<RunSpec, CliError
     let mut errors = spec.check();
     if check_resources
         && errors.is_empty()
-        && let Err(resource_errors) = spec.check_resources(&default_model_dir())
+        && let Err(resource_errors) = arl_controller::resources::check(&spec, &default_model_dir())
     {
         errors.extend(resource_errors);
     }

@@ -7,7 +7,7 @@
 //! 2. ranges and cross-field rules — [`RunSpec::check`];
 //! 3. resources on this machine (model and dataset reachable) — [`RunSpec::check_resources`].
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -389,13 +389,6 @@ pub enum Device {
     Cuda,
 }
 
-/// The model and dataset a spec resolved to on this machine.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ResolvedResources {
-    pub model_path: PathBuf,
-    pub dataset_path: PathBuf,
-}
-
 /// Known model names and the file `make models` installs for each.
 pub const MODEL_NAMES: &[(&str, &str)] = &[
     ("smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -404,14 +397,6 @@ pub const MODEL_NAMES: &[(&str, &str)] = &[
         "qwen2.5-coder-0.5b-instruct.gguf",
     ),
 ];
-
-/// An installed model's name to its file in [`default_model_dir`]; anything else is a path.
-pub fn model_path_or_name(path: &str) -> PathBuf {
-    match MODEL_NAMES.iter().find(|(name, _)| *name == path) {
-        Some((_, file)) => default_model_dir().join(file),
-        None => PathBuf::from(path),
-    }
-}
 
 impl RunSpec {
     /// Decodes TOML, reporting the first structural problem with its path.
@@ -619,22 +604,6 @@ impl RunSpec {
         errors
     }
 
-    /// Checks that the model and the dataset can be read on this machine, and resolves
-    /// them to paths.
-    pub fn check_resources(&self, model_dir: &Path) -> Result<ResolvedResources, Vec<FieldError>> {
-        let model = resolve_model(&self.model.path, model_dir)
-            .map_err(|reason| FieldError::new("model.path", reason));
-        let dataset = check_dataset(&self.data.dataset, self.data.source)
-            .map_err(|reason| FieldError::new("data.dataset", reason));
-        match (model, dataset) {
-            (Ok(model_path), Ok(dataset_path)) => Ok(ResolvedResources {
-                model_path,
-                dataset_path,
-            }),
-            (model, dataset) => Err([model.err(), dataset.err()].into_iter().flatten().collect()),
-        }
-    }
-
     /// Makes relative dataset and model paths absolute against `base` (the spec file's
     /// folder), so the spec means the same thing on the controller.
     pub fn resolve_relative_paths(&mut self, base: &Path) {
@@ -650,110 +619,10 @@ impl RunSpec {
     }
 }
 
-/// The model folder: `$ARL_MODEL_DIR`, else `~/.cache/arl/models`.
-pub fn default_model_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("ARL_MODEL_DIR") {
-        return PathBuf::from(dir);
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."));
-    home.join(".cache/arl/models")
-}
-
 fn path_error<E: std::fmt::Display>(err: serde_path_to_error::Error<E>) -> FieldError {
     let path = err.path().to_string();
     let path = if path == "." { String::new() } else { path };
     FieldError::new(path, err.into_inner().to_string())
-}
-
-fn resolve_model(spec_path: &str, model_dir: &Path) -> Result<PathBuf, String> {
-    if let Some((_, file)) = MODEL_NAMES.iter().find(|(name, _)| *name == spec_path) {
-        let path = model_dir.join(file);
-        if !path.exists() {
-            return Err(format!(
-                "model {spec_path:?} is not installed ({} is missing); run `make models`",
-                path.display()
-            ));
-        }
-        return check_model_path(&path).map(|()| path);
-    }
-    let path = PathBuf::from(spec_path);
-    if !path.exists() {
-        let names: Vec<_> = MODEL_NAMES.iter().map(|(n, _)| *n).collect();
-        return Err(format!(
-            "no such file or directory: {spec_path}; give a GGUF file, a Hugging Face folder, \
-             or one of {names:?}"
-        ));
-    }
-    check_model_path(&path).map(|()| path)
-}
-
-fn check_model_path(path: &Path) -> Result<(), String> {
-    if path.is_dir() {
-        if !path.join("config.json").is_file() {
-            return Err(format!(
-                "{} is a folder without config.json; a Hugging Face model folder needs config.json \
-                 and *.safetensors",
-                path.display()
-            ));
-        }
-        return Ok(());
-    }
-    let mut magic = [0u8; 4];
-    std::fs::File::open(path)
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
-        .map_err(|err| format!("cannot read {}: {err}", path.display()))?;
-    if &magic != b"GGUF" {
-        return Err(format!(
-            "{} is not a GGUF file (it starts with {magic:02x?}, not \"GGUF\")",
-            path.display()
-        ));
-    }
-    Ok(())
-}
-
-fn check_dataset(spec_path: &str, source: DataSource) -> Result<PathBuf, String> {
-    let path = PathBuf::from(spec_path);
-    if !path.exists() {
-        return Err(format!("no such file or directory: {spec_path}"));
-    }
-    match source {
-        DataSource::Harbor => {
-            if !path.is_dir() {
-                return Err(format!(
-                    "{spec_path} is a file, but data.source = \"harbor\" needs a folder of task \
-                     folders"
-                ));
-            }
-            let has_task = std::fs::read_dir(&path)
-                .map_err(|err| format!("cannot list {spec_path}: {err}"))?
-                .filter_map(Result::ok)
-                .any(|entry| entry.path().join("task.toml").is_file());
-            if !has_task {
-                return Err(format!(
-                    "{spec_path} holds no Harbor task (no sub-folder with a task.toml)"
-                ));
-            }
-        }
-        DataSource::Gsm8k if path.is_dir() => {}
-        DataSource::Swebench | DataSource::Gsm8k => {
-            let ext = path
-                .extension()
-                .and_then(|e| e.to_str())
-                .unwrap_or_default();
-            let allowed: &[&str] = match source {
-                DataSource::Swebench => &["jsonl", "json", "parquet", "arrow"],
-                _ => &["jsonl", "json"],
-            };
-            if !path.is_file() || !allowed.contains(&ext) {
-                return Err(format!(
-                    "{spec_path} must be a file ending in one of {allowed:?}"
-                ));
-            }
-        }
-    }
-    Ok(path)
 }
 
 #[cfg(test)]
@@ -827,43 +696,6 @@ mod tests {
                 "trainer.ppo_epochs"
             ]
         );
-    }
-
-    #[test]
-    fn resources_resolve_names_and_check_files() {
-        let dir = tempfile::tempdir().unwrap();
-        let models = dir.path().join("models");
-        std::fs::create_dir_all(&models).unwrap();
-        let tasks = dir.path().join("tasks");
-        std::fs::create_dir_all(tasks.join("t1")).unwrap();
-        std::fs::write(tasks.join("t1/task.toml"), "").unwrap();
-
-        let mut spec = RunSpec::default();
-        spec.data.dataset = tasks.to_string_lossy().into_owned();
-        let errors = spec.check_resources(&models).unwrap_err();
-        assert_eq!(errors[0].path, "model.path");
-        assert!(errors[0].reason.contains("make models"), "{errors:?}");
-
-        std::fs::write(
-            models.join("SmolLM2-135M-Instruct.Q4_1.gguf"),
-            b"GGUF\x03\0\0\0",
-        )
-        .unwrap();
-        let resolved = spec.check_resources(&models).unwrap();
-        assert!(
-            resolved
-                .model_path
-                .ends_with("SmolLM2-135M-Instruct.Q4_1.gguf")
-        );
-
-        let not_gguf = dir.path().join("x.gguf");
-        std::fs::write(&not_gguf, b"PK\x03\x04").unwrap();
-        spec.model.path = not_gguf.to_string_lossy().into_owned();
-        spec.data.dataset = dir.path().join("none").to_string_lossy().into_owned();
-        let errors = spec.check_resources(&models).unwrap_err();
-        let paths: Vec<_> = errors.iter().map(|e| e.path.as_str()).collect();
-        assert_eq!(paths, ["model.path", "data.dataset"]);
-        assert!(errors[0].reason.contains("not a GGUF file"));
     }
 
     #[test]

@@ -51,3 +51,27 @@ pub fn default_runs_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("."))
         .join(".cache/arl/runs")
 }
+
+/// Where `make models` installs models on one machine: `$ARL_MODEL_DIR`, else
+/// `~/.cache/arl/models`.
+pub fn default_model_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("ARL_MODEL_DIR") {
+        return PathBuf::from(dir);
+    }
+    std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join(".cache/arl/models")
+}
+
+/// An installed model's name (`arl_schemas::spec::MODEL_NAMES`) to its file in
+/// [`default_model_dir`]; anything else is a path.
+pub fn model_path_or_name(path: &str) -> PathBuf {
+    match arl_schemas::spec::MODEL_NAMES
+        .iter()
+        .find(|(name, _)| *name == path)
+    {
+        Some((_, file)) => default_model_dir().join(file),
+        None => PathBuf::from(path),
+    }
+}

@@ -3,7 +3,9 @@
 use std::path::Path;
 
 use arl_schemas::events::RunRequestedV1;
-use arl_schemas::spec::{Device, ResolvedResources};
+use arl_schemas::spec::Device;
+
+use crate::resources::{self, ResolvedResources};
 use arl_schemas::state::TrainerAnnouncementV1;
 use arl_schemas::{FieldError, RunId};
 
@@ -80,7 +82,7 @@ pub fn admit(
             errors: vec![error],
         });
     }
-    match request.spec.check_resources(model_dir) {
+    match resources::check(&request.spec, model_dir) {
         Ok(resources) => Ok(Admission::Accept {
             request: Box::new(request),
             resources,

@@ -11,6 +11,7 @@
 pub mod admission;
 pub mod hosted;
 pub mod progress;
+pub mod resources;
 pub mod service;
 pub mod store;
 

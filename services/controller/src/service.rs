@@ -33,7 +33,7 @@ pub struct ControllerConfig {
 impl Default for ControllerConfig {
     fn default() -> Self {
         Self {
-            model_dir: arl_schemas::spec::default_model_dir(),
+            model_dir: arl_runtime::args::default_model_dir(),
             admission_concurrency: 8,
         }
     }

@@ -4,9 +4,9 @@
 use std::net::SocketAddr;
 
 use arl_model::load::LoadedModel;
+use arl_runtime::args::model_path_or_name;
 use arl_runtime::host::{Context, Ops, Service, StartError};
 use arl_schemas::RunId;
-use arl_schemas::spec::model_path_or_name;
 
 use crate::api::{self, AppState, InferenceMetrics};
 use crate::engine::{EngineConfig, EngineHandle, ServedModel, SwapPolicy};
