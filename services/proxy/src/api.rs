@@ -239,8 +239,7 @@ async fn call(p: Arc<Proxy>, key: Option<String>, kind: Kind, request: Request) 
             .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         return response;
     }
-    load.in_flight.fetch_add(1, Ordering::SeqCst);
-    let guard = InFlight(load.clone());
+    let guard = InFlight::enter(&load);
 
     let stream = fields.get("stream").and_then(Value::as_bool) == Some(true);
     let call = CallContext {
@@ -271,7 +270,7 @@ async fn call(p: Arc<Proxy>, key: Option<String>, kind: Kind, request: Request) 
         let mut body = fields.clone();
         backend.dialect.decorate(&mut body, kind == Kind::Chat);
         let bytes = Bytes::from(Value::Object(body).to_string());
-        backend.in_flight.fetch_add(1, Ordering::SeqCst);
+        let on_backend = InFlight::enter(&backend);
         let sent = p
             .client
             .post_json(&format!("{}{}", backend.url, kind.path()), bytes)
@@ -279,13 +278,11 @@ async fn call(p: Arc<Proxy>, key: Option<String>, kind: Kind, request: Request) 
         let response = match sent {
             Ok(response) => response,
             Err(ClientError::Connect(reason)) => {
-                backend.in_flight.fetch_sub(1, Ordering::SeqCst);
                 tracing::warn!(backend = %backend.url, %reason, "backend refused; trying another");
                 p.backends.mark_down(index);
                 continue;
             }
             Err(ClientError::Other(reason)) => {
-                backend.in_flight.fetch_sub(1, Ordering::SeqCst);
                 return error(StatusCode::BAD_GATEWAY, "backend_error", reason);
             }
         };
@@ -293,7 +290,6 @@ async fn call(p: Arc<Proxy>, key: Option<String>, kind: Kind, request: Request) 
         let status = response.status();
         if !status.is_success() {
             // The engine refused the request (bad input, overload): nothing was generated.
-            backend.in_flight.fetch_sub(1, Ordering::SeqCst);
             let body = response.into_body().collect().await.map(|b| b.to_bytes());
             return (
                 status,
@@ -307,8 +303,7 @@ async fn call(p: Arc<Proxy>, key: Option<String>, kind: Kind, request: Request) 
             call,
             backend: backend.url.clone(),
             record: Record::default(),
-            _in_flight: guard,
-            backend_load: backend.clone(),
+            _in_flight: (guard, on_backend),
         };
         return if stream {
             recorder.stream(response.into_body())
@@ -414,11 +409,37 @@ fn backpressure(p: &Proxy, trial: &Trial, load: &RunLoad) -> Option<Response> {
     Some(response)
 }
 
-struct InFlight(Arc<RunLoad>);
+/// What counts its calls in flight: a run's load, a backend.
+pub(crate) trait CountsInFlight {
+    fn in_flight(&self) -> &AtomicUsize;
+}
 
-impl Drop for InFlight {
+impl CountsInFlight for RunLoad {
+    fn in_flight(&self) -> &AtomicUsize {
+        &self.in_flight
+    }
+}
+
+impl CountsInFlight for crate::backends::Backend {
+    fn in_flight(&self) -> &AtomicUsize {
+        &self.in_flight
+    }
+}
+
+/// One call counted in flight on `T` from `enter` until dropped, whichever way the call
+/// ends (refused, failed, answered, or its client gone mid-stream).
+struct InFlight<T: CountsInFlight>(Arc<T>);
+
+impl<T: CountsInFlight> InFlight<T> {
+    fn enter(on: &Arc<T>) -> Self {
+        on.in_flight().fetch_add(1, Ordering::SeqCst);
+        Self(on.clone())
+    }
+}
+
+impl<T: CountsInFlight> Drop for InFlight<T> {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.0.in_flight().fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -519,14 +540,8 @@ struct Recorder {
     call: CallContext,
     backend: String,
     record: Record,
-    _in_flight: InFlight,
-    backend_load: Arc<crate::backends::Backend>,
-}
-
-impl Drop for Recorder {
-    fn drop(&mut self) {
-        self.backend_load.in_flight.fetch_sub(1, Ordering::SeqCst);
-    }
+    /// The call counts on its run and on its backend while the recorder lives.
+    _in_flight: (InFlight<RunLoad>, InFlight<crate::backends::Backend>),
 }
 
 impl Recorder {
