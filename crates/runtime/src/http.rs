@@ -181,3 +181,64 @@ pub fn serve_unix(
     tracing::info!(socket = %path.display(), "serving HTTP");
     Ok(())
 }
+
+/// An error answer in OpenAI's shape — `{"error": {"message", "type", "param", "code"}}` —
+/// with its HTTP status: the one error body of every ARL HTTP API (the engine and the
+/// proxy speak OpenAI's API; the sandbox's lease API answers the same way, and its
+/// clients read `code` and `message`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// OpenAI's `type`: `invalid_request_error`, `rate_limit_exceeded`, …
+    pub kind: &'static str,
+    /// The request field at fault, where there is one.
+    pub param: Option<&'static str>,
+    /// A stable, machine-readable reason: `model_not_found`, `queue_full`, …
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+        }
+    }
+
+    /// 400 `invalid_request_error`, naming the field at fault.
+    pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        Self {
+            param,
+            ..Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+        }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    pub fn with_param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
+    }
+
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> axum::response::Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}

@@ -182,10 +182,9 @@ fn respond(state: &AppState, endpoint: Endpoint, result: Result<Response, ApiErr
 }
 
 fn current_model(state: &AppState) -> Result<Arc<ServedModel>, ApiError> {
-    state
-        .engine
-        .current()
-        .ok_or_else(|| ApiError::from_submit(crate::engine::SubmitError::NoWeights, "model"))
+    state.engine.current().ok_or_else(|| {
+        crate::protocol::submit_error(crate::engine::SubmitError::NoWeights, "model")
+    })
 }
 
 fn chat_job(state: &AppState, headers: &HeaderMap, request: ChatRequest) -> Result<Job, ApiError> {
@@ -383,16 +382,16 @@ fn job(
     if let Some(name) = &common.model
         && name != &state.model_name
     {
-        return Err(ApiError {
-            status: axum::http::StatusCode::NOT_FOUND,
-            message: format!(
+        return Err(ApiError::new(
+            axum::http::StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!(
                 "the model {name:?} does not exist; this server serves {:?}",
                 state.model_name
             ),
-            kind: "invalid_request_error",
-            param: Some("model"),
-            code: Some("model_not_found"),
-        });
+        )
+        .with_param("model")
+        .with_code("model_not_found"));
     }
     if prompt.is_empty() {
         return Err(ApiError::invalid("the prompt is empty", Some("prompt")));
@@ -437,7 +436,7 @@ fn job(
     };
     let max_len = state.engine.max_len();
     if prompt.len() >= max_len {
-        return Err(ApiError::from_submit(
+        return Err(crate::protocol::submit_error(
             crate::engine::SubmitError::ContextLength {
                 max: max_len,
                 prompt: prompt.len(),
@@ -546,7 +545,7 @@ async fn run(state: &AppState, job: Job, endpoint: Endpoint) -> Result<Response,
             cancel,
         })
         .map_err(|e| {
-            ApiError::from_submit(
+            crate::protocol::submit_error(
                 e,
                 if endpoint == Endpoint::Chat {
                     "messages"
@@ -608,13 +607,12 @@ async fn run(state: &AppState, job: Job, endpoint: Endpoint) -> Result<Response,
 }
 
 fn aborted(message: String) -> ApiError {
-    ApiError {
-        status: axum::http::StatusCode::SERVICE_UNAVAILABLE,
+    ApiError::new(
+        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+        "service_unavailable",
         message,
-        kind: "service_unavailable",
-        param: None,
-        code: Some("weights_changed"),
-    }
+    )
+    .with_code("weights_changed")
 }
 
 impl Generation {

@@ -6,9 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use arl_model::tokenizer::Tokenizer;
-use axum::Json;
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -142,67 +140,27 @@ pub enum Prompt {
     Batch(Vec<Vec<u32>>),
 }
 
-/// OpenAI's error body with its status.
-#[derive(Debug)]
-pub struct ApiError {
-    pub status: StatusCode,
-    pub message: String,
-    pub kind: &'static str,
-    pub param: Option<&'static str>,
-    pub code: Option<&'static str>,
-}
+pub use arl_runtime::http::ApiError;
 
-impl ApiError {
-    pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self {
-            status: StatusCode::BAD_REQUEST,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param,
-            code: None,
+/// What a refused submission means to an OpenAI client.
+pub fn submit_error(err: SubmitError, param: &'static str) -> ApiError {
+    let message = err.to_string();
+    match err {
+        SubmitError::NoWeights | SubmitError::Stopped => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            message,
+        )
+        .with_code("no_weights"),
+        SubmitError::QueueFull(_) => ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_exceeded",
+            message,
+        )
+        .with_code("queue_full"),
+        SubmitError::ContextLength { .. } => {
+            ApiError::invalid(message, Some(param)).with_code("context_length_exceeded")
         }
-    }
-
-    pub fn from_submit(err: SubmitError, param: &'static str) -> Self {
-        let message = err.to_string();
-        match err {
-            SubmitError::NoWeights | SubmitError::Stopped => Self {
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                message,
-                kind: "service_unavailable",
-                param: None,
-                code: Some("no_weights"),
-            },
-            SubmitError::QueueFull(_) => Self {
-                status: StatusCode::TOO_MANY_REQUESTS,
-                message,
-                kind: "rate_limit_exceeded",
-                param: None,
-                code: Some("queue_full"),
-            },
-            SubmitError::ContextLength { .. } => Self {
-                status: StatusCode::BAD_REQUEST,
-                message,
-                kind: "invalid_request_error",
-                param: Some(param),
-                code: Some("context_length_exceeded"),
-            },
-        }
-    }
-
-    pub fn body(&self) -> Value {
-        json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": self.param,
-            "code": self.code,
-        }})
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
     }
 }
 

@@ -95,10 +95,8 @@ pub fn router(proxy: Proxy) -> Router {
 }
 
 /// OpenAI's error body.
-pub fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
-    let body =
-        json!({"error": {"message": message.into(), "type": kind, "param": null, "code": null}});
-    (status, axum::Json(body)).into_response()
+pub fn error(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Response {
+    arl_runtime::http::ApiError::new(status, kind, message).into_response()
 }
 
 fn bearer(headers: &HeaderMap) -> Option<String> {

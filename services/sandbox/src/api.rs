@@ -44,21 +44,19 @@ pub fn router<B: Backend>(service: SandboxService<B>) -> Router {
         .with_state(service)
 }
 
-/// An error answer: `{"error": {"code": …, "message": …}}`.
+/// An error answer in the shape every ARL HTTP API uses: `{"error": {"code", "message",
+/// "type", "param"}}` (clients read `code` and `message`).
 #[derive(Debug)]
-pub struct ApiError {
-    status: StatusCode,
-    code: &'static str,
-    message: String,
-}
+pub struct ApiError(arl_runtime::http::ApiError);
 
 impl ApiError {
     fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            code,
-            message: message.into(),
-        }
+        let kind = if status.is_client_error() {
+            "invalid_request_error"
+        } else {
+            "server_error"
+        };
+        Self(arl_runtime::http::ApiError::new(status, kind, message).with_code(code))
     }
 
     fn bad_request(message: impl Into<String>) -> Self {
@@ -68,8 +66,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = serde_json::json!({"error": {"code": self.code, "message": self.message}});
-        (self.status, axum::Json(body)).into_response()
+        self.0.into_response()
     }
 }
 
