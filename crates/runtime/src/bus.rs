@@ -533,7 +533,7 @@ impl Bus {
                 ),
             })?;
         let spec = state.spec.clone().ok_or_else(|| {
-            crate::HandlerError::DeadLetter(format!(
+            crate::HandlerError::dead_letter(format!(
                 "run {run} has no spec in its state (status {}); it was never accepted",
                 state.status.as_str()
             ))
@@ -568,7 +568,7 @@ impl Bus {
         if arl_schemas::state::TrialRecordV2::requested(record.as_ref(), attempt) {
             return Ok(());
         }
-        Err(crate::HandlerError::DeadLetter(format!(
+        Err(crate::HandlerError::dead_letter(format!(
             "{what} for trial {trial} attempt {attempt}, which the rollout service never requested (ARL_TRIALS has {}); refused",
             match record {
                 Some(r) => format!("attempt {}", r.attempt),

@@ -167,15 +167,20 @@ impl Delivery {
     }
 }
 
-/// How a handler failed.
+/// Any error, kept whole (its sources too) for the log and the dead letter.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How a handler failed. Which kind an error is decides what happens to the message; the
+/// error itself travels with it, sources and all (`From` impls sort the common ones: a bus
+/// error is transient, a message that does not decode never will).
 #[derive(Debug, thiserror::Error)]
 pub enum HandlerError {
     /// Transient (bus or disk trouble): try again later.
-    #[error("{0}")]
-    Retry(String),
+    #[error(transparent)]
+    Retry(BoxError),
     /// The message can never be handled: park it on the dead-letter subject now.
-    #[error("{0}")]
-    DeadLetter(String),
+    #[error(transparent)]
+    DeadLetter(BoxError),
     /// The run the message belongs to has no state (not written yet, or deleted mid-run):
     /// retried like `Retry`; on the last delivery the service gives the run up — it
     /// publishes `run.failed` with the reason — and the message is dead-lettered.
@@ -186,17 +191,45 @@ pub enum HandlerError {
     },
 }
 
+impl HandlerError {
+    /// Transient: the message comes back after a delay.
+    pub fn retry(error: impl Into<BoxError>) -> Self {
+        HandlerError::Retry(error.into())
+    }
+
+    /// Never handleable: the message is parked with the reason.
+    pub fn dead_letter(error: impl Into<BoxError>) -> Self {
+        HandlerError::DeadLetter(error.into())
+    }
+}
+
 /// A message that does not decode never will: it is dead-lettered with the reason.
 impl From<arl_schemas::DecodeError> for HandlerError {
     fn from(err: arl_schemas::DecodeError) -> Self {
-        HandlerError::DeadLetter(err.to_string())
+        HandlerError::DeadLetter(Box::new(err))
     }
 }
 
 impl From<BusError> for HandlerError {
     fn from(err: BusError) -> Self {
-        HandlerError::Retry(err.to_string())
+        HandlerError::Retry(Box::new(err))
     }
+}
+
+/// An error and its sources, one line: what a log or a dead letter says.
+fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        // Wrappers that print their source already are not repeated.
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 /// Consumes until shutdown. Handlers run on tasks tracked by `shutdown`.
@@ -371,9 +404,13 @@ async fn handle_message<H, Fut>(
                 settle(&message, AckKind::Ack).await;
                 "ok"
             }
-            Err(HandlerError::Retry(reason) | HandlerError::RunGone { reason, .. })
+            Err(error @ (HandlerError::Retry(_) | HandlerError::RunGone { .. }))
                 if attempt < spec.max_deliver =>
             {
+                let reason = match &error {
+                    HandlerError::Retry(error) => chain(error.as_ref()),
+                    other => other.to_string(),
+                };
                 let delay = spec.retry_delay(attempt);
                 tracing::warn!(%reason, attempt, ?delay, "handler failed; will retry");
                 settle(&message, AckKind::Nak(Some(delay))).await;
@@ -385,12 +422,16 @@ async fn handle_message<H, Fut>(
                 dead_letter(bus, spec, &message, &delivery, &reason).await;
                 "dead_letter"
             }
-            Err(HandlerError::Retry(reason)) => {
-                let reason = format!("gave up after {attempt} deliveries: {reason}");
+            Err(HandlerError::Retry(error)) => {
+                let reason = format!(
+                    "gave up after {attempt} deliveries: {}",
+                    chain(error.as_ref())
+                );
                 dead_letter(bus, spec, &message, &delivery, &reason).await;
                 "dead_letter"
             }
-            Err(HandlerError::DeadLetter(reason)) => {
+            Err(HandlerError::DeadLetter(error)) => {
+                let reason = chain(error.as_ref());
                 dead_letter(bus, spec, &message, &delivery, &reason).await;
                 "dead_letter"
             }

@@ -147,7 +147,7 @@ async fn a_failing_handler_is_retried_then_succeeds() {
     let shutdown = Shutdown::new();
     let mut rx = forward(&bus, fast_spec(&ns, "flaky"), &shutdown, |delivery| {
         if delivery.attempt < 2 {
-            Err(HandlerError::Retry("disk busy".into()))
+            Err(HandlerError::retry("disk busy"))
         } else {
             Ok(())
         }
@@ -184,9 +184,9 @@ async fn messages_are_dead_lettered_after_max_deliver_and_on_rejection() {
     let mut rx = forward(&bus, fast_spec(&ns, "doomed"), &shutdown, |delivery| {
         let event = delivery.decode::<RunProgressV1>().unwrap();
         if event.sequence == 1 {
-            Err(HandlerError::Retry("always failing".into()))
+            Err(HandlerError::retry("always failing"))
         } else {
-            Err(HandlerError::DeadLetter("can never work".into()))
+            Err(HandlerError::dead_letter("can never work"))
         }
     });
     bus.publish(&progress("run-d", 1)).await.unwrap();

@@ -64,7 +64,7 @@ pub enum ControllerError {
 }
 
 fn retry(err: StoreError) -> HandlerError {
-    HandlerError::Retry(err.to_string())
+    HandlerError::retry(err)
 }
 
 impl Controller {
@@ -140,7 +140,7 @@ impl Controller {
         };
         let spec = ConsumerSpec::for_event::<E>(ns, durable).ordered();
         self.consume(shutdown, spec, move |controller, delivery| async move {
-            let event = decode(&delivery).map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+            let event = decode(&delivery)?;
             let run_id = run_of(&controller, &delivery)?;
             controller
                 .apply(&delivery, E::DOMAIN, &run_id, |state| apply(state, &event))
@@ -150,7 +150,7 @@ impl Controller {
 
     async fn on_trial_outcome(&self, delivery: &Delivery) -> Result<(), HandlerError> {
         let run_id = run_of(self, delivery)?;
-        let dead = |e: arl_schemas::DecodeError| HandlerError::DeadLetter(e.to_string());
+        let dead = |e: arl_schemas::DecodeError| HandlerError::dead_letter(e);
         match delivery.event_type().as_deref() {
             Some(TrialFinishedV1::TYPE) => {
                 delivery.decode::<TrialFinishedV1>().map_err(dead)?;
@@ -169,7 +169,7 @@ impl Controller {
                 })
                 .await
             }
-            other => Err(HandlerError::DeadLetter(format!(
+            other => Err(HandlerError::dead_letter(format!(
                 "expected a trial.finished or trial.failed event, got {other:?}"
             ))),
         }
@@ -202,7 +202,7 @@ impl Controller {
             .await
             .map_err(retry)?;
         let Some(state) = updated else {
-            return Err(HandlerError::DeadLetter(format!(
+            return Err(HandlerError::dead_letter(format!(
                 "run {run_id} is unknown to the controller"
             )));
         };
@@ -239,7 +239,7 @@ impl Controller {
                 .bus
                 .live_trainers()
                 .await
-                .map_err(|e| HandlerError::Retry(format!("reading live trainers: {e}")))?
+                .map_err(|e| HandlerError::retry(format!("reading live trainers: {e}")))?
         } else {
             Vec::new()
         };
@@ -250,7 +250,7 @@ impl Controller {
             &self.inner.config.model_dir,
             &trainers,
         )
-        .map_err(|err| HandlerError::DeadLetter(err.to_string()))?;
+        .map_err(HandlerError::dead_letter)?;
         let fresh = initial_state(admission);
         // The first decision stands: a redelivered (or re-submitted) request only
         // re-announces it.
@@ -261,7 +261,7 @@ impl Controller {
                 let stored = self.inner.store.get(&fresh.run_id).await.map_err(retry)?;
                 match stored {
                     Some(stored) => stored.state,
-                    None => return Err(HandlerError::Retry("run state vanished".into())),
+                    None => return Err(HandlerError::retry("run state vanished")),
                 }
             }
         };
@@ -303,7 +303,7 @@ fn run_of(controller: &Controller, delivery: &Delivery) -> Result<RunId, Handler
         .namespace()
         .run_token(&delivery.subject);
     token.and_then(|t| RunId::new(t).ok()).ok_or_else(|| {
-        HandlerError::DeadLetter(format!("no run id in subject {}", delivery.subject))
+        HandlerError::dead_letter(format!("no run id in subject {}", delivery.subject))
     })
 }
 

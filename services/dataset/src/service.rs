@@ -67,7 +67,7 @@ impl DatasetService {
         let data = spec.data.clone();
         let built = tokio::task::spawn_blocking(move || manifest::build(&data, &path))
             .await
-            .map_err(|e| HandlerError::Retry(format!("loader task failed: {e}")))?;
+            .map_err(|e| HandlerError::retry(format!("loader task failed: {e}")))?;
         let manifest = match built {
             Ok(manifest) => manifest,
             Err(error) => {
@@ -84,7 +84,7 @@ impl DatasetService {
             }
         };
         let body = serde_json::to_vec(&manifest)
-            .map_err(|e| HandlerError::DeadLetter(format!("cannot encode the manifest: {e}")))?;
+            .map_err(|e| HandlerError::dead_letter(format!("cannot encode the manifest: {e}")))?;
         self.bus
             .put_object(ObjectStore::Datasets, &manifest.digest, &body)
             .await?;
@@ -112,9 +112,7 @@ impl DatasetService {
     }
 
     async fn on_train_step(&self, delivery: Delivery) -> Result<(), HandlerError> {
-        let trained = delivery
-            .decode_train_step()
-            .map_err(|e| HandlerError::DeadLetter(e.to_string()))?;
+        let trained = delivery.decode_train_step()?;
         let arl_runtime::RunContext { state, spec } =
             self.bus.run_context(trained.run_id()).await?;
         let next = trained.step() + 1 + spec.algorithm.max_staleness;
@@ -162,7 +160,7 @@ impl DatasetService {
     ) -> Result<std::sync::Arc<DatasetManifestV1>, HandlerError> {
         let Some(digest) = &state.dataset_digest else {
             // The controller folds `task.dataset` into the state; it may not have yet.
-            return Err(HandlerError::Retry(format!(
+            return Err(HandlerError::retry(format!(
                 "run {} has no registered dataset yet",
                 state.run_id
             )));
@@ -177,7 +175,7 @@ async fn read_manifest(
 ) -> Result<std::sync::Arc<DatasetManifestV1>, HandlerError> {
     bus.dataset_manifest(digest)
         .await?
-        .ok_or_else(|| HandlerError::DeadLetter(format!("dataset {digest} is not registered")))
+        .ok_or_else(|| HandlerError::dead_letter(format!("dataset {digest} is not registered")))
 }
 
 fn count(n: usize) -> u32 {

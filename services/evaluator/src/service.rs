@@ -151,7 +151,7 @@ impl Evaluator {
     }
 
     async fn on_event(&self, delivery: Delivery) -> Result<(), HandlerError> {
-        let dead = |e: arl_schemas::DecodeError| HandlerError::DeadLetter(e.to_string());
+        let dead = |e: arl_schemas::DecodeError| HandlerError::dead_letter(e);
         match delivery.event_type().as_deref() {
             Some(TrainStepV2::TYPE) => {
                 self.on_train_step(delivery.decode_train_step().map_err(dead)?)
@@ -173,7 +173,7 @@ impl Evaluator {
                 }
                 self.on_outcome(&failed.run_id, &failed.slot, false).await
             }
-            other => Err(HandlerError::DeadLetter(format!(
+            other => Err(HandlerError::dead_letter(format!(
                 "the evaluator takes train.step, task.dataset, reward.scored (v2) and trial.failed, got {other:?}"
             ))),
         }
@@ -200,7 +200,7 @@ impl Evaluator {
             return Ok(());
         }
         let digest = state.dataset_digest.clone().ok_or_else(|| {
-            HandlerError::Retry(format!("run {run_id} has no registered dataset yet"))
+            HandlerError::retry(format!("run {run_id} has no registered dataset yet"))
         })?;
         self.evaluate(
             run_id,
@@ -222,7 +222,7 @@ impl Evaluator {
         spec: &arl_schemas::spec::RunSpec,
     ) -> Result<(), HandlerError> {
         let manifest = self.bus.dataset_manifest(digest).await?.ok_or_else(|| {
-            HandlerError::DeadLetter(format!("dataset {digest} is not registered"))
+            HandlerError::dead_letter(format!("dataset {digest} is not registered"))
         })?;
         let tally = Tally {
             run_id: run_id.clone(),
@@ -297,7 +297,7 @@ impl Evaluator {
             })
             .await?;
         if !known {
-            return Err(HandlerError::DeadLetter(format!(
+            return Err(HandlerError::dead_letter(format!(
                 "validation trial of run {run} step {} without an evaluation",
                 slot.step
             )));

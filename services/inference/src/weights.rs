@@ -60,21 +60,21 @@ async fn on_weights(
     {
         return Ok(()); // already serving this run's version or a newer one
     }
-    let dir = local_path(&event.uri).map_err(HandlerError::DeadLetter)?;
-    let dir = confined(&dir, weights_dir).map_err(HandlerError::DeadLetter)?;
+    let dir = local_path(&event.uri).map_err(HandlerError::dead_letter)?;
+    let dir = confined(&dir, weights_dir).map_err(HandlerError::dead_letter)?;
     let expected = event.sha256.clone();
     let version = event.policy_version;
     let loaded = tokio::task::spawn_blocking(move || load_checked(&dir, &expected))
         .await
-        .map_err(|e| HandlerError::Retry(format!("loading version {version} panicked: {e}")))?
-        .map_err(HandlerError::Retry)?;
+        .map_err(|e| HandlerError::retry(format!("loading version {version} panicked: {e}")))?
+        .map_err(HandlerError::retry)?;
     engine
         .swap(ServedModel {
             run_id: Some(event.run_id.clone()),
             version,
             loaded,
         })
-        .map_err(|e| HandlerError::Retry(e.to_string()))?;
+        .map_err(HandlerError::retry)?;
     tracing::info!(run = %event.run_id, policy_version = version, uri = %event.uri, "serving new weights");
     Ok(())
 }
@@ -128,15 +128,15 @@ async fn on_run_end(
     let path = base.to_path_buf();
     let loaded = tokio::task::spawn_blocking(move || LoadedModel::open(&path))
         .await
-        .map_err(|e| HandlerError::Retry(format!("loading the base model panicked: {e}")))?
-        .map_err(|e| HandlerError::Retry(format!("loading the base model: {e}")))?;
+        .map_err(|e| HandlerError::retry(format!("loading the base model panicked: {e}")))?
+        .map_err(|e| HandlerError::retry(format!("loading the base model: {e}")))?;
     engine
         .swap(ServedModel {
             run_id: None,
             version: 0,
             loaded,
         })
-        .map_err(|e| HandlerError::Retry(e.to_string()))?;
+        .map_err(HandlerError::retry)?;
     tracing::info!(run = %ended, "the run ended; serving the base model again");
     Ok(())
 }

@@ -126,7 +126,7 @@ impl RewardService {
         let arl_runtime::RunContext { state, spec } = self.bus.run_context(&trial.run_id).await?;
         let task = match &state.dataset_digest {
             None => {
-                return Err(HandlerError::Retry(format!(
+                return Err(HandlerError::retry(format!(
                     "run {} has no registered dataset yet",
                     trial.run_id
                 )));
@@ -156,7 +156,7 @@ impl RewardService {
                 Ok(())
             }
             Err(Failure::Sandbox(error)) if delivery.attempt < SANDBOX_ATTEMPTS => {
-                Err(HandlerError::Retry(error.to_string()))
+                Err(HandlerError::retry(error))
             }
             Err(Failure::Sandbox(error)) => {
                 self.fail(&trial, FailureClass::Infrastructure, error.to_string())

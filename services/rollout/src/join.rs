@@ -99,7 +99,7 @@ impl Rollout {
             Awaiting::Grade(finished) => finished,
             Awaiting::Nothing => return Ok(()),
             Awaiting::NotYet => {
-                return Err(HandlerError::Retry(format!(
+                return Err(HandlerError::retry(format!(
                     "the hand-off of trial {} attempt {} is not recorded yet",
                     scored.trial_id, scored.slot.attempt
                 )));
@@ -114,7 +114,7 @@ impl Rollout {
                 let spec = self.bus.run_context(&scored.run_id).await?.spec;
                 return self.fail(&request, &spec, error, None, true).await;
             }
-            Err(error) => return Err(HandlerError::Retry(error.message)),
+            Err(error) => return Err(HandlerError::retry(error.message)),
         };
         let status = if self.group_failed(&request).await? {
             SampleStatus::Masked
@@ -150,7 +150,7 @@ impl Rollout {
             // retried) or a grader's failure that came before the hand-off's record: the
             // next delivery tells which.
             Awaiting::NotYet => {
-                return Err(HandlerError::Retry(format!(
+                return Err(HandlerError::retry(format!(
                     "trial {} attempt {} is neither handed off nor done yet",
                     failed.trial_id, failed.slot.attempt
                 )));

@@ -176,7 +176,7 @@ impl Rollout {
                     attempt: 0,
                 };
                 let trial_id =
-                    trial_id(&batch.run_id, &slot, index).map_err(HandlerError::DeadLetter)?;
+                    trial_id(&batch.run_id, &slot, index).map_err(HandlerError::dead_letter)?;
                 self.bus
                     .publish(&TrialRequestedV1 {
                         run_id: batch.run_id.clone(),
@@ -551,7 +551,7 @@ impl Rollout {
             Some(count) if !retry && req.slot.split == Split::Train => self
                 .recorded_calls(req, count)
                 .await
-                .map_err(|e| HandlerError::Retry(e.message))?,
+                .map_err(|e| HandlerError::retry(e.message))?,
             _ => Vec::new(),
         };
         tracing::warn!(trial = %req.trial_id, attempt = req.slot.attempt, class = error.class.as_str(), ?action, message = %error.message, "trial failed");
@@ -688,13 +688,13 @@ impl Rollout {
     async fn task(&self, request: &TrialRequestedV1) -> Result<TaskRecord, HandlerError> {
         let digest = &request.task.dataset_digest;
         let manifest = self.bus.dataset_manifest(digest).await?.ok_or_else(|| {
-            HandlerError::DeadLetter(format!("dataset {digest} is not registered"))
+            HandlerError::dead_letter(format!("dataset {digest} is not registered"))
         })?;
         manifest
             .task(&request.slot.task_id)
             .cloned()
             .ok_or_else(|| {
-                HandlerError::DeadLetter(format!(
+                HandlerError::dead_letter(format!(
                     "task {} is not in dataset {digest}",
                     request.slot.task_id
                 ))

@@ -207,7 +207,7 @@ impl Trainer {
         shutdown: &Shutdown,
     ) -> Result<(), HandlerError> {
         let trajectory: TrajectoryV1 = delivery.decode()?;
-        batch::validate(&trajectory).map_err(HandlerError::DeadLetter)?;
+        batch::validate(&trajectory).map_err(HandlerError::dead_letter)?;
         if trajectory.slot.split != Split::Train {
             // Validation trials are graded by the evaluator, never trained on.
             return Ok(());
@@ -240,13 +240,13 @@ impl Trainer {
         let committed = tokio::select! {
             committed = waiter => committed,
             // Not acked: the next trainer gets it back.
-            () = shutdown.triggered() => return Err(HandlerError::Retry("trainer stopping".into())),
+            () = shutdown.triggered() => return Err(HandlerError::retry("trainer stopping")),
         };
         match committed {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(reason)) => Err(HandlerError::Retry(reason)),
-            Err(_) => Err(HandlerError::Retry(
-                "the trainer dropped the step before committing it".into(),
+            Ok(Err(reason)) => Err(HandlerError::retry(reason)),
+            Err(_) => Err(HandlerError::retry(
+                "the trainer dropped the step before committing it",
             )),
         }
     }
@@ -269,7 +269,7 @@ impl Trainer {
             .into_iter()
             .find(|b| b.split == Split::Train && b.step == step)
             .ok_or_else(|| {
-                HandlerError::Retry(format!(
+                HandlerError::retry(format!(
                     "no training task.batch of step {step} for run {} yet",
                     run.run_id
                 ))
@@ -290,7 +290,7 @@ impl Trainer {
             return Ok(None);
         }
         if step > run.spec.trainer.total_steps {
-            return Err(HandlerError::DeadLetter(format!(
+            return Err(HandlerError::dead_letter(format!(
                 "trajectory for step {step}, but run {} has only {} steps",
                 run.run_id, run.spec.trainer.total_steps
             )));
@@ -553,7 +553,7 @@ impl Trainer {
             && context.spec.trainer.device == Device::Cuda
         {
             // Admission saw a trainer with a GPU: that one takes the run's trajectories.
-            return Err(HandlerError::Retry(format!(
+            return Err(HandlerError::retry(format!(
                 "run {run_id} trains on a GPU and this trainer has none ({why}); left to a GPU trainer"
             )));
         }
