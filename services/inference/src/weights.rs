@@ -60,6 +60,8 @@ async fn on_weights(
     {
         return Ok(()); // already serving this run's version or a newer one
     }
+    // A location this engine may never load from is refused for good; a copy still being
+    // written, or one that fails to load, is tried again.
     let dir = local_path(&event.uri).map_err(HandlerError::dead_letter)?;
     let dir = confined(&dir, weights_dir).map_err(HandlerError::dead_letter)?;
     let expected = event.sha256.clone();
@@ -141,49 +143,82 @@ async fn on_run_end(
     Ok(())
 }
 
+/// Why a `weights.published` could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    #[error("weights uri {0:?}: only file:// locations can be loaded by this engine")]
+    NotLocal(String),
+    #[error("the weights folder {root} cannot be read ({source}); weights cannot be loaded")]
+    WeightsDir {
+        root: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("weights at {path}: {source}")]
+    Unreadable {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("weights at {path} lie outside the weights folder {root} (--weights-dir); refused")]
+    Outside { path: PathBuf, root: PathBuf },
+    #[error("{path}: sha256 is {found}, the event says {expected} (incomplete copy?)")]
+    Checksum {
+        path: PathBuf,
+        found: String,
+        expected: String,
+    },
+    #[error(transparent)]
+    Load(#[from] arl_model::load::LoadError),
+}
+
 /// `file:///path` (or a plain path) to a path; other schemes are not reachable here.
-fn local_path(uri: &str) -> Result<PathBuf, String> {
+fn local_path(uri: &str) -> Result<PathBuf, WeightsError> {
     if let Some(path) = uri.strip_prefix("file://") {
         return Ok(PathBuf::from(path));
     }
     if uri.starts_with('/') {
         return Ok(PathBuf::from(uri));
     }
-    Err(format!(
-        "weights uri {uri:?}: only file:// locations can be loaded by this engine"
-    ))
+    Err(WeightsError::NotLocal(uri.to_owned()))
 }
 
 /// `dir` with links and `..` resolved, when it lies inside `root`: an engine loads only
 /// what the trainer wrote, whoever names a path in an event.
-fn confined(dir: &Path, root: &Path) -> Result<PathBuf, String> {
-    let root = root.canonicalize().map_err(|e| {
-        format!(
-            "the weights folder {} cannot be read ({e}); weights cannot be loaded",
-            root.display()
-        )
-    })?;
+fn confined(dir: &Path, root: &Path) -> Result<PathBuf, WeightsError> {
+    let root = root
+        .canonicalize()
+        .map_err(|source| WeightsError::WeightsDir {
+            root: root.to_path_buf(),
+            source,
+        })?;
     let resolved = dir
         .canonicalize()
-        .map_err(|e| format!("weights at {}: {e}", dir.display()))?;
+        .map_err(|source| WeightsError::Unreadable {
+            path: dir.to_path_buf(),
+            source,
+        })?;
     if !resolved.starts_with(&root) {
-        return Err(format!(
-            "weights at {} lie outside the weights folder {} (--weights-dir); refused",
-            resolved.display(),
-            root.display()
-        ));
+        return Err(WeightsError::Outside {
+            path: resolved,
+            root,
+        });
     }
     Ok(resolved)
 }
 
-fn load_checked(dir: &Path, sha256: &str) -> Result<LoadedModel, String> {
+fn load_checked(dir: &Path, sha256: &str) -> Result<LoadedModel, WeightsError> {
     let file = dir.join("model.safetensors");
-    let (found, _) = sha256_file(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let (found, _) = sha256_file(&file).map_err(|source| WeightsError::Unreadable {
+        path: file.clone(),
+        source,
+    })?;
     if found != sha256 {
-        return Err(format!(
-            "{}: sha256 is {found}, the event says {sha256} (incomplete copy?)",
-            file.display()
-        ));
+        return Err(WeightsError::Checksum {
+            path: file,
+            found,
+            expected: sha256.to_owned(),
+        });
     }
-    LoadedModel::open(dir).map_err(|e| e.to_string())
+    Ok(LoadedModel::open(dir)?)
 }

@@ -106,21 +106,26 @@ impl Backend {
     }
 }
 
+/// A `--backend` that cannot be used.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BackendSpecError {
+    #[error("backend dialect {0:?} is unknown; use arl=URL, vllm=URL or sglang=URL")]
+    UnknownDialect(String),
+    #[error("backend URL {0:?} must start with http://")]
+    NotHttp(String),
+}
+
 /// Parses `dialect=url` (dialect `arl`, `vllm` or `sglang`; a bare URL means `arl`).
-pub fn parse_backend(spec: &str) -> Result<(Dialect, String), String> {
+pub fn parse_backend(spec: &str) -> Result<(Dialect, String), BackendSpecError> {
     let (dialect, url) = match spec.split_once('=') {
         Some(("arl", url)) => (Dialect::Arl, url),
         Some(("vllm", url)) => (Dialect::Vllm, url),
         Some(("sglang", url)) => (Dialect::Sglang, url),
-        Some((other, _)) => {
-            return Err(format!(
-                "backend dialect {other:?} is unknown; use arl=URL, vllm=URL or sglang=URL"
-            ));
-        }
+        Some((other, _)) => return Err(BackendSpecError::UnknownDialect(other.to_owned())),
         None => (Dialect::Arl, spec),
     };
     if !url.starts_with("http://") {
-        return Err(format!("backend URL {url:?} must start with http://"));
+        return Err(BackendSpecError::NotHttp(url.to_owned()));
     }
     Ok((
         dialect,
@@ -320,8 +325,17 @@ mod tests {
         assert!(
             parse_backend("tgi=http://h")
                 .unwrap_err()
+                .to_string()
                 .contains("unknown")
         );
-        assert!(parse_backend("arl=h:1").unwrap_err().contains("http://"));
+        assert_eq!(
+            parse_backend("arl=h:1"),
+            Err(BackendSpecError::NotHttp("h:1".into()))
+        );
+        assert!(
+            BackendSpecError::NotHttp("h:1".into())
+                .to_string()
+                .contains("http://")
+        );
     }
 }

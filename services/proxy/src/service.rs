@@ -19,7 +19,7 @@ pub async fn serve_keys(
     instance: &str,
     public_url: &str,
     shutdown: &Shutdown,
-) -> anyhow::Result<()> {
+) -> Result<(), arl_runtime::rpc::RequestError> {
     let ns = bus.namespace();
     let (issue_keys, base, name) = (keys.clone(), public_url.to_owned(), instance.to_owned());
     let issue = serve(

@@ -79,7 +79,11 @@ pub struct Rollout {
 }
 
 /// The trial id of a slot: stable, so a retry keeps it.
-pub fn trial_id(run: &RunId, slot: &TrialSlot, task_index: usize) -> Result<TrialId, String> {
+pub fn trial_id(
+    run: &RunId,
+    slot: &TrialSlot,
+    task_index: usize,
+) -> Result<TrialId, arl_schemas::IdError> {
     let split = match slot.split {
         Split::Train => 's',
         Split::Validation => 'v',
@@ -88,15 +92,14 @@ pub fn trial_id(run: &RunId, slot: &TrialSlot, task_index: usize) -> Result<Tria
         "{run}-{split}{}-t{task_index}-k{}",
         slot.step, slot.sample_index
     ))
-    .map_err(|e| e.to_string())
 }
 
 /// The id the proxy records an attempt's calls under: each attempt has its own record.
-pub(crate) fn call_scope(trial: &TrialId, attempt: u32) -> Result<TrialId, String> {
+pub(crate) fn call_scope(trial: &TrialId, attempt: u32) -> Result<TrialId, arl_schemas::IdError> {
     if attempt == 0 {
         return Ok(trial.clone());
     }
-    TrialId::new(format!("{trial}-a{attempt}")).map_err(|e| e.to_string())
+    TrialId::new(format!("{trial}-a{attempt}"))
 }
 
 /// What a run is doing with one trial.
@@ -276,7 +279,7 @@ impl Rollout {
             Some(self.lease(trial).await.map_err(|e| (e, None))?)
         };
         let scope = call_scope(&req.trial_id, req.slot.attempt)
-            .map_err(|e| (TrialError::new(FailureClass::Infrastructure, e), None))?;
+            .map_err(|e| (infrastructure(e.to_string()), None))?;
         let key = match self.issue_key(trial, &scope, version).await {
             Ok(key) => key,
             Err(error) => {
@@ -470,7 +473,7 @@ impl Rollout {
         count: u32,
     ) -> Result<Vec<LlmCallV1>, TrialError> {
         let scope = call_scope(&request.trial_id, request.slot.attempt)
-            .map_err(|e| TrialError::new(FailureClass::Infrastructure, e))?;
+            .map_err(|e| infrastructure(e.to_string()))?;
         let ns = self.bus.namespace();
         let subject = ns.entity_subject(Domain::Llm, &request.run_id, scope.as_str(), "call");
         let mut calls: Vec<LlmCallV1> = self

@@ -134,28 +134,46 @@ impl StepBatch {
     }
 }
 
-/// Checks a trajectory's arrays line up; the reason when they do not.
-pub fn validate(trajectory: &TrajectoryV1) -> Result<(), String> {
+/// A trajectory the trainer can never use (it is dead-lettered with this).
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum InvalidTrajectory {
+    #[error(
+        "branch {branch}: token_ids ({tokens}), loss_mask ({mask}) and logprobs ({logprobs}) must have the same length"
+    )]
+    Lengths {
+        branch: usize,
+        tokens: usize,
+        mask: usize,
+        logprobs: usize,
+    },
+    #[error("branch {0}: loss_mask values must be 0 or 1")]
+    Mask(usize),
+    #[error("branch {0}: logprobs must be finite and <= 0 (log-probabilities)")]
+    Logprobs(usize),
+    #[error("reward must be finite, got {0}")]
+    Reward(f64),
+}
+
+/// Checks a trajectory's arrays line up.
+pub fn validate(trajectory: &TrajectoryV1) -> Result<(), InvalidTrajectory> {
     for (i, b) in trajectory.branches.iter().enumerate() {
         if b.loss_mask.len() != b.token_ids.len() || b.logprobs.len() != b.token_ids.len() {
-            return Err(format!(
-                "branch {i}: token_ids ({}), loss_mask ({}) and logprobs ({}) must have the same length",
-                b.token_ids.len(),
-                b.loss_mask.len(),
-                b.logprobs.len()
-            ));
+            return Err(InvalidTrajectory::Lengths {
+                branch: i,
+                tokens: b.token_ids.len(),
+                mask: b.loss_mask.len(),
+                logprobs: b.logprobs.len(),
+            });
         }
         if b.loss_mask.iter().any(|m| *m > 1) {
-            return Err(format!("branch {i}: loss_mask values must be 0 or 1"));
+            return Err(InvalidTrajectory::Mask(i));
         }
         if b.logprobs.iter().any(|l| !l.is_finite() || *l > 0.0) {
-            return Err(format!(
-                "branch {i}: logprobs must be finite and <= 0 (log-probabilities)"
-            ));
+            return Err(InvalidTrajectory::Logprobs(i));
         }
     }
     if !trajectory.reward.is_finite() {
-        return Err(format!("reward must be finite, got {}", trajectory.reward));
+        return Err(InvalidTrajectory::Reward(trajectory.reward));
     }
     Ok(())
 }
@@ -228,10 +246,15 @@ mod tests {
         let mut t = trajectory("a", 0, 0, 1.0);
         t.branches[0].loss_mask.pop();
         let reason = validate(&t).unwrap_err();
-        assert!(reason.contains("same length"), "{reason}");
+        assert!(
+            matches!(reason, InvalidTrajectory::Lengths { branch: 0, .. }),
+            "{reason:?}"
+        );
+        assert!(reason.to_string().contains("same length"), "{reason}");
         let mut t = trajectory("a", 0, 0, 1.0);
         t.branches[0].logprobs[4] = 0.5;
-        assert!(validate(&t).unwrap_err().contains("<= 0"));
+        assert_eq!(validate(&t), Err(InvalidTrajectory::Logprobs(0)));
+        assert!(InvalidTrajectory::Logprobs(0).to_string().contains("<= 0"));
         assert!(validate(&trajectory("a", 0, 0, 1.0)).is_ok());
     }
 }

@@ -20,6 +20,24 @@ use arl_schemas::spec::Device;
 use crate::checkpoint::{self, Moments, TrainerState};
 use crate::step::{Sample, StepConfig, StepMetrics, train_step};
 
+/// Why a run's policy could not be opened or saved.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error(transparent)]
+    Load(#[from] arl_model::load::LoadError),
+    #[error(transparent)]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+    #[error("trainer.device = \"cuda\", but this trainer has no usable GPU: {0}")]
+    NoGpu(String),
+    /// The GPU failed (out of memory, a driver error) while `doing`.
+    #[error("{doing}: {source}")]
+    Device {
+        doing: &'static str,
+        #[source]
+        source: BackendError,
+    },
+}
+
 /// What a run needs opened: where its base model is and how it trains.
 #[derive(Clone, Debug)]
 pub struct OpenSpec {
@@ -61,27 +79,21 @@ impl Policy {
         spec: &OpenSpec,
         resume: Option<(&Path, &TrainerState)>,
         gpu: Result<&Cuda, &str>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, PolicyError> {
         let mut loaded = match resume {
             Some((dir, _)) => LoadedModel::open(dir),
             None => LoadedModel::open(&spec.base),
-        }
-        .map_err(|e| e.to_string())?;
+        }?;
         let mut moments = None;
         if let Some((dir, state)) = resume {
-            let resumed =
-                checkpoint::load_resume(dir, &loaded, state).map_err(|e| e.to_string())?;
+            let resumed = checkpoint::load_resume(dir, &loaded, state)?;
             if let Some(master) = resumed.master {
                 *loaded.model.weights_mut() = master;
             }
             moments = Some((resumed.m, resumed.v, resumed.step));
         }
         let reference = if spec.with_reference {
-            Some(
-                LoadedModel::open(&spec.base)
-                    .map_err(|e| e.to_string())?
-                    .model,
-            )
+            Some(LoadedModel::open(&spec.base)?.model)
         } else {
             None
         };
@@ -91,9 +103,7 @@ impl Policy {
                 reference,
             },
             Device::Cuda => {
-                let gpu = gpu.map_err(|why| {
-                    format!("trainer.device = \"cuda\", but this trainer has no usable GPU: {why}")
-                })?;
+                let gpu = gpu.map_err(|why| PolicyError::NoGpu(why.to_owned()))?;
                 let model = loaded.model.to_backend(gpu.clone());
                 let optimizer = optimizer(&model, moments, spec.weight_decay, |w| {
                     w.map(|t| gpu.upload(&t.data))
@@ -103,7 +113,14 @@ impl Policy {
                     model,
                     optimizer,
                 };
-                on_gpu.model.backend.check().map_err(|e| e.message)?;
+                on_gpu
+                    .model
+                    .backend
+                    .check()
+                    .map_err(|source| PolicyError::Device {
+                        doing: "putting the model on the GPU",
+                        source,
+                    })?;
                 Engine::Cuda(on_gpu)
             }
         };
@@ -155,8 +172,8 @@ impl Policy {
         run_dir: &Path,
         state: &TrainerState,
         with_optimizer: bool,
-    ) -> Result<checkpoint::Saved, String> {
-        match &self.engine {
+    ) -> Result<checkpoint::Saved, PolicyError> {
+        let saved = match &self.engine {
             Engine::Cpu { optimizer, .. } => {
                 let moments = with_optimizer.then_some(Moments {
                     m: &optimizer.m,
@@ -172,8 +189,10 @@ impl Policy {
                 *self.loaded.model.weights_mut() = p.model.host_weights();
                 let moments =
                     with_optimizer.then(|| (download(&p.optimizer.m), download(&p.optimizer.v)));
-                be.check()
-                    .map_err(|e| format!("reading the weights off the GPU: {}", e.message))?;
+                be.check().map_err(|source| PolicyError::Device {
+                    doing: "reading the weights off the GPU",
+                    source,
+                })?;
                 let moments = moments.as_ref().map(|(m, v)| Moments {
                     m,
                     v,
@@ -181,8 +200,8 @@ impl Policy {
                 });
                 checkpoint::save(run_dir, &self.loaded, moments, state, StoredDtype::Bf16)
             }
-        }
-        .map_err(|e| e.to_string())
+        }?;
+        Ok(saved)
     }
 }
 

@@ -510,7 +510,7 @@ impl Trainer {
             let saved = policy.save(&dir, &state, is_checkpoint).and_then(|saved| {
                 checkpoint::prune(&dir, keep)
                     .map(|()| saved)
-                    .map_err(|e| e.to_string())
+                    .map_err(crate::policy::PolicyError::from)
             });
             let save_seconds = save_started.elapsed().as_secs_f64();
             Ok((policy, saved, outcome, save_seconds))
@@ -619,21 +619,22 @@ impl Trainer {
         };
         let total = spec.trainer.total_steps;
         let gpu = self.gpu.clone();
-        let loaded = tokio::task::spawn_blocking(move || -> Result<_, String> {
-            let resume = checkpoint::latest_checkpoint(&dir);
-            if let Some((_, state)) = &resume
-                && state.step >= total
-            {
-                return Ok((None, state.step));
-            }
-            let step = resume.as_ref().map_or(0, |(_, state)| state.step);
-            let gpu = gpu.as_ref().as_ref().map_err(String::as_str);
-            let resume = resume.as_ref().map(|(path, state)| (path.as_path(), state));
-            Policy::open(&open, resume, gpu).map(|policy| (Some(policy), step))
-        })
-        .await
-        .map_err(|e| e.to_string())
-        .and_then(|r| r);
+        let loaded =
+            tokio::task::spawn_blocking(move || -> Result<_, crate::policy::PolicyError> {
+                let resume = checkpoint::latest_checkpoint(&dir);
+                if let Some((_, state)) = &resume
+                    && state.step >= total
+                {
+                    return Ok((None, state.step));
+                }
+                let step = resume.as_ref().map_or(0, |(_, state)| state.step);
+                let gpu = gpu.as_ref().as_ref().map_err(String::as_str);
+                let resume = resume.as_ref().map(|(path, state)| (path.as_path(), state));
+                Policy::open(&open, resume, gpu).map(|policy| (Some(policy), step))
+            })
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()));
         match loaded {
             Ok((policy, step)) => {
                 tracing::info!(run = %run_id, resumed_at = step, device = ?run.spec.trainer.device, "run opened");
