@@ -2,13 +2,18 @@
 //!
 //! - [`engine`]: continuous batching on one thread (chunked prefill, `n` forks, per-session
 //!   prefix cache, weight swaps between decode steps);
-//! - [`api`]: the HTTP endpoints; [`protocol`]: request bodies, errors, and the per-choice
-//!   text state (stop strings, incremental detokenization, tool-call hold-back);
+//! - [`api`]: the HTTP routes; [`request`]: a request body to a job; [`generation`]: a job
+//!   run to its answer; [`stream`]: the streamed answer; [`protocol`]: request bodies,
+//!   errors, and the per-choice text state (stop strings, incremental detokenization,
+//!   tool-call hold-back);
 //! - [`tools`]: Qwen / SmolLM2 tool-call formats; [`weights`]: follows `weights.published`.
 
 pub mod api;
 pub mod engine;
+pub mod generation;
 pub mod hosted;
 pub mod protocol;
+pub mod request;
+pub mod stream;
 pub mod tools;
 pub mod weights;
