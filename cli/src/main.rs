@@ -23,15 +23,9 @@ fn main() -> ExitCode {
     if let cli::Command::Serve(args) = &cli.command {
         return serve::execute(&args.services);
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match arl_runtime::host::runtime() {
         Ok(runtime) => runtime,
-        Err(err) => {
-            eprintln!("error: cannot start the async runtime: {err}");
-            return ExitCode::FAILURE;
-        }
+        Err(code) => return code,
     };
     let outcome = runtime.block_on(async {
         match cli.command {

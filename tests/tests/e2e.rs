@@ -112,6 +112,21 @@ impl Drop for Deployment {
     }
 }
 
+/// SIGTERM, then the exit status (within 20 s).
+async fn terminate(child: &mut Child) -> std::process::ExitStatus {
+    let sent = Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    wait_for("the process to exit", Duration::from_secs(20), || {
+        let exited = child.try_wait().unwrap();
+        async move { exited }
+    })
+    .await
+}
+
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
@@ -238,17 +253,7 @@ async fn sigterm_stops_the_controller_gracefully() {
     let submitted = deployment.arl(&["run", "submit", "smoke.toml", "--wait"]);
     assert!(submitted.status.success(), "{}", text(&submitted.stderr));
     let mut child = deployment.controller.take().unwrap();
-    let sent = Command::new("kill")
-        .arg("-TERM")
-        .arg(child.id().to_string())
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let status = wait_for("the controller to exit", Duration::from_secs(20), || {
-        let exited = child.try_wait().unwrap();
-        async move { exited }
-    })
-    .await;
+    let status = terminate(&mut child).await;
     assert!(status.success(), "controller exited with {status}");
 }
 
@@ -308,16 +313,6 @@ async fn arl_serve_hosts_several_services_in_one_process() {
                 .is_some_and(|e| e.contains("dataset")),
         "{state:?}"
     );
-    let sent = Command::new("kill")
-        .arg("-TERM")
-        .arg(served.id().to_string())
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let status = wait_for("arl serve to exit", Duration::from_secs(20), || {
-        let exited = served.try_wait().unwrap();
-        async move { exited }
-    })
-    .await;
+    let status = terminate(&mut served).await;
     assert!(status.success(), "arl serve exited with {status}");
 }

@@ -207,8 +207,19 @@ impl Stack {
         )
     }
 
-    /// A file of `count` one-step addition problems (GSM8K form) for math trials, which
-    /// need no sandbox.
+    /// A run of `n` samples per task over three one-step addition problems (math trials
+    /// need no sandbox; one call each).
+    async fn submit_math(&self, n: u32) -> RunId {
+        let data = self.math_dataset(3);
+        self.submit_with(n, |spec| {
+            spec.data.dataset = data.display().to_string();
+            spec.data.source = arl_schemas::spec::DataSource::Gsm8k;
+            spec.rollout.max_response_tokens = 16;
+        })
+        .await
+    }
+
+    /// A file of `count` one-step addition problems (GSM8K form).
     fn math_dataset(&self, count: u32) -> PathBuf {
         let data = self.files.path().join("math.jsonl");
         std::fs::write(
@@ -549,14 +560,7 @@ async fn a_failure_under_fail_group_masks_the_whole_group() {
 async fn trials_wait_for_an_engine_that_starts_late_and_none_fails() {
     let stack = Stack::start_without_engine(false).await;
     let _rollout = Children(vec![stack.rollout()]);
-    let data = stack.math_dataset(3);
-    let run = stack
-        .submit_with(2, |spec| {
-            spec.data.dataset = data.display().to_string();
-            spec.data.source = arl_schemas::spec::DataSource::Gsm8k;
-            spec.rollout.max_response_tokens = 16;
-        })
-        .await;
+    let run = stack.submit_math(2).await;
     wait_for("the trials to start", Duration::from_secs(60), || async {
         let s: Vec<TrialStartedV1> = stack.events(&run, Domain::Trial, "started").await;
         (s.len() >= 2).then_some(())
@@ -591,14 +595,7 @@ async fn trials_wait_for_an_engine_that_starts_late_and_none_fails() {
 async fn grades_slower_than_the_ack_wait_hold_no_slot_and_any_replica_joins_them() {
     let stack = Stack::start_graded_by_test().await;
     let mut first = stack.rollout_with_concurrency(1);
-    let data = stack.math_dataset(3);
-    let run = stack
-        .submit_with(2, |spec| {
-            spec.data.dataset = data.display().to_string();
-            spec.data.source = arl_schemas::spec::DataSource::Gsm8k;
-            spec.rollout.max_response_tokens = 16;
-        })
-        .await;
+    let run = stack.submit_math(2).await;
     let finished = wait_for(
         "both trials handed to grading",
         Duration::from_secs(180),

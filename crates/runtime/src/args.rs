@@ -43,25 +43,25 @@ impl CommonArgs {
 /// Where policy versions and checkpoints live on one machine: `$ARL_RUNS_DIR`, else
 /// `~/.cache/arl/runs`. The trainer writes there; the engine loads only from there.
 pub fn default_runs_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("ARL_RUNS_DIR") {
-        return PathBuf::from(dir);
-    }
-    std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."))
-        .join(".cache/arl/runs")
+    machine_dir("ARL_RUNS_DIR", "runs")
 }
 
 /// Where `make models` installs models on one machine: `$ARL_MODEL_DIR`, else
 /// `~/.cache/arl/models`.
 pub fn default_model_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("ARL_MODEL_DIR") {
+    machine_dir("ARL_MODEL_DIR", "models")
+}
+
+/// `$variable`, else `~/.cache/arl/<name>`.
+fn machine_dir(variable: &str, name: &str) -> PathBuf {
+    if let Some(dir) = std::env::var_os(variable) {
         return PathBuf::from(dir);
     }
     std::env::var_os("HOME")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("."))
-        .join(".cache/arl/models")
+        .join(".cache/arl")
+        .join(name)
 }
 
 /// An installed model's name (`arl_schemas::spec::MODEL_NAMES`) to its file in

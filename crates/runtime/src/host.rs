@@ -194,15 +194,9 @@ where
 /// Runs planned services on a new tokio runtime; a start-up error is printed with what to
 /// do, and the process exits non-zero.
 pub fn run_to_exit(services: Vec<Box<dyn Planned>>) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match runtime() {
         Ok(runtime) => runtime,
-        Err(err) => {
-            eprintln!("error: cannot start the async runtime: {err}");
-            return ExitCode::FAILURE;
-        }
+        Err(code) => return code,
     };
     match runtime.block_on(serve(services)) {
         Ok(()) => ExitCode::SUCCESS,
@@ -211,4 +205,16 @@ pub fn run_to_exit(services: Vec<Box<dyn Planned>>) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The multi-threaded async runtime a process runs on; when it cannot be had, the reason
+/// is printed and the exit code to end with is returned.
+pub fn runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|err| {
+            eprintln!("error: cannot start the async runtime: {err}");
+            ExitCode::FAILURE
+        })
 }

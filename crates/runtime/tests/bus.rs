@@ -68,6 +68,19 @@ fn forward(
     rx
 }
 
+/// Waits until the namespace's dead-letter stream holds `count` messages.
+async fn wait_for_dead_letters(bus: &Bus, ns: &Namespace, count: u64) {
+    let stream = ns.stream(Domain::DeadLetter);
+    wait_for("the dead letters", Duration::from_secs(10), || {
+        let (js, stream) = (bus.jetstream().clone(), stream.clone());
+        async move {
+            let info = js.get_stream(&stream).await.ok()?.get_info().await.ok()?;
+            (info.state.messages == count).then_some(())
+        }
+    })
+    .await;
+}
+
 async fn next(rx: &mut mpsc::UnboundedReceiver<Delivery>) -> Delivery {
     tokio::time::timeout(Duration::from_secs(20), rx.recv())
         .await
@@ -197,16 +210,7 @@ async fn messages_are_dead_lettered_after_max_deliver_and_on_rejection() {
     assert_eq!(next(&mut rx).await.attempt, 1);
 
     let dlq_stream = ns.stream(Domain::DeadLetter);
-    let parked = wait_for("two dead letters", Duration::from_secs(10), || {
-        let js = bus.jetstream().clone();
-        let stream = dlq_stream.clone();
-        async move {
-            let info = js.get_stream(&stream).await.ok()?.get_info().await.ok()?;
-            (info.state.messages == 2).then_some(())
-        }
-    })
-    .await;
-    let () = parked;
+    wait_for_dead_letters(&bus, &ns, 2).await;
     let dlq = bus.jetstream().get_stream(&dlq_stream).await.unwrap();
     let first = dlq.get_raw_message(1).await.unwrap();
     let reason = first
@@ -502,16 +506,7 @@ async fn a_run_whose_state_disappears_is_failed_with_the_reason() {
         "{}",
         failed.reason
     );
-    let dlq_stream = ns.stream(Domain::DeadLetter);
-    wait_for("the dead letter", Duration::from_secs(10), || {
-        let js = bus.jetstream().clone();
-        let stream = dlq_stream.clone();
-        async move {
-            let info = js.get_stream(&stream).await.ok()?.get_info().await.ok()?;
-            (info.state.messages == 1).then_some(())
-        }
-    })
-    .await;
+    wait_for_dead_letters(&bus, &ns, 1).await;
     shutdown.trigger();
     shutdown.wait().await;
 }

@@ -77,10 +77,9 @@ impl Service for Inference {
 
     async fn start(args: Args, ctx: Context) -> Result<Ops, StartError> {
         // Each step frees and re-allocates gigabytes of activations: keep them in the
-        // process.
-        arl_model::ops::retain_freed_memory();
-        let threads = arl_model::ops::size_thread_pool(args.threads)
-            .map_err(|e| format!("--threads: {e}"))?;
+        // process; and size the kernels' threads.
+        let threads =
+            arl_model::ops::prepare_process(args.threads).map_err(|e| format!("--threads: {e}"))?;
         tracing::info!(threads, "CPU kernels sized");
         let run = args
             .run

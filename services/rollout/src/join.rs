@@ -17,8 +17,8 @@ use arl_runtime::{ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
     RewardScoredV2, SampleStatus, TrialFailedV1, TrialRequestedV1, TrialSlot,
 };
-use arl_schemas::state::FinishedAttemptV1;
-use arl_schemas::{RunId, TrialId};
+use arl_schemas::state::{FinishedAttemptV1, TrialRecordV2};
+use arl_schemas::{Bucket, RunId, TrialId};
 
 use crate::llm::TrialError;
 use crate::service::{Rollout, SERVICE};
@@ -70,40 +70,55 @@ pub(crate) fn start(rollout: Arc<Rollout>, shutdown: &Shutdown) {
     ));
 }
 
-/// What a grade joins with.
-enum Awaiting {
-    /// The attempt was handed to grading: join.
-    Grade(FinishedAttemptV1),
-    /// The attempt is done, superseded, or was never handed off: nothing to join.
-    Nothing,
-    /// The attempt is claimed but its hand-off is not recorded yet.
-    NotYet,
-}
-
 impl Rollout {
-    async fn awaiting(&self, trial: &TrialId, attempt: u32) -> Result<Awaiting, HandlerError> {
-        let record = self.bus.trial_record(trial).await?;
-        Ok(match record {
+    /// What a grade of `attempt` joins with: the attempt's hand-off, when it was handed
+    /// to grading; None when it is done, superseded or was never handed off (nothing to
+    /// join). An attempt still claimed without a recorded hand-off asks for the grade
+    /// again later: its record is written just after `trial.finished`, or — for a failure
+    /// the rollout announced itself — it is about to be done or retried.
+    async fn handed_off(
+        &self,
+        trial: &TrialId,
+        attempt: u32,
+    ) -> Result<Option<FinishedAttemptV1>, HandlerError> {
+        match self.bus.trial_record(trial).await? {
             Some(r) if r.attempt == attempt && !r.done => match r.finished {
-                Some(finished) => Awaiting::Grade(finished),
-                None => Awaiting::NotYet,
+                Some(finished) => Ok(Some(finished)),
+                None => Err(HandlerError::retry(format!(
+                    "trial {trial} attempt {attempt} is neither handed off nor done yet"
+                ))),
             },
-            _ => Awaiting::Nothing,
-        })
+            _ => Ok(None),
+        }
+    }
+
+    /// Clears an attempt's hand-off (it is claimed, not handed off, again).
+    async fn withdraw_hand_off(&self, request: &TrialRequestedV1) -> Result<(), HandlerError> {
+        let attempt = request.slot.attempt;
+        self.bus
+            .modify_record::<TrialRecordV2>(
+                Bucket::Trials,
+                request.trial_id.as_str(),
+                |r| match r {
+                    Some(r) if r.attempt == attempt && !r.done => {
+                        r.finished = None;
+                        true
+                    }
+                    _ => false,
+                },
+            )
+            .await?;
+        Ok(())
     }
 
     /// A grade: the trajectory of the attempt it grades.
     async fn on_scored(&self, delivery: Delivery) -> Result<(), HandlerError> {
         let scored: RewardScoredV2 = delivery.decode()?;
-        let finished = match self.awaiting(&scored.trial_id, scored.slot.attempt).await? {
-            Awaiting::Grade(finished) => finished,
-            Awaiting::Nothing => return Ok(()),
-            Awaiting::NotYet => {
-                return Err(HandlerError::retry(format!(
-                    "the hand-off of trial {} attempt {} is not recorded yet",
-                    scored.trial_id, scored.slot.attempt
-                )));
-            }
+        let Some(finished) = self
+            .handed_off(&scored.trial_id, scored.slot.attempt)
+            .await?
+        else {
+            return Ok(());
         };
         let request = request_of(&scored.run_id, &scored.trial_id, &scored.slot, &finished);
         let calls = match self.recorded_calls(&request, finished.calls).await {
@@ -112,6 +127,9 @@ impl Rollout {
             // unless the stream lost some: after the last delivery that fails the trial.
             Err(error) if delivery.attempt >= GRADE_DELIVERIES - 1 => {
                 let spec = self.bus.run_context(&scored.run_id).await?.spec;
+                // The rollout announces this failure itself: the attempt is taken back
+                // from grading first, so its own `trial.failed` is not joined as a grade.
+                self.withdraw_hand_off(&request).await?;
                 return self.fail(&request, &spec, error, None, true).await;
             }
             Err(error) => return Err(HandlerError::retry(error.message)),
@@ -143,18 +161,11 @@ impl Rollout {
     /// run's failure policy; the rollout's own announcements are passed by.
     async fn on_failed(&self, delivery: Delivery) -> Result<(), HandlerError> {
         let failed: TrialFailedV1 = delivery.decode()?;
-        let finished = match self.awaiting(&failed.trial_id, failed.slot.attempt).await? {
-            Awaiting::Grade(finished) => finished,
-            Awaiting::Nothing => return Ok(()),
-            // Either the rollout's own announcement (its attempt is about to be done or
-            // retried) or a grader's failure that came before the hand-off's record: the
-            // next delivery tells which.
-            Awaiting::NotYet => {
-                return Err(HandlerError::retry(format!(
-                    "trial {} attempt {} is neither handed off nor done yet",
-                    failed.trial_id, failed.slot.attempt
-                )));
-            }
+        let Some(finished) = self
+            .handed_off(&failed.trial_id, failed.slot.attempt)
+            .await?
+        else {
+            return Ok(());
         };
         let spec = self.bus.run_context(&failed.run_id).await?.spec;
         let request = request_of(&failed.run_id, &failed.trial_id, &failed.slot, &finished);

@@ -65,8 +65,14 @@ pub fn retain_freed_memory() {
 /// Sizes the thread pool the CPU kernels run on: `threads`, or else the cores this process
 /// may use (its CPU affinity and cgroup quota, as `available_parallelism` reads them — on
 /// one machine shared with the other services, pin or limit the engine and the trainer and
-/// their pools follow). Call once at start, before any model work; returns the count.
+/// their pools follow). Call at start, before any model work; returns the count. The pool
+/// is the process's: where two services share a process (`arl serve trainer + inference`)
+/// the first one sizes it and the second gets the count it has.
 pub fn size_thread_pool(threads: Option<usize>) -> Result<usize, rayon::ThreadPoolBuildError> {
+    static SIZED: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    if let Some(sized) = SIZED.get() {
+        return Ok(*sized);
+    }
     let threads = threads
         .filter(|n| *n > 0)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -74,5 +80,12 @@ pub fn size_thread_pool(threads: Option<usize>) -> Result<usize, rayon::ThreadPo
         .num_threads(threads)
         .thread_name(|i| format!("arl-cpu-{i}"))
         .build_global()?;
-    Ok(threads)
+    Ok(*SIZED.get_or_init(|| threads))
+}
+
+/// What a process that trains or serves a model on the CPU sets up first: freed memory
+/// kept ([`retain_freed_memory`]) and the kernels' pool sized ([`size_thread_pool`]).
+pub fn prepare_process(threads: Option<usize>) -> Result<usize, rayon::ThreadPoolBuildError> {
+    retain_freed_memory();
+    size_thread_pool(threads)
 }

@@ -15,7 +15,7 @@ mod thin;
 
 pub use cpu::Cpu;
 pub use gemm::{matmul_backward, matmul_forward};
-pub use memory::{retain_freed_memory, size_thread_pool, zeroed};
+pub use memory::{prepare_process, retain_freed_memory, size_thread_pool, zeroed};
 pub use packed::PackedMatrix;
 pub(crate) use thin::attend_row;
 
