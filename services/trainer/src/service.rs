@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arl_model::backend::BackendErrorKind;
+use arl_model::backend::{BackendError, BackendErrorKind};
 use arl_model::cuda::Cuda;
 use arl_runtime::args::default_runs_dir;
 use arl_runtime::consumer::run_consumer;
@@ -65,7 +65,45 @@ pub enum TrainerError {
     Bus(#[from] BusError),
 }
 
-type Waiter = oneshot::Sender<Result<(), String>>;
+/// Told whether the step of a held trajectory committed.
+type Waiter = oneshot::Sender<Committed>;
+type Committed = Result<(), Arc<StepError>>;
+
+/// Why a training step did not commit. Shared (`Arc`) with every trajectory of the step
+/// waiting for it, which goes back to the stream with it.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error("run {0} has no model loaded")]
+    NoModel(RunId),
+    #[error("reading failed groups: {0}")]
+    FailedGroups(#[source] arl_runtime::BusError),
+    #[error("training step {step} panicked: {source}")]
+    Panicked {
+        step: u32,
+        #[source]
+        source: tokio::task::JoinError,
+    },
+    #[error("training step {step} failed: {source}")]
+    Device {
+        step: u32,
+        #[source]
+        source: BackendError,
+    },
+    #[error("cannot save step {step}: {source}")]
+    Save {
+        step: u32,
+        #[source]
+        source: crate::policy::PolicyError,
+    },
+    /// The version is on disk; its events are published again when the step's
+    /// trajectories come back after the retry.
+    #[error("cannot publish step {step}: {source}")]
+    Publish {
+        step: u32,
+        #[source]
+        source: arl_runtime::BusError,
+    },
+}
 
 /// One step's trajectories and the handlers waiting for it to commit.
 struct PendingStep {
@@ -284,7 +322,7 @@ impl Trainer {
         &self,
         run: &mut RunTrainer,
         trajectory: TrajectoryV1,
-    ) -> Result<Option<oneshot::Receiver<Result<(), String>>>, HandlerError> {
+    ) -> Result<Option<oneshot::Receiver<Committed>>, HandlerError> {
         let step = trajectory.slot.step;
         if run.failed.is_some() || step <= run.step {
             return Ok(None);
@@ -351,7 +389,11 @@ impl Trainer {
         }
     }
 
-    async fn train(&self, run: &mut RunTrainer, pending: PendingStep) -> Result<(), String> {
+    async fn train(
+        &self,
+        run: &mut RunTrainer,
+        pending: PendingStep,
+    ) -> Result<(), Arc<StepError>> {
         let step = pending.batch.step;
         let waited = pending.first_at.elapsed().as_secs_f64();
         let started = Instant::now();
@@ -359,6 +401,7 @@ impl Trainer {
         let (saved, step_metrics, assembled, save_seconds, is_checkpoint) = match result {
             Ok(done) => done,
             Err(reason) => {
+                let reason = Arc::new(reason);
                 for waiter in pending.waiters {
                     let _ = waiter.send(Err(reason.clone()));
                 }
@@ -420,10 +463,8 @@ impl Trainer {
             self.bus.publish(&weights).await.map(|_| ()),
             self.bus.publish(&train_step_event).await.map(|_| ()),
         ] {
-            if let Err(err) = published {
-                // The version is on disk; the events are published again when the step's
-                // trajectories come back after the retry.
-                return Err(format!("cannot publish step {step}: {err}"));
+            if let Err(source) = published {
+                return Err(Arc::new(StepError::Publish { step, source }));
             }
         }
         tracing::info!(
@@ -456,17 +497,20 @@ impl Trainer {
         &self,
         run: &mut RunTrainer,
         batch: &StepBatch,
-    ) -> Result<(checkpoint::Saved, StepOutcome, batch::Assembled, f64, bool), String> {
+    ) -> Result<(checkpoint::Saved, StepOutcome, batch::Assembled, f64, bool), StepError> {
         let step = batch.step;
         let spec = run.spec.clone();
-        let failed = self.failed_groups(&run.run_id, batch).await?;
+        let failed = self
+            .failed_groups(&run.run_id, batch)
+            .await
+            .map_err(StepError::FailedGroups)?;
         let assembled = batch.assemble_without(
             u64::from(run.trained),
             spec.algorithm.max_staleness,
             &failed,
         );
         let Some(mut policy) = run.policy.take() else {
-            return Err(format!("run {} has no model loaded", run.run_id));
+            return Err(StepError::NoModel(run.run_id.clone()));
         };
         let is_checkpoint =
             step.is_multiple_of(spec.trainer.save_every) || step >= spec.trainer.total_steps;
@@ -516,20 +560,21 @@ impl Trainer {
             Ok((policy, saved, outcome, save_seconds))
         })
         .await;
-        let joined = joined.map_err(|e| format!("training step {step} panicked: {e}"))?;
+        let joined = joined.map_err(|source| StepError::Panicked { step, source })?;
         let (policy, saved, outcome, save_seconds) = match joined {
             Ok(done) => done,
-            Err(error) => {
-                let reason = format!("training step {step} failed: {error}");
-                if error.kind == BackendErrorKind::OutOfMemory {
-                    // The same step needs the same memory again: retrying cannot help.
-                    run.unrecoverable = Some(reason.clone());
+            Err(source) => {
+                // The same step needs the same memory again: retrying cannot help.
+                let out_of_memory = source.kind == BackendErrorKind::OutOfMemory;
+                let error = StepError::Device { step, source };
+                if out_of_memory {
+                    run.unrecoverable = Some(error.to_string());
                 }
-                return Err(reason);
+                return Err(error);
             }
         };
         run.policy = Some(policy);
-        let saved = saved.map_err(|e| format!("cannot save step {step}: {e}"))?;
+        let saved = saved.map_err(|source| StepError::Save { step, source })?;
         Ok((saved, outcome, assembled, save_seconds, is_checkpoint))
     }
 
@@ -568,7 +613,7 @@ impl Trainer {
         &self,
         run: &RunId,
         batch: &batch::StepBatch,
-    ) -> Result<Vec<arl_schemas::TaskId>, String> {
+    ) -> Result<Vec<arl_schemas::TaskId>, arl_runtime::BusError> {
         let mut failed = Vec::new();
         for task in batch.tasks() {
             let key = arl_schemas::state::failed_group_key(
@@ -580,8 +625,7 @@ impl Trainer {
             let flag = self
                 .bus
                 .get_record::<bool>(arl_schemas::Bucket::Trials, &key)
-                .await
-                .map_err(|e| format!("reading failed groups: {e}"))?;
+                .await?;
             if flag == Some(true) {
                 failed.push(task);
             }
