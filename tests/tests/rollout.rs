@@ -278,6 +278,38 @@ impl Stack {
             .unwrap()
     }
 
+    /// (trial id, trace id from `traceparent`) of every stored message of `domain`'s
+    /// stream for `run` that names a trial.
+    async fn traces(&self, run: &RunId, domain: Domain) -> Vec<(String, String)> {
+        let mut stream = self
+            .bus
+            .jetstream()
+            .get_stream(self.ns.stream(domain))
+            .await
+            .unwrap();
+        let last = stream.info().await.unwrap().state.last_sequence;
+        let mut found = Vec::new();
+        for sequence in 1..=last {
+            let Ok(message) = stream.get_raw_message(sequence).await else {
+                continue;
+            };
+            let body: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
+            if body["run_id"] != run.as_str() {
+                continue;
+            }
+            let Some(trial) = body["trial_id"].as_str() else {
+                continue;
+            };
+            let trace = message
+                .headers
+                .get("traceparent")
+                .map(|v| v.as_str().split('-').nth(1).unwrap_or("").to_owned())
+                .unwrap_or_default();
+            found.push((trial.to_owned(), trace));
+        }
+        found
+    }
+
     async fn events<E: Event>(&self, run: &RunId, domain: Domain, event: &str) -> Vec<E> {
         self.bus
             .replay::<E>(domain, self.ns.event_subject(domain, run, event))
@@ -391,6 +423,31 @@ async fn trials_on_bundled_tasks_become_graded_token_true_trajectories() {
     let mut samples: Vec<u32> = trajectories.iter().map(|t| t.slot.sample_index).collect();
     samples.sort();
     assert_eq!(samples, [0, 1]);
+    // One trace per trial, across processes: the rollout's request, start and finish and
+    // the proxy's records of the trial's LLM calls (reached over HTTP with the trial's
+    // `traceparent`) share the trial's trace id; two trials never share one.
+    let mut trial_traces = std::collections::HashMap::new();
+    for domain in [Domain::Trial, Domain::Llm] {
+        for (trial, trace) in stack.traces(&run, domain).await {
+            assert_eq!(
+                trace.len(),
+                32,
+                "{domain:?} event of {trial} without a trace"
+            );
+            let first = trial_traces.entry(trial.clone()).or_insert(trace.clone());
+            assert_eq!(
+                *first, trace,
+                "{trial}: its {domain:?} events leave its trace"
+            );
+        }
+    }
+    assert_eq!(trial_traces.len(), 2, "{trial_traces:?}");
+    let distinct: std::collections::HashSet<&String> = trial_traces.values().collect();
+    assert_eq!(
+        distinct.len(),
+        2,
+        "two trials share a trace: {trial_traces:?}"
+    );
     for trajectory in &trajectories {
         assert_eq!(trajectory.status, SampleStatus::Scored, "{trajectory:?}");
         assert!(trajectory.num_turns >= 1 && trajectory.num_turns <= 2);

@@ -41,3 +41,30 @@ pub fn event_type(headers: Option<&HeaderMap>) -> Option<(String, u32)> {
     let version = headers.get(EVENT_VERSION)?.as_str().parse().ok()?;
     Some((kind, version))
 }
+
+/// `traceparent` into an HTTP request's headers.
+pub(crate) struct HttpInjector<'a>(pub &'a mut axum::http::HeaderMap);
+
+impl Injector for HttpInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(name), Ok(value)) = (
+            axum::http::HeaderName::from_bytes(key.as_bytes()),
+            axum::http::HeaderValue::from_str(&value),
+        ) {
+            self.0.insert(name, value);
+        }
+    }
+}
+
+/// `traceparent` out of an HTTP request's headers.
+pub(crate) struct HttpExtractor<'a>(pub &'a axum::http::HeaderMap);
+
+impl Extractor for HttpExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(|k| k.as_str()).collect()
+    }
+}

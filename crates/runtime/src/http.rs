@@ -242,3 +242,24 @@ impl IntoResponse for ApiError {
         (self.status, axum::Json(self.body())).into_response()
     }
 }
+
+/// Every request of `router` handled in a span that continues the caller's trace (its
+/// `traceparent`): what an engine and the sandbox's lease API do with the trial's hops.
+pub fn continue_traces(router: Router) -> Router {
+    router.layer(axum::middleware::from_fn(continue_trace))
+}
+
+async fn continue_trace(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use tracing::Instrument;
+    let span = tracing::info_span!(
+        "http",
+        otel.kind = "server",
+        method = %request.method(),
+        path = %request.uri().path(),
+    );
+    crate::telemetry::set_parent_from_http(&span, request.headers());
+    next.run(request).instrument(span).await
+}

@@ -17,7 +17,7 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
-use crate::headers::{HeaderExtractor, HeaderInjector};
+use crate::headers::{HeaderExtractor, HeaderInjector, HttpExtractor, HttpInjector};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TelemetryError {
@@ -104,10 +104,13 @@ pub fn init(
             .with_writer(std::io::stderr)
             .boxed()
     };
-    let otel = tracing_opentelemetry::layer().with_tracer(tracer);
+    // `RUST_LOG` filters the log lines only: spans at info and above are always traced,
+    // so a quiet service still carries every trial's trace on to the next hop.
+    let otel = tracing_opentelemetry::layer()
+        .with_tracer(tracer)
+        .with_filter(tracing_subscriber::filter::LevelFilter::INFO);
     let installed = tracing_subscriber::registry()
-        .with(filter)
-        .with(fmt)
+        .with(fmt.with_filter(filter))
         .with(otel)
         .try_init();
     if installed.is_ok() {
@@ -135,6 +138,44 @@ pub fn set_parent_from_headers(span: &tracing::Span, headers: &HeaderMap) {
     });
     if let Err(err) = span.set_parent(parent) {
         tracing::debug!(%err, "span already started; trace parent not set");
+    }
+}
+
+/// Writes the current span's context into an HTTP request's `traceparent`: the hop from an
+/// agent to the proxy, from the proxy to an engine, from a trial to its sandbox.
+pub fn inject_http(headers: &mut axum::http::HeaderMap) {
+    let context = tracing::Span::current().context();
+    opentelemetry::global::get_text_map_propagator(|propagator| {
+        propagator.inject_context(&context, &mut HttpInjector(headers));
+    });
+}
+
+/// Makes `span` a child of the trace an HTTP request's `traceparent` names (none: `span`
+/// stays where it is).
+pub fn set_parent_from_http(span: &tracing::Span, headers: &axum::http::HeaderMap) {
+    if !headers.contains_key("traceparent") {
+        return;
+    }
+    let parent = opentelemetry::global::get_text_map_propagator(|propagator| {
+        propagator.extract(&HttpExtractor(headers))
+    });
+    if let Err(err) = span.set_parent(parent) {
+        tracing::debug!(%err, "span already started; trace parent not set");
+    }
+}
+
+/// Links `span` — a new trace's root, made with `parent: None` — to the current span: a
+/// trial's trace points back at the step that asked for it, instead of the step's trace
+/// swallowing every trial.
+pub fn link_to_current(span: &tracing::Span) {
+    use opentelemetry::trace::TraceContextExt;
+    let current = tracing::Span::current()
+        .context()
+        .span()
+        .span_context()
+        .clone();
+    if current.is_valid() {
+        span.add_link(current);
     }
 }
 

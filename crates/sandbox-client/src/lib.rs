@@ -153,7 +153,7 @@ impl Lease {
         url: &str,
         body: Bytes,
     ) -> Result<Bytes, SandboxError> {
-        let request = hyper::Request::builder()
+        let mut request = hyper::Request::builder()
             .method(method)
             .uri(url)
             .header(
@@ -163,6 +163,8 @@ impl Lease {
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .body(Full::new(body))
             .map_err(|e| self.error(operation, e.to_string()))?;
+        // The sandbox continues the trial's trace.
+        arl_runtime::telemetry::inject_http(request.headers_mut());
         let response = self
             .client
             .http

@@ -78,11 +78,13 @@ pub struct AppState {
 }
 
 pub fn router(state: AppState) -> Router {
-    Router::new()
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/completions", post(completions))
-        .route("/v1/models", get(models))
-        .with_state(state)
+    arl_runtime::http::continue_traces(
+        Router::new()
+            .route("/v1/chat/completions", post(chat_completions))
+            .route("/v1/completions", post(completions))
+            .route("/v1/models", get(models))
+            .with_state(state),
+    )
 }
 
 async fn models(State(state): State<AppState>) -> Json<Value> {

@@ -22,6 +22,7 @@ use axum::routing::post;
 use futures::StreamExt;
 use http_body_util::BodyExt;
 use serde_json::{Map, Value, json};
+use tracing::Instrument;
 
 use crate::backends::Backends;
 use crate::client::{ClientError, HttpClient};
@@ -194,6 +195,23 @@ impl Kind {
 }
 
 async fn call(p: Arc<Proxy>, key: Option<String>, kind: Kind, request: Request) -> Response {
+    // The call's span continues the caller's trace (the trial's, for ARL's own agents; a
+    // third-party agent's calls start one of their own); the record and the backend request
+    // carry it on.
+    let span = tracing::info_span!("llm_call", otel.kind = "server", path = kind.path());
+    arl_runtime::telemetry::set_parent_from_http(&span, request.headers());
+    forward(p, key, kind, request, span.clone())
+        .instrument(span)
+        .await
+}
+
+async fn forward(
+    p: Arc<Proxy>,
+    key: Option<String>,
+    kind: Kind,
+    request: Request,
+    span: tracing::Span,
+) -> Response {
     let started = Instant::now();
     let started_at = chrono::Utc::now();
     let Some(trial) = key.as_deref().and_then(|k| p.keys.get(k)) else {
@@ -301,6 +319,7 @@ async fn call(p: Arc<Proxy>, key: Option<String>, kind: Kind, request: Request) 
             call,
             backend: backend.url.clone(),
             record: Record::default(),
+            span: span.clone(),
             _in_flight: (guard, on_backend),
         };
         return if stream {
@@ -538,6 +557,8 @@ struct Recorder {
     call: CallContext,
     backend: String,
     record: Record,
+    /// The call's span: the record is stored in it, whenever the stream ends.
+    span: tracing::Span,
     /// The call counts on its run and on its backend while the recorder lives.
     _in_flight: (InFlight<RunLoad>, InFlight<crate::backends::Backend>),
 }
@@ -581,6 +602,7 @@ impl Recorder {
         self.proxy
             .bus
             .publish(&event)
+            .instrument(self.span.clone())
             .await
             .map_err(|e| format!("the call could not be recorded: {e}"))?;
         self.call.trial.recorded.fetch_add(1, Ordering::SeqCst);

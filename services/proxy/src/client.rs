@@ -60,10 +60,12 @@ impl HttpClient {
         url: &str,
         body: Bytes,
     ) -> Result<hyper::Response<Incoming>, ClientError> {
-        let request = hyper::Request::post(url)
+        let mut request = hyper::Request::post(url)
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .body(Full::new(body))
             .map_err(|e| ClientError::Other(e.to_string()))?;
+        // The engine continues the caller's trace.
+        arl_runtime::telemetry::inject_http(request.headers_mut());
         self.send(request).await
     }
 

@@ -90,10 +90,12 @@ impl LlmClient {
         let mut no_engine_since: Option<Instant> = None;
         let mut backoff = Backoff::new();
         loop {
-            let request = hyper::Request::post(format!("{base_url}/chat/completions"))
+            let mut request = hyper::Request::post(format!("{base_url}/chat/completions"))
                 .header(hyper::header::CONTENT_TYPE, "application/json")
                 .body(Full::new(body.clone()))
                 .map_err(|e| infrastructure(format!("building the LLM request: {e}")))?;
+            // The call belongs to the trial's trace (the proxy and the engine continue it).
+            arl_runtime::telemetry::inject_http(request.headers_mut());
             let response = self
                 .http
                 .request(request)

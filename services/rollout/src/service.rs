@@ -24,6 +24,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tracing::Instrument;
+
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::rpc::RequestError;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
@@ -180,6 +182,19 @@ impl Rollout {
                 };
                 let trial_id =
                     trial_id(&batch.run_id, &slot, index).map_err(HandlerError::dead_letter)?;
+                // One trace per trial: its request is published in a root span of its own,
+                // linked to this batch; every hop of the trial (lease, agent, LLM calls,
+                // grade, trajectory) continues that trace.
+                let span = tracing::info_span!(
+                    parent: None,
+                    "trial",
+                    run = %batch.run_id,
+                    trial = %trial_id,
+                    step = batch.step,
+                    task = %task.task_id,
+                    sample = sample_index,
+                );
+                arl_runtime::telemetry::link_to_current(&span);
                 self.bus
                     .publish(&TrialRequestedV1 {
                         run_id: batch.run_id.clone(),
@@ -187,6 +202,7 @@ impl Rollout {
                         slot,
                         task: task.clone(),
                     })
+                    .instrument(span)
                     .await?;
             }
         }

@@ -28,7 +28,7 @@ const MAX_DOWNLOAD: usize = 256 << 20;
 const FILE_OP_TIMEOUT: Duration = Duration::from_secs(120);
 
 pub fn router<B: Backend>(service: SandboxService<B>) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/leases/{lease_id}/exec", post(exec::<B>))
         .route(
             "/leases/{lease_id}/files",
@@ -41,7 +41,8 @@ pub fn router<B: Backend>(service: SandboxService<B>) -> Router {
         )
         .route("/leases/{lease_id}/diff", get(diff::<B>))
         .layer(DefaultBodyLimit::max(MAX_UPLOAD))
-        .with_state(service)
+        .with_state(service);
+    arl_runtime::http::continue_traces(router)
 }
 
 /// An error answer in the shape every ARL HTTP API uses: `{"error": {"code", "message",
