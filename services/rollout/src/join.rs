@@ -12,7 +12,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use arl_runtime::consumer::run_consumer;
 use arl_runtime::{ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
     RewardScoredV2, SampleStatus, TrialFailedV1, TrialRequestedV1, TrialSlot,
@@ -31,7 +30,7 @@ const FAILURES: &str = "rollout-grading-failures";
 const GRADE_DELIVERIES: i64 = 20;
 
 /// Starts the join's consumers.
-pub(crate) fn start(rollout: Arc<Rollout>, shutdown: &Shutdown) {
+pub(crate) fn start(rollout: &Arc<Rollout>, shutdown: &Shutdown) {
     let ns = rollout.bus.namespace();
     let retry_backoff = vec![
         Duration::from_secs(1),
@@ -49,25 +48,12 @@ pub(crate) fn start(rollout: Arc<Rollout>, shutdown: &Shutdown) {
     failures.keep_alive = true;
     failures.max_deliver = GRADE_DELIVERIES;
     failures.retry_backoff = retry_backoff;
-    let on_grade = rollout.clone();
-    shutdown.spawn(run_consumer(
-        rollout.bus.clone(),
-        grades,
-        move |delivery: Delivery| {
-            let this = on_grade.clone();
-            async move { this.on_scored(delivery).await }
-        },
-        shutdown.clone(),
-    ));
-    shutdown.spawn(run_consumer(
-        rollout.bus.clone(),
+    rollout.consume(shutdown, grades, |r, d| async move { r.on_scored(d).await });
+    rollout.consume(
+        shutdown,
         failures,
-        move |delivery: Delivery| {
-            let this = rollout.clone();
-            async move { this.on_failed(delivery).await }
-        },
-        shutdown.clone(),
-    ));
+        |r, d| async move { r.on_failed(d).await },
+    );
 }
 
 impl Rollout {

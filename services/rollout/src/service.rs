@@ -146,27 +146,28 @@ impl Rollout {
         trials.ack_wait = self.config.ack_wait;
         trials.max_deliver = 10;
         let this = Arc::new(self.clone());
-        let on_batch = this.clone();
+        this.consume(shutdown, batches, |r, d| async move { r.on_batch(d).await });
+        this.consume(shutdown, trials, |r, d| async move { r.on_trial(d).await });
+        crate::join::start(&this, shutdown);
+    }
+
+    /// Runs `handler` on every delivery of `spec`, on a task shutdown waits for.
+    pub(crate) fn consume<F, Fut>(
+        self: &Arc<Self>,
+        shutdown: &Shutdown,
+        spec: ConsumerSpec,
+        handler: F,
+    ) where
+        F: Fn(Arc<Rollout>, Delivery) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<(), HandlerError>> + Send + 'static,
+    {
+        let this = self.clone();
         shutdown.spawn(run_consumer(
             self.bus.clone(),
-            batches,
-            move |delivery: Delivery| {
-                let this = on_batch.clone();
-                async move { this.on_batch(delivery).await }
-            },
+            spec,
+            move |delivery: Delivery| handler(this.clone(), delivery),
             shutdown.clone(),
         ));
-        let on_trial = this.clone();
-        shutdown.spawn(run_consumer(
-            self.bus.clone(),
-            trials,
-            move |delivery: Delivery| {
-                let this = on_trial.clone();
-                async move { this.on_trial(delivery).await }
-            },
-            shutdown.clone(),
-        ));
-        crate::join::start(this, shutdown);
     }
 
     async fn on_batch(&self, delivery: Delivery) -> Result<(), HandlerError> {
