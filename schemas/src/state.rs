@@ -207,14 +207,6 @@ pub struct TrialRecordV1 {
     pub done: bool,
 }
 
-impl TrialRecordV1 {
-    /// Whether an event of `attempt` of this trial can have come from the rollout
-    /// service: that attempt, or an earlier one, was claimed.
-    pub fn requested(record: Option<&Self>, attempt: u32) -> bool {
-        record.is_some_and(|r| attempt <= r.attempt)
-    }
-}
-
 /// Version 2 of a trial's entry in `ARL_TRIALS`: version 1's fields, plus what the
 /// trial's saga needs between its hand-offs. A superset in JSON (a version 1 reader
 /// ignores `finished`; a version 1 entry reads as one with nothing finished), so both
@@ -253,15 +245,6 @@ impl TrialRecordV2 {
     /// service: that attempt, or an earlier one, was claimed.
     pub fn requested(record: Option<&Self>, attempt: u32) -> bool {
         record.is_some_and(|r| attempt <= r.attempt)
-    }
-
-    /// The attempt whose grade is awaited, if this record awaits one for `attempt`.
-    pub fn awaiting_grade(&self, attempt: u32) -> Option<&FinishedAttemptV1> {
-        if self.attempt == attempt && !self.done {
-            self.finished.as_ref()
-        } else {
-            None
-        }
     }
 }
 

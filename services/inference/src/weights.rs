@@ -28,7 +28,7 @@ pub fn follow(
 ) {
     let ns = bus.namespace();
     if let Some(base) = base {
-        follow_run_ends(bus, engine.clone(), durable, run, base, shutdown);
+        follow_run_ends(bus, engine.clone(), durable, base, shutdown);
     }
     let filter = match run {
         Some(run) => ns.event_subject(Domain::Weights, run, "published"),
@@ -87,19 +87,14 @@ fn follow_run_ends(
     bus: &Bus,
     engine: EngineHandle,
     durable: &str,
-    run: Option<&RunId>,
     base: PathBuf,
     shutdown: &Shutdown,
 ) {
+    // Every run's end: only the one whose weights are served changes anything.
     let ns = bus.namespace();
     let mut spec = ConsumerSpec::for_event::<RunCompletedV1>(ns, format!("{durable}-run-ends"))
-        .and_event::<RunFailedV1>(ns);
-    if let Some(run) = run {
-        spec.filter_subjects = ["completed", "failed"]
-            .map(|event| ns.event_subject(Domain::Run, run, event))
-            .to_vec();
-    }
-    let mut spec = spec.ordered();
+        .and_event::<RunFailedV1>(ns)
+        .ordered();
     spec.keep_alive = true;
     shutdown.spawn(run_consumer(
         bus.clone(),

@@ -498,8 +498,8 @@ impl Rollout {
             .replay(Domain::Llm, subject)
             .await
             .map_err(|e| infrastructure(e.to_string()))?;
-        // A redelivered record is stored once (de-duplicated by its message id); order
-        // by turn all the same.
+        // In turn order, one record per turn: a record republished after the stream's
+        // de-duplication window would be stored twice.
         calls.sort_by_key(|c| c.turn_index);
         calls.dedup_by_key(|c| c.turn_index);
         if calls.len() < count as usize {
