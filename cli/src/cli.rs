@@ -91,6 +91,11 @@ pub struct UpArgs {
     /// for the CLI, `<state>/nats/cli.nk`) that may publish and read only its own subjects.
     #[arg(long)]
     pub least_privilege: bool,
+    /// Start a trace UI (Arize Phoenix, from PyPI `arize-phoenix`: `make observability`
+    /// installs it) and send every service's spans to it over OTLP/HTTP; its address is
+    /// printed. The `phoenix` program is ARL_PHOENIX, else `phoenix` on PATH.
+    #[arg(long)]
+    pub traces: bool,
 }
 
 #[derive(Debug, Subcommand)]

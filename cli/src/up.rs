@@ -7,6 +7,11 @@
 //! "Up" means ready: each service's `/ready` answers 200 (the engine has its weights, the
 //! proxy a backend that passed a health check, the trainer has probed its GPU …). Only
 //! then does `arl up` say so and write `<state>/nats-url`, which `make run` waits for.
+//!
+//! What to watch it with is written beside it: `<state>/metrics-targets.json` (every
+//! service's `/metrics` address, picked at start) and `<state>/prometheus.yml` (a scrape
+//! config for them), TensorBoard scalars under `<state>/tensorboard`, and with `--traces`
+//! a Phoenix trace UI that every service exports its spans to.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -58,8 +63,12 @@ fn services(
     }
     let mut imagebuilder = vec!["--environments-dir".into(), s(&environments)];
     imagebuilder.extend(recipes.iter().cloned());
+    let controller = vec![
+        "--tensorboard-dir".into(),
+        s(&state.join("tensorboard")),
+    ];
     let list = vec![
-        ("arl-controller", vec![], None),
+        ("arl-controller", controller, None),
         ("arl-dataset", vec![], None),
         ("arl-imagebuilder", imagebuilder, None),
         ("arl-sandbox", sandbox, Some(sandbox_api)),
@@ -131,13 +140,18 @@ fn untraversable(dir: &Path) -> Option<(PathBuf, u32)> {
 
 /// GET `/ready` on a service's ops port: Ok when ready, else what it waits for.
 async fn ready(port: u16) -> Result<(), String> {
+    probe(port, "/ready").await
+}
+
+/// GET `path` on a loopback port: Ok on 200, else why not (a JSON `waiting_for` if given).
+async fn probe(port: u16, path: &str) -> Result<(), String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let connect = tokio::net::TcpStream::connect(("127.0.0.1", port));
     let mut stream = match tokio::time::timeout(Duration::from_secs(2), connect).await {
         Ok(Ok(stream)) => stream,
         _ => return Err("starting".into()),
     };
-    let request = "GET /ready HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    let request = format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
     if stream.write_all(request.as_bytes()).await.is_err() {
         return Err("starting".into());
     }
@@ -188,10 +202,11 @@ fn spawn(
 ) -> Result<(Child, PathBuf), CliError> {
     let log = logs.join(format!("{name}.log"));
     let file = std::fs::File::create(&log).map_err(io)?;
-    let program = if name == "nats-server" {
-        PathBuf::from(bin)
-    } else {
+    // Third-party programs are given whole; ARL's services are found beside `arl`.
+    let program = if name.starts_with("arl-") {
         bin.join(name)
+    } else {
+        PathBuf::from(bin)
     };
     // Through setpriv, each child gets SIGTERM when `arl up` dies, however it dies (even
     // SIGKILL): nothing is left running.
@@ -291,11 +306,19 @@ pub async fn execute(
         }
         url
     };
+    let traces = if args.traces {
+        Some(start_phoenix(&state, &logs, &mut children).await?)
+    } else {
+        None
+    };
     let (engine, proxy) = (free_port()?, free_port()?);
-    let env = [
+    let mut env = vec![
         ("NATS_URL", url.clone()),
         ("ARL_PREFIX", bus.prefix.clone()),
     ];
+    if let Some(ui) = &traces {
+        env.push(("OTEL_EXPORTER_OTLP_ENDPOINT", ui.clone()));
+    }
     let specs = services(&args, &state, engine, proxy)?;
     for service in &specs {
         let mut env = env.to_vec();
@@ -366,6 +389,19 @@ pub async fn execute(
         "ops endpoints (/ready /health /metrics): {}",
         endpoints.join(" ")
     );
+    write_scrape_targets(&state, &specs).map_err(io)?;
+    println!(
+        "metrics: every address above serves /metrics; a Prometheus scrape config for them is {}",
+        state.join("prometheus.yml").display()
+    );
+    println!(
+        "training curves: tensorboard --logdir {}",
+        state.join("tensorboard").display()
+    );
+    if let Some(ui) = &traces {
+        std::fs::write(state.join("traces-url"), ui).map_err(io)?;
+        println!("traces: {ui} (Arize Phoenix; each trial is one trace, project \"{}\")", arl_runtime::telemetry::trace_project());
+    }
     match &least_privilege {
         Some(written) => println!(
             "submit a run with: NATS_URL={url} NATS_NKEY={} NATS_INBOX_PREFIX={} arl run submit examples/arithmetic.toml",
@@ -388,6 +424,79 @@ pub async fn execute(
     }
     println!("stopping ARL");
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// `<state>/metrics-targets.json` (`{service: "http://host:port/metrics"}`) and
+/// `<state>/prometheus.yml`, a scrape config with one job per service.
+fn write_scrape_targets(state: &Path, specs: &[ServiceSpec]) -> std::io::Result<()> {
+    let targets: serde_json::Map<String, serde_json::Value> = specs
+        .iter()
+        .map(|s| {
+            (
+                s.name.to_owned(),
+                serde_json::Value::String(format!("http://127.0.0.1:{}/metrics", s.ops_port)),
+            )
+        })
+        .collect();
+    let json = serde_json::to_string_pretty(&targets).map_err(std::io::Error::other)?;
+    std::fs::write(state.join("metrics-targets.json"), json)?;
+    let mut yaml = String::from(
+        "# Written by `arl up`: every ARL service's /metrics (ports are picked at each start).\n\
+         global:\n  scrape_interval: 15s\nscrape_configs:\n",
+    );
+    for s in specs {
+        yaml.push_str(&format!(
+            "  - job_name: {}\n    static_configs:\n      - targets: [\"127.0.0.1:{}\"]\n",
+            s.name, s.ops_port
+        ));
+    }
+    std::fs::write(state.join("prometheus.yml"), yaml)
+}
+
+/// Starts Phoenix with its store under `<state>/phoenix`; returns its base URL (the UI,
+/// and OTLP/HTTP at `/v1/traces`) once it answers.
+async fn start_phoenix(
+    state: &Path,
+    logs: &Path,
+    children: &mut Children,
+) -> Result<String, CliError> {
+    let program = std::env::var_os("ARL_PHOENIX")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("phoenix"));
+    let (http, grpc) = (free_port()?, free_port()?);
+    let dir = state.join("phoenix");
+    std::fs::create_dir_all(&dir).map_err(io)?;
+    let env = [
+        ("PHOENIX_HOST", "127.0.0.1".to_owned()),
+        ("PHOENIX_PORT", http.to_string()),
+        ("PHOENIX_GRPC_PORT", grpc.to_string()),
+        ("PHOENIX_WORKING_DIR", dir.display().to_string()),
+        // No telemetry home from a machine that may have no network.
+        ("PHOENIX_TELEMETRY_ENABLED", "false".to_owned()),
+    ];
+    let (child, log) = spawn(&program, "phoenix", &["serve".to_owned()], &env, logs)
+        .map_err(|e| {
+            CliError::Usage(format!(
+                "--traces needs Arize Phoenix: {e}; install it with `make observability` and set \
+                 ARL_PHOENIX to its `phoenix` program (or put it on PATH)"
+            ))
+        })?;
+    children.0.push(("phoenix".into(), child, log.clone()));
+    let started = std::time::Instant::now();
+    while probe(http, "/healthz").await.is_err() {
+        if started.elapsed() > Duration::from_secs(120) {
+            return Err(CliError::Usage(format!(
+                "Phoenix did not answer within 120 s; its log ends:\n{}",
+                tail(&log)
+            )));
+        }
+        if let Some(code) = exited(children) {
+            let _ = code;
+            return Err(CliError::Usage("Phoenix exited at start (see above)".into()));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    Ok(format!("http://127.0.0.1:{http}"))
 }
 
 /// Exit code 1 (after printing the log's tail) when a service has exited.

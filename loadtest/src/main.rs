@@ -171,6 +171,7 @@ async fn admission(
     let config = ControllerConfig {
         model_dir: dir.join("models"),
         admission_concurrency: 16,
+        tensorboard_dir: None,
     };
     Controller::new(bus.clone(), config).await?.start(&shutdown);
 

@@ -214,6 +214,7 @@ impl Grading {
             ControllerConfig {
                 model_dir: models.path().to_path_buf(),
                 admission_concurrency: 2,
+                tensorboard_dir: None,
             },
         )
         .await

@@ -144,6 +144,7 @@ impl Stack {
             ControllerConfig {
                 model_dir: model_dir(),
                 admission_concurrency: 2,
+                tensorboard_dir: None,
             },
         )
         .await

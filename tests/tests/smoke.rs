@@ -2,7 +2,12 @@
 //! private nats-server), a run over the bundled Harbor tasks with SmolLM2 (n = 2, one
 //! GRPO step, one evaluation) is submitted and followed with `arl run watch` to its end:
 //! completed when the step trained, failed saying so when it trained nothing; every trial
-//! reached the agent loop, the step wrote its weights, and no service exited on the way. Build the binaries first (`make test` does).
+//! reached the agent loop, the step wrote its weights, and no service exited on the way.
+//! The run without least privilege also runs `arl up --traces` and is watched the way a
+//! user would: each training trial is one trace in Phoenix (its REST API, and its UI in
+//! headless Chromium), every printed metrics address parses as OpenMetrics text with the
+//! engine's and trainer's families, and TensorBoard reads the run's scalars back. Build the
+//! binaries first (`make test` does).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::Path;
@@ -85,12 +90,15 @@ async fn reduced_run(least_privilege: bool) -> (tempfile::TempDir, String, Child
     let mut up_args = vec!["up", "--state-dir"];
     if least_privilege {
         up_args.insert(1, "--least-privilege");
+    } else {
+        up_args.insert(1, "--traces");
     }
     let mut up = Children(vec![
         Command::new(&arl)
             .args(&up_args)
             .arg(state.path())
             .env_remove("NATS_URL")
+            .env("ARL_PHOENIX", observability_tool("phoenix"))
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
@@ -216,6 +224,20 @@ async fn reduced_run(least_privilege: bool) -> (tempfile::TempDir, String, Child
         trajectories.iter().all(|t| t.num_turns > 0),
         "every trial reached the agent loop"
     );
+    if !least_privilege {
+        let trials: Vec<String> = trajectories
+            .iter()
+            .map(|t| t.trial_id.to_string())
+            .collect();
+        traces_in_phoenix(state.path(), &trials).await;
+        metrics_parse(state.path());
+        let scalars = tensorboard_scalars(state.path(), &run).await;
+        let pg_loss = scalars["actor/pg_loss"].as_array().unwrap();
+        assert_eq!(pg_loss[0][0], 1, "{pg_loss:?}");
+        let logged = pg_loss[0][1].as_f64().unwrap();
+        assert!((logged - step.pg_loss).abs() <= 1e-6 * step.pg_loss.abs().max(1.0), "{logged} vs {}", step.pg_loss);
+        assert!(scalars["val/test_score/mean"].as_array().is_some_and(|v| !v.is_empty()));
+    }
     let plot = arl_at(&[
         "run",
         "plot",
@@ -236,8 +258,8 @@ async fn reduced_run(least_privilege: bool) -> (tempfile::TempDir, String, Child
     let services: Vec<&str> = services.split_whitespace().collect();
     assert_eq!(
         services.len(),
-        11,
-        "nats-server and ten services: {services:?}"
+        if least_privilege { 11 } else { 12 },
+        "nats-server, ten services (and Phoenix): {services:?}"
     );
     if least_privilege {
         // The caller checks refusals on the running bus; dropping `up` stops it.
@@ -261,4 +283,228 @@ fn running(pid: &str) -> bool {
                 .map(|(_, rest)| !rest.starts_with('Z'))
         })
         .unwrap_or(false)
+}
+
+/// A program of the observability venv (`make observability`).
+fn observability_tool(name: &str) -> std::path::PathBuf {
+    let python = std::env::var_os("ARL_OBSERVABILITY_PYTHON")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(std::env::var("HOME").unwrap())
+                .join(".cache/arl/observability/bin/python")
+        });
+    python.with_file_name(name)
+}
+
+/// `observability.py COMMAND PATH`'s JSON answer.
+fn observability_py(command: &str, path: &Path) -> serde_json::Value {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/observability.py");
+    let output = Command::new(observability_tool("python"))
+        .arg(script)
+        .arg(command)
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "observability.py {command}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+/// The services a trial's trace must hold spans of.
+const TRIAL_SERVICES: [&str; 5] = [
+    "arl-rollout",
+    "arl-proxy",
+    "arl-inference",
+    "arl-sandbox",
+    "arl-reward",
+];
+
+/// A span attribute as Phoenix returns it: flat (`"service.name"`) or nested.
+fn attribute<'a>(span: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
+    let attributes = &span["attributes"];
+    attributes.get(key).or_else(|| {
+        key.split('.')
+            .try_fold(attributes, |value, part| value.get(part))
+    })
+}
+
+/// Every span of the `arl` project, through Phoenix's REST API.
+async fn phoenix_spans(ui: &str) -> Vec<serde_json::Value> {
+    let mut spans = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let mut url = format!("{ui}/v1/projects/arl/spans?limit=1000");
+        if let Some(c) = &cursor {
+            url.push_str(&format!("&cursor={c}"));
+        }
+        let Ok(response) = arl_testkit::http(&url, "GET", &[], b"").await else {
+            return spans;
+        };
+        if response.status != 200 {
+            return spans;
+        }
+        let page: serde_json::Value = response.json();
+        spans.extend(page["data"].as_array().cloned().unwrap_or_default());
+        match page["next_cursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => return spans,
+        }
+    }
+}
+
+/// Each of `trials` is one trace in Phoenix holding spans of every service it crossed, and
+/// no trace holds two trials; Chromium renders one trial's trace in Phoenix's UI (the DOM
+/// names its spans; the screenshot is kept under the target folder's test-artifacts).
+async fn traces_in_phoenix(state: &Path, trials: &[String]) {
+    use std::collections::{BTreeMap, BTreeSet};
+    let ui = std::fs::read_to_string(state.join("traces-url")).unwrap();
+    // trace id → (trials whose root span it holds, services seen, span names)
+    type Traces = BTreeMap<String, (BTreeSet<String>, BTreeSet<String>, BTreeSet<String>)>;
+    let fold = |spans: &[serde_json::Value]| {
+        let mut traces = Traces::new();
+        for span in spans {
+            let trace = span["context"]["trace_id"].as_str().unwrap_or_default();
+            let entry = traces.entry(trace.to_owned()).or_default();
+            if span["name"] == "trial"
+                && let Some(trial) = attribute(span, "trial").and_then(|t| t.as_str())
+            {
+                entry.0.insert(trial.to_owned());
+            }
+            if let Some(service) = attribute(span, "service.name").and_then(|s| s.as_str()) {
+                entry.1.insert(service.to_owned());
+            }
+            entry.2.insert(span["name"].as_str().unwrap_or_default().to_owned());
+        }
+        traces
+    };
+    let complete = |traces: &Traces| {
+        trials.iter().all(|trial| {
+            traces.values().any(|(held, services, _)| {
+                held.contains(trial) && TRIAL_SERVICES.iter().all(|s| services.contains(*s))
+            })
+        })
+    };
+    // Spans leave each service in batches (every few seconds).
+    let traces = arl_testkit::wait_for("every trial's spans in Phoenix", Duration::from_secs(90), || async {
+        let traces = fold(&phoenix_spans(&ui).await);
+        if complete(&traces) {
+            Some(traces)
+        } else {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            None
+        }
+    })
+    .await;
+    for (trace, (held, _, _)) in &traces {
+        assert!(held.len() <= 1, "trace {trace} holds several trials: {held:?}");
+    }
+    let (trace, (_, _, names)) = traces
+        .iter()
+        .find(|(_, (held, _, _))| held.contains(&trials[0]))
+        .unwrap();
+    for name in ["trial", "agent turn", "llm_call", "generate", "sandbox exec", "grade", "trajectory hand-off"] {
+        assert!(names.contains(name), "trace {trace} has no {name} span: {names:?}");
+    }
+
+    // The same trace through the UI a person opens.
+    let project: serde_json::Value = arl_testkit::http(&format!("{ui}/v1/projects/arl"), "GET", &[], b"")
+        .await
+        .unwrap()
+        .json();
+    let page = format!("{ui}/projects/{}/traces/{trace}", project["data"]["id"].as_str().unwrap());
+    let artifacts = Path::new(&std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
+        .join("test-artifacts");
+    std::fs::create_dir_all(&artifacts).unwrap();
+    let chromium = |mode: &str| {
+        Command::new("chromium")
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+                "--window-size=1600,1000",
+                "--virtual-time-budget=20000",
+                mode,
+                &page,
+            ])
+            .stderr(Stdio::null())
+            .output()
+            .expect("chromium (apt-get install chromium; make deps installs it)")
+    };
+    let dom = String::from_utf8_lossy(&chromium("--dump-dom").stdout).into_owned();
+    for name in ["trial", "llm_call", "generate"] {
+        assert!(
+            dom.contains(&format!(">{name}<")),
+            "Phoenix's page for trace {trace} does not show a {name} span"
+        );
+    }
+    let shot = artifacts.join("phoenix-trial-trace.png");
+    let _ = chromium(&format!("--screenshot={}", shot.display()));
+    let png = std::fs::read(&shot).unwrap();
+    assert!(png.starts_with(b"\x89PNG") && png.len() > 20_000, "{} bytes", png.len());
+}
+
+/// Every address in `metrics-targets.json` serves OpenMetrics text a strict parser takes,
+/// with the engine's vLLM families and the trainer's step families.
+fn metrics_parse(state: &Path) {
+    let found = observability_py("metrics", &state.join("metrics-targets.json"));
+    let services = found.as_object().unwrap();
+    assert_eq!(services.len(), 10, "{:?}", services.keys());
+    let expect = |service: &str, families: &[(&str, &str)]| {
+        for (family, kind) in families {
+            assert_eq!(
+                found[service][family], *kind,
+                "{service} has no {kind} {family}: {}",
+                found[service]
+            );
+        }
+    };
+    expect(
+        "arl-inference",
+        &[
+            ("vllm:time_to_first_token_seconds", "histogram"),
+            ("vllm:time_per_output_token_seconds", "histogram"),
+            ("vllm:e2e_request_latency_seconds", "histogram"),
+            ("vllm:num_requests_running", "gauge"),
+            ("vllm:num_requests_waiting", "gauge"),
+            ("vllm:kv_cache_usage_perc", "gauge"),
+            ("vllm:generation_tokens", "counter"),
+        ],
+    );
+    expect(
+        "arl-trainer",
+        &[
+            ("arl_trainer_steps", "counter"),
+            ("arl_trainer_pg_loss", "gauge"),
+            ("arl_trainer_grad_norm", "gauge"),
+            ("arl_trainer_reward_mean", "gauge"),
+            ("arl_trainer_tokens_per_second", "gauge"),
+        ],
+    );
+    for service in services.keys() {
+        expect(service, &[("arl_messages_handled", "counter")]);
+    }
+}
+
+/// The run's TensorBoard scalars as TensorBoard's own reader sees them, once the train
+/// step and evaluations are in.
+async fn tensorboard_scalars(state: &Path, run: &str) -> serde_json::Value {
+    let logdir = state.join("tensorboard");
+    arl_testkit::wait_for("the run's TensorBoard scalars", Duration::from_secs(60), || async {
+        if !logdir.exists() {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            return None;
+        }
+        let scalars = observability_py("tensorboard", &logdir)[run].clone();
+        if scalars.get("actor/pg_loss").is_some() && scalars.get("val/test_score/mean").is_some() {
+            Some(scalars)
+        } else {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            None
+        }
+    })
+    .await
 }

@@ -376,6 +376,7 @@ async fn handle_message<H, Fut>(
     };
     let span = tracing::info_span!(
         "consume",
+        otel.name = format!("consume {}", spec.durable).as_str(),
         consumer = %spec.durable,
         subject = %delivery.subject,
         attempt,

@@ -1,11 +1,14 @@
 //! Prometheus metrics. One registry per process; services add their own families next to
-//! the runtime's. Label values come from small fixed sets (consumer names, event types,
-//! outcomes) — never ids or error text.
+//! the runtime's, under the `arl_` prefix, and families that keep an ecosystem's names
+//! (the engine's `vllm:` ones, which vLLM dashboards already chart) without it. Label
+//! values come from small fixed sets (consumer names, event types, outcomes, the served
+//! model's name) — never ids or error text.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
 use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::encoding::text::encode;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -31,7 +34,10 @@ pub struct EventTypeLabel {
 /// The process-wide registry plus the runtime's own metric families.
 #[derive(Clone, Debug)]
 pub struct Metrics {
+    /// `arl_`-prefixed families.
     registry: Arc<Mutex<Registry>>,
+    /// Families named as another tool names them (no prefix).
+    foreign: Arc<Mutex<Registry>>,
     pub messages_handled: Family<ConsumerOutcome, Counter>,
     pub handler_seconds: Family<ConsumerLabel, Histogram>,
     pub events_published: Family<EventTypeLabel, Counter>,
@@ -75,6 +81,7 @@ impl Metrics {
         );
         Self {
             registry: Arc::new(Mutex::new(registry)),
+            foreign: Arc::new(Mutex::new(Registry::default())),
             messages_handled,
             handler_seconds,
             events_published,
@@ -90,11 +97,35 @@ impl Metrics {
             .register(name, help, metric);
     }
 
-    /// The Prometheus text exposition of every registered metric.
+    /// Adds a family under exactly `name` (no `arl_` prefix): for names another tool's
+    /// users already chart, such as vLLM's `vllm:time_to_first_token_seconds`.
+    pub fn register_foreign(&self, name: &str, help: &str, metric: impl Metric) {
+        self.foreign
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .register(name, help, metric);
+    }
+
+    /// Adds families whose values are read at scrape time (gauges of live state), under
+    /// the names the collector gives them (no prefix).
+    pub fn register_foreign_collector(&self, collector: impl Collector) {
+        self.foreign
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .register_collector(Box::new(collector));
+    }
+
+    /// The OpenMetrics text exposition of every registered metric.
     pub fn encode(&self) -> String {
         let mut text = String::new();
-        let registry = self.registry.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Err(err) = encode(&mut text, &registry) {
+        let encoded = {
+            let registry = self.registry.lock().unwrap_or_else(PoisonError::into_inner);
+            let foreign = self.foreign.lock().unwrap_or_else(PoisonError::into_inner);
+            encode_registry(&mut text, &registry)
+                .and_then(|()| encode_registry(&mut text, &foreign))
+                .and_then(|()| encode_eof(&mut text))
+        };
+        if let Err(err) = encoded {
             tracing::error!(%err, "cannot encode metrics");
         }
         text

@@ -52,6 +52,15 @@ impl TelemetryGuard {
     }
 }
 
+/// The project traces are filed under in UIs that group by project (Phoenix):
+/// `ARL_TRACE_PROJECT`, else `arl`.
+pub fn trace_project() -> String {
+    std::env::var("ARL_TRACE_PROJECT")
+        .ok()
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "arl".to_owned())
+}
+
 /// `OTEL_EXPORTER_OTLP_ENDPOINT`, the OTLP/HTTP base URL (e.g. `http://jaeger:4318`).
 pub fn otlp_endpoint_from_env() -> Option<String> {
     std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -68,7 +77,15 @@ pub fn init(
 ) -> Result<TelemetryGuard, TelemetryError> {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
 
-    let resource = Resource::builder().with_service_name(service).build();
+    // Phoenix files spans by this attribute; every ARL service lands in one project, so a
+    // trial's spans from all of them form one trace there.
+    let resource = Resource::builder()
+        .with_service_name(service)
+        .with_attribute(opentelemetry::KeyValue::new(
+            "openinference.project.name",
+            trace_project(),
+        ))
+        .build();
     let mut provider = SdkTracerProvider::builder().with_resource(resource);
     let endpoint = otlp_endpoint;
     if let Some(endpoint) = &endpoint {
@@ -84,7 +101,9 @@ pub fn init(
             })?;
         let processor =
             BatchSpanProcessor::builder(exporter, opentelemetry_sdk::runtime::Tokio).build();
-        provider = provider.with_span_processor(processor);
+        provider = provider
+            .with_span_processor(ServiceOnSpans(service))
+            .with_span_processor(processor);
     }
     let provider = provider.build();
     opentelemetry::global::set_tracer_provider(provider.clone());
@@ -121,6 +140,31 @@ pub fn init(
         );
     }
     Ok(TelemetryGuard { provider })
+}
+
+/// Names the service on every span as well as on the resource: trace UIs that keep only
+/// span attributes (Phoenix) still show which service each span of a trial came from.
+#[derive(Debug)]
+struct ServiceOnSpans(&'static str);
+
+impl opentelemetry_sdk::trace::SpanProcessor for ServiceOnSpans {
+    fn on_start(&self, span: &mut opentelemetry_sdk::trace::Span, _: &opentelemetry::Context) {
+        use opentelemetry::trace::Span as _;
+        span.set_attribute(opentelemetry::KeyValue::new("service.name", self.0));
+    }
+
+    fn on_end(&self, _: opentelemetry_sdk::trace::SpanData) {}
+
+    fn force_flush(&self) -> opentelemetry_sdk::error::OTelSdkResult {
+        Ok(())
+    }
+
+    fn shutdown_with_timeout(
+        &self,
+        _: std::time::Duration,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        Ok(())
+    }
 }
 
 /// Writes the current span's context into `traceparent` (and `tracestate`).
@@ -176,6 +220,26 @@ pub fn link_to_current(span: &tracing::Span) {
         .clone();
     if current.is_valid() {
         span.add_link(current);
+    }
+}
+
+/// A span's place in a trace, kept to parent later work on: the proxy keeps the one a
+/// trial key was issued in, so the LLM calls of an agent that sends no `traceparent`
+/// (mini-swe-agent) still join their trial's trace.
+#[derive(Clone, Debug, Default)]
+pub struct TraceContext(opentelemetry::Context);
+
+impl TraceContext {
+    /// The current span's.
+    pub fn current() -> Self {
+        Self(tracing::Span::current().context())
+    }
+
+    /// Makes `span` (not yet entered) a child of this context.
+    pub fn adopt(&self, span: &tracing::Span) {
+        if let Err(err) = span.set_parent(self.0.clone()) {
+            tracing::debug!(%err, "span already started; trace parent not set");
+        }
     }
 }
 

@@ -15,6 +15,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use tracing::Instrument;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
@@ -69,9 +70,16 @@ impl SandboxClient {
         timeout: Duration,
     ) -> Result<Lease, SandboxError> {
         let ns = self.bus.namespace();
+        let span = tracing::info_span!(
+            "sandbox_lease",
+            otel.name = "sandbox lease",
+            otel.kind = "client",
+            environment = %request.environment.name,
+        );
         let grant: LeaseGrantV1 = self
             .bus
             .request(ns.sandbox_rpc("any", SandboxOp::Lease), request, timeout)
+            .instrument(span)
             .await
             .map_err(|source| SandboxError::Lease {
                 environment: request.environment.name.clone(),
@@ -110,20 +118,44 @@ impl Lease {
 
     /// Runs `command` with `/bin/sh -c` in the work tree.
     pub async fn exec(&self, request: &ExecRequest) -> Result<ExecResult, SandboxError> {
+        let span = tracing::info_span!(
+            "sandbox_exec",
+            otel.name = "sandbox exec",
+            openinference.span.kind = "TOOL",
+            otel.kind = "client",
+            lease = %self.grant.lease_id,
+            command = %head(&request.command, 200),
+            exit_code = tracing::field::Empty,
+            timed_out = tracing::field::Empty,
+        );
         let body = serde_json::to_vec(request).map_err(|e| self.error("exec", e.to_string()))?;
         let url = format!("{}/exec", self.grant.endpoint);
         let answer = self
             .call("exec", hyper::Method::POST, &url, Bytes::from(body))
+            .instrument(span.clone())
             .await?;
-        serde_json::from_slice(&answer).map_err(|e| self.error("exec", e.to_string()))
+        let result: ExecResult =
+            serde_json::from_slice(&answer).map_err(|e| self.error("exec", e.to_string()))?;
+        span.record("exit_code", result.exit_code);
+        span.record("timed_out", result.timed_out);
+        Ok(result)
     }
 
     /// `git diff` of the work tree against its base, as the agent left it.
     pub async fn diff(&self) -> Result<String, SandboxError> {
         let url = format!("{}/diff", self.grant.endpoint);
+        let span = tracing::info_span!(
+            "sandbox_diff",
+            otel.name = "sandbox diff",
+            otel.kind = "client",
+            lease = %self.grant.lease_id,
+            bytes = tracing::field::Empty,
+        );
         let answer = self
             .call("diff", hyper::Method::GET, &url, Bytes::new())
+            .instrument(span.clone())
             .await?;
+        span.record("bytes", answer.len());
         String::from_utf8(answer.to_vec()).map_err(|e| self.error("diff", e.to_string()))
     }
 
@@ -136,10 +168,17 @@ impl Lease {
             lease_id: self.grant.lease_id.clone(),
             token: self.grant.token.clone(),
         };
+        let span = tracing::info_span!(
+            "sandbox_release",
+            otel.name = "sandbox release",
+            otel.kind = "client",
+            lease = %self.grant.lease_id,
+        );
         let released: Result<ReleasedV1, _> = self
             .client
             .bus
             .request(subject, &request, Duration::from_secs(30))
+            .instrument(span)
             .await;
         if let Err(err) = released {
             tracing::warn!(lease = %self.grant.lease_id, error = %err, "release failed; the lease ends at its TTL");
@@ -204,6 +243,15 @@ impl Lease {
 }
 
 /// Percent-encodes a query value (RFC 3986 unreserved characters and `/` stay).
+/// At most `max` bytes of `text`, cut at a character boundary (span attributes stay small).
+fn head(text: &str, max: usize) -> &str {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 fn encode_query(value: &str) -> String {
     let mut out = String::with_capacity(value.len());
     for byte in value.bytes() {

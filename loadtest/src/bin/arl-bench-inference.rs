@@ -138,10 +138,11 @@ async fn main() -> anyhow::Result<()> {
         }),
     )?;
     let shutdown = Shutdown::new();
+    let metrics = InferenceMetrics::register(&Metrics::new(), "policy", &engine);
     let state = AppState {
         engine,
         model_name: "policy".into(),
-        metrics: InferenceMetrics::register(&Metrics::new()),
+        metrics,
     };
     let arl =
         arl_runtime::http::serve("127.0.0.1:0".parse()?, api::router(state), &shutdown).await?;

@@ -113,6 +113,7 @@ async fn main() -> anyhow::Result<()> {
             ControllerConfig {
                 model_dir: files.path().to_path_buf(),
                 admission_concurrency: 2,
+                tensorboard_dir: None,
             },
         )
         .await

@@ -14,6 +14,10 @@ pub struct Args {
     /// Folder where installed models are looked up by name.
     #[arg(long, env = "ARL_MODEL_DIR")]
     model_dir: Option<PathBuf>,
+    /// Write every run's step and evaluation figures as TensorBoard scalars under
+    /// DIR/<run_id>/ (`tensorboard --logdir DIR`); not written when unset.
+    #[arg(long, env = "ARL_TENSORBOARD_DIR", value_name = "DIR")]
+    tensorboard_dir: Option<PathBuf>,
 }
 
 /// The controller service, for `arl_runtime::host`.
@@ -29,6 +33,7 @@ impl Service for Controller {
         if let Some(dir) = args.model_dir {
             config.model_dir = dir;
         }
+        config.tensorboard_dir = args.tensorboard_dir;
         ControllerService::new(ctx.bus, config)
             .await?
             .start(&ctx.shutdown);

@@ -8,7 +8,8 @@ use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
     DatasetRegisteredV1, EvaluationCompletedV1, RunAcceptedV1, RunFailedV1, RunPhase,
-    RunRejectedV1, RunRequestedV1, TrialFailedV1, TrialFinishedV1, WeightsPublishedV1,
+    RunRejectedV1, RunRequestedV1, TrainStepV2, TrialFailedV1, TrialFinishedV1,
+    WeightsPublishedV1,
 };
 use arl_schemas::state::{RunStateV1, RunStatus};
 use arl_schemas::{Domain, Event, RunId};
@@ -17,10 +18,12 @@ use chrono::Utc;
 use crate::admission::{Admission, admit};
 use crate::progress;
 use crate::store::{RunStore, StoreError};
+use crate::tensorboard::{self, TensorBoard};
 
 /// The durable consumer names of the controller.
 const ADMISSION: &str = "controller-admission";
 const FOLD: &str = "controller";
+const TENSORBOARD: &str = "controller-tensorboard";
 
 #[derive(Clone, Debug)]
 pub struct ControllerConfig {
@@ -28,6 +31,8 @@ pub struct ControllerConfig {
     pub model_dir: PathBuf,
     /// Run requests admitted at once.
     pub admission_concurrency: usize,
+    /// Where each run's TensorBoard scalars are written (none: not written).
+    pub tensorboard_dir: Option<PathBuf>,
 }
 
 impl Default for ControllerConfig {
@@ -35,6 +40,7 @@ impl Default for ControllerConfig {
         Self {
             model_dir: arl_runtime::args::default_model_dir(),
             admission_concurrency: 8,
+            tensorboard_dir: None,
         }
     }
 }
@@ -86,7 +92,7 @@ impl Controller {
         });
 
         // train.step comes in two versions: its fold reads both.
-        self.fold_decoded::<arl_schemas::events::TrainStepV2, _>(
+        self.fold_decoded::<TrainStepV2, _>(
             shutdown,
             Delivery::decode_train_step,
             progress::apply_train_step,
@@ -102,6 +108,43 @@ impl Controller {
         self.consume(shutdown, trials, |c, d| async move {
             c.on_trial_outcome(&d).await
         });
+        if let Some(dir) = &self.inner.config.tensorboard_dir {
+            self.track(shutdown, Arc::new(TensorBoard::new(dir.clone())));
+        }
+    }
+
+    /// Writes every step's and evaluation's figures to TensorBoard event files.
+    fn track(&self, shutdown: &Shutdown, board: Arc<TensorBoard>) {
+        let ns = self.inner.bus.namespace();
+        let steps = board.clone();
+        self.consume(
+            shutdown,
+            ConsumerSpec::for_event::<TrainStepV2>(ns, TENSORBOARD),
+            move |_, delivery| {
+                let board = steps.clone();
+                async move {
+                    let step = delivery.decode_train_step()?;
+                    let scalars = tensorboard::step_scalars(&step);
+                    board
+                        .write(step.run_id(), step.step(), &scalars)
+                        .map_err(HandlerError::retry)
+                }
+            },
+        );
+        self.consume(
+            shutdown,
+            ConsumerSpec::for_event::<EvaluationCompletedV1>(ns, TENSORBOARD),
+            move |_, delivery| {
+                let board = board.clone();
+                async move {
+                    let eval: EvaluationCompletedV1 = delivery.decode()?;
+                    let scalars = tensorboard::eval_scalars(&eval);
+                    board
+                        .write(&eval.run_id, eval.step, &scalars)
+                        .map_err(HandlerError::retry)
+                }
+            },
+        );
     }
 
     fn consume<F, Fut>(&self, shutdown: &Shutdown, spec: ConsumerSpec, handler: F)

@@ -85,6 +85,7 @@ impl Harness {
         let config = ControllerConfig {
             model_dir: self.resources.model_dir(),
             admission_concurrency: 4,
+            tensorboard_dir: None,
         };
         Controller::new(self.bus.clone(), config)
             .await

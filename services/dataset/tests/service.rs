@@ -52,6 +52,7 @@ impl Harness {
         let config = ControllerConfig {
             model_dir: models.path().to_path_buf(),
             admission_concurrency: 4,
+            tensorboard_dir: None,
         };
         Controller::new(bus.clone(), config)
             .await

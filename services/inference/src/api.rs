@@ -4,70 +4,20 @@
 
 use std::sync::Arc;
 
-use arl_runtime::Metrics;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
 use serde_json::{Value, json};
 
 use crate::engine::{EngineHandle, ServedModel};
 use crate::generation::run;
+pub use crate::metrics::InferenceMetrics;
+use crate::metrics::RequestLabel;
 use crate::protocol::{ApiError, ChatRequest, CompletionRequest, parse_body};
 use crate::request::{Endpoint, chat_job, completion_job};
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RequestLabel {
-    pub endpoint: &'static str,
-    pub status: u16,
-}
-
-/// The service's own metric families.
-#[derive(Clone, Debug, Default)]
-pub struct InferenceMetrics {
-    pub requests: Family<RequestLabel, Counter>,
-    pub prompt_tokens: Counter,
-    pub cached_prompt_tokens: Counter,
-    pub completion_tokens: Counter,
-    pub tool_call_parse_failures: Counter,
-}
-
-impl InferenceMetrics {
-    pub fn register(metrics: &Metrics) -> Self {
-        let m = Self::default();
-        metrics.register(
-            "inference_requests",
-            "Requests by endpoint and status",
-            m.requests.clone(),
-        );
-        metrics.register(
-            "inference_prompt_tokens",
-            "Prompt tokens received",
-            m.prompt_tokens.clone(),
-        );
-        metrics.register(
-            "inference_cached_prompt_tokens",
-            "Prompt tokens served from a session's KV cache",
-            m.cached_prompt_tokens.clone(),
-        );
-        metrics.register(
-            "inference_completion_tokens",
-            "Tokens generated",
-            m.completion_tokens.clone(),
-        );
-        metrics.register(
-            "inference_tool_call_parse_failures",
-            "Completions that opened a tool call that did not parse (returned as text)",
-            m.tool_call_parse_failures.clone(),
-        );
-        m
-    }
-}
 
 #[derive(Clone)]
 pub struct AppState {

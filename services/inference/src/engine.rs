@@ -163,6 +163,8 @@ enum Inbox {
 pub struct EngineStats {
     pub waiting: AtomicUsize,
     pub active: AtomicUsize,
+    /// Tokens held in the KV caches of the running sequences.
+    pub kv_tokens: AtomicUsize,
     pub steps: AtomicU64,
     pub generated_tokens: AtomicU64,
 }
@@ -217,6 +219,12 @@ impl EngineHandle {
         self.current().map_or(self.config.max_model_len, |m| {
             max_len(&m, self.config.max_model_len)
         })
+    }
+
+    /// The KV-cache tokens a full batch can hold: max_batch sequences of the longest
+    /// context (the CPU engine allocates per sequence; this is the budget it admits to).
+    pub fn kv_capacity_tokens(&self) -> usize {
+        self.config.max_batch * self.max_len()
     }
 
     pub fn submit(&self, request: Request) -> Result<(), SubmitError> {
@@ -310,6 +318,8 @@ impl Engine {
                 self.step();
             }
             self.stats.active.store(self.active.len(), Ordering::SeqCst);
+            let cached: usize = self.active.iter().map(|seq| seq.fed).sum();
+            self.stats.kv_tokens.store(cached, Ordering::SeqCst);
         }
     }
 

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
+use std::time::Instant;
 
 use arl_model::tokenizer::Tokenizer;
 use axum::Json;
@@ -13,6 +14,7 @@ use tokio::sync::mpsc;
 
 use crate::api::{AppState, InferenceMetrics};
 use crate::engine::{Event, Request, Sampled};
+use crate::metrics::Timeline;
 use crate::protocol::{ApiError, ChoiceText, Delta, finish_name};
 use crate::request::{Endpoint, Job};
 use crate::stream::stream_response;
@@ -32,6 +34,12 @@ pub(crate) struct Generation {
     pub(crate) policy_version: u64,
     pub(crate) cached_tokens: usize,
     pub(crate) events: mpsc::UnboundedReceiver<Event>,
+    /// Recorded into the metrics and the span when the generation ends (finished,
+    /// aborted, or its client gone).
+    timeline: Timeline,
+    metrics: InferenceMetrics,
+    /// The engine's part of the caller's trace: queue, prefill and decode times.
+    span: tracing::Span,
 }
 
 pub(crate) async fn run(
@@ -56,7 +64,21 @@ pub(crate) async fn run(
             )
         })
         .collect();
-    state.metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
+    let timeline = Timeline::new(Instant::now());
+    let span = tracing::info_span!(
+        "generate",
+        model = %state.model_name,
+        run = job.model.run_id.as_ref().map(|r| r.as_str()),
+        policy_version = job.model.version,
+        prompt_tokens = job.prompt.len(),
+        n = job.n,
+        cached_tokens = tracing::field::Empty,
+        completion_tokens = tracing::field::Empty,
+        queue_ms = tracing::field::Empty,
+        prefill_ms = tracing::field::Empty,
+        decode_ms = tracing::field::Empty,
+        finish = tracing::field::Empty,
+    );
     state
         .engine
         .submit(Request {
@@ -100,6 +122,9 @@ pub(crate) async fn run(
         policy_version: job.model.version,
         cached_tokens: 0,
         events: rx,
+        timeline,
+        metrics: state.metrics.clone(),
+        span,
     };
     // The first event says which version serves the request (or that it cannot start).
     match generation.events.recv().await {
@@ -109,10 +134,8 @@ pub(crate) async fn run(
         }) => {
             generation.policy_version = policy_version;
             generation.cached_tokens = cached_tokens;
-            state
-                .metrics
-                .cached_prompt_tokens
-                .inc_by(cached_tokens as u64);
+            generation.timeline.admitted(Instant::now());
+            state.metrics.prompt(generation.prompt.len(), cached_tokens);
         }
         Some(Event::Aborted { message }) => return Err(aborted(message)),
         _ => return Err(aborted("the engine dropped the request".into())),
@@ -157,6 +180,7 @@ impl Generation {
                     return Ok(None);
                 }
                 let delta = c.push(token.clone());
+                self.timeline.token(Instant::now(), c.tokens.len());
                 Ok(Some((choice, Some(token), delta)))
             }
             Event::Finished { choice, reason } => {
@@ -263,6 +287,27 @@ impl Generation {
     }
 }
 
+impl Drop for Generation {
+    fn drop(&mut self) {
+        let reasons: Vec<_> = self.choices.iter().map(|c| c.finish).collect();
+        let tokens = self.completion_tokens();
+        self.metrics.finished(&self.timeline, tokens, &reasons);
+        let phases = self.timeline.phases();
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        self.span.record("cached_tokens", self.cached_tokens);
+        self.span.record("completion_tokens", tokens);
+        self.span.record("queue_ms", ms(phases.queue));
+        self.span.record("prefill_ms", ms(phases.prefill));
+        self.span.record("decode_ms", ms(phases.decode));
+        let finish = match reasons.first().copied().flatten() {
+            Some(crate::engine::FinishReason::Stop) => "stop",
+            Some(crate::engine::FinishReason::Length) => "length",
+            None => "abort",
+        };
+        self.span.record("finish", finish);
+    }
+}
+
 /// Waits for every choice and builds the whole response.
 pub(crate) async fn collect(state: &AppState, mut g: Generation) -> Result<Value, ApiError> {
     let mut shown: Vec<String> = vec![String::new(); g.choices.len()];
@@ -274,10 +319,6 @@ pub(crate) async fn collect(state: &AppState, mut g: Generation) -> Result<Value
             shown[choice].push_str(&delta.text);
         }
     }
-    state
-        .metrics
-        .completion_tokens
-        .inc_by(g.completion_tokens() as u64);
     let choices: Vec<Value> = (0..g.choices.len())
         .map(|i| {
             let c = &g.choices[i];

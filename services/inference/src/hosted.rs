@@ -123,10 +123,11 @@ impl Service for Inference {
             base,
             &ctx.shutdown,
         );
+        let metrics = InferenceMetrics::register(&ctx.metrics, &args.served_model_name, &engine);
         let state = AppState {
             engine,
             model_name: args.served_model_name,
-            metrics: InferenceMetrics::register(&ctx.metrics),
+            metrics,
         };
         let router = api::router(state).merge(arl_runtime::http::ops_router(
             "inference",

@@ -6,12 +6,14 @@
 //!   run to its answer; [`stream`]: the streamed answer; [`protocol`]: request bodies,
 //!   errors, and the per-choice text state (stop strings, incremental detokenization,
 //!   tool-call hold-back);
-//! - [`tools`]: Qwen / SmolLM2 tool-call formats; [`weights`]: follows `weights.published`.
+//! - [`tools`]: Qwen / SmolLM2 tool-call formats; [`weights`]: follows `weights.published`;
+//!   [`metrics`]: vLLM's metric names, request timelines.
 
 pub mod api;
 pub mod engine;
 pub mod generation;
 pub mod hosted;
+pub mod metrics;
 pub mod protocol;
 pub mod request;
 pub mod stream;

@@ -45,10 +45,6 @@ pub(crate) fn stream_response(state: AppState, g: Generation, include_usage: boo
                 return None;
             }
             if s.g.all_finished() {
-                s.state
-                    .metrics
-                    .completion_tokens
-                    .inc_by(s.g.completion_tokens() as u64);
                 if s.include_usage {
                     let chunk = s.chunk(Value::Array(Vec::new()), Some(s.g.usage()));
                     s.pending

@@ -78,7 +78,7 @@ impl Server {
         let state = AppState {
             engine: engine.clone(),
             model_name: "policy".into(),
-            metrics: InferenceMetrics::register(&metrics),
+            metrics: InferenceMetrics::register(&metrics, "policy", &engine),
         };
         let router = api::router(state).merge(arl_runtime::http::ops_router(
             "inference",

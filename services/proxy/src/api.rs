@@ -195,11 +195,36 @@ impl Kind {
 }
 
 async fn call(p: Arc<Proxy>, key: Option<String>, kind: Kind, request: Request) -> Response {
-    // The call's span continues the caller's trace (the trial's, for ARL's own agents; a
-    // third-party agent's calls start one of their own); the record and the backend request
-    // carry it on.
-    let span = tracing::info_span!("llm_call", otel.kind = "server", path = kind.path());
-    arl_runtime::telemetry::set_parent_from_http(&span, request.headers());
+    // The call's span continues the caller's trace, or else the trace its trial key was
+    // issued in (a third-party agent sends no traceparent); the record and the backend
+    // request carry it on.
+    // `openinference.*` and `llm.*` are the attributes LLM trace UIs (Phoenix) chart.
+    let span = tracing::info_span!(
+        "llm_call",
+        otel.kind = "server",
+        openinference.span.kind = "LLM",
+        llm.model_name = tracing::field::Empty,
+        llm.token_count.prompt = tracing::field::Empty,
+        llm.token_count.completion = tracing::field::Empty,
+        path = kind.path(),
+        run = tracing::field::Empty,
+        trial = tracing::field::Empty,
+        turn = tracing::field::Empty,
+        model = tracing::field::Empty,
+        backend = tracing::field::Empty,
+        policy_version = tracing::field::Empty,
+        prompt_tokens = tracing::field::Empty,
+        completion_tokens = tracing::field::Empty,
+        latency_ms = tracing::field::Empty,
+        time_to_first_token_ms = tracing::field::Empty,
+        finish_reason = tracing::field::Empty,
+    );
+    let trial = key.as_deref().and_then(|k| p.keys.get(k));
+    if request.headers().contains_key("traceparent") {
+        arl_runtime::telemetry::set_parent_from_http(&span, request.headers());
+    } else if let Some(trial) = &trial {
+        trial.trace.adopt(&span);
+    }
     forward(p, key, kind, request, span.clone())
         .instrument(span)
         .await
@@ -276,6 +301,11 @@ async fn forward(
         started_at,
         load: load.clone(),
     };
+    span.record("run", call.trial.run_id.as_str());
+    span.record("trial", call.trial.trial_id.as_str());
+    span.record("turn", call.turn_index);
+    span.record("model", call.model.as_str());
+    span.record("llm.model_name", call.model.as_str());
     // Turns of one trial share an engine-side session (prefix cache).
     fields
         .entry("user")
@@ -599,6 +629,26 @@ impl Recorder {
             backend: self.backend.clone(),
             model: r.model.clone().unwrap_or_else(|| self.call.model.clone()),
         };
+        let span = &self.span;
+        span.record("backend", event.backend.as_str());
+        span.record("policy_version", event.policy_version);
+        span.record("prompt_tokens", event.prompt_token_ids.len());
+        span.record("completion_tokens", event.completion_token_ids.len());
+        span.record("llm.token_count.prompt", event.prompt_token_ids.len());
+        span.record("llm.token_count.completion", event.completion_token_ids.len());
+        span.record("latency_ms", event.timing.latency_ms);
+        if let Some(ttft) = event.timing.time_to_first_token_ms {
+            span.record("time_to_first_token_ms", ttft);
+        }
+        span.record(
+            "finish_reason",
+            match event.finish_reason {
+                FinishReason::Stop => "stop",
+                FinishReason::Length => "length",
+                FinishReason::ToolCalls => "tool_calls",
+                FinishReason::Abort => "abort",
+            },
+        );
         self.proxy
             .bus
             .publish(&event)

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
+use arl_runtime::telemetry::TraceContext;
 use arl_schemas::rpc::TrialKeyRequestV1;
 use arl_schemas::{RunId, TrialId};
 
@@ -19,6 +20,9 @@ pub struct Trial {
     /// Calls whose `llm.call` record is stored (refused calls have a turn index but no
     /// record): what the trial's trajectory will be built from.
     pub recorded: AtomicU32,
+    /// Where in its trial's trace the key was issued: the parent of calls that bring no
+    /// `traceparent` of their own.
+    pub trace: TraceContext,
 }
 
 #[derive(Debug, Default)]
@@ -36,6 +40,7 @@ impl Keys {
             max_staleness: request.max_staleness,
             turns: AtomicU32::new(0),
             recorded: AtomicU32::new(0),
+            trace: TraceContext::current(),
         });
         self.trials
             .write()

@@ -4,6 +4,7 @@
 //! grading could not be done: no test output, unknown task) or `infrastructure` (no
 //! sandbox after retries). Never a silent zero.
 
+use tracing::Instrument;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -138,8 +139,19 @@ impl RewardService {
                 .and_then(|m| m.task(&trial.slot.task_id).cloned()),
         };
         let started = Instant::now();
+        let span = tracing::info_span!(
+            "grade",
+            trial = %trial.trial_id,
+            task = %trial.slot.task_id,
+            kind = tracing::field::Empty,
+            reward = tracing::field::Empty,
+            resolved = tracing::field::Empty,
+        );
         let outcome = match &task {
-            Some(task) => self.grade(&trial, task).await,
+            Some(task) => {
+                span.record("kind", format!("{:?}", task.kind).as_str());
+                self.grade(&trial, task).instrument(span.clone()).await
+            }
             None => Err(Failure::Class(
                 FailureClass::GradingError,
                 format!(
@@ -151,6 +163,8 @@ impl RewardService {
         match outcome {
             Ok(grade) => {
                 let scored = scored(&trial, &spec, grade, started.elapsed());
+                span.record("reward", scored.reward);
+                span.record("resolved", scored.resolved);
                 tracing::info!(trial = %trial.trial_id, reward = scored.reward, resolved = scored.resolved, "graded");
                 self.bus.publish(&scored).await?;
                 Ok(())

@@ -10,6 +10,7 @@ use arl_sandbox_client::Lease;
 use arl_schemas::events::{AgentExit, FailureClass};
 use arl_schemas::rpc::ExecRequest;
 use serde_json::{Value, json};
+use tracing::Instrument;
 
 use crate::llm::{LlmClient, Sampling, TrialError};
 
@@ -83,6 +84,18 @@ fn user(text: String) -> Value {
     json!({"role": "user", "content": text})
 }
 
+/// Whether the agent goes on after a turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Turn {
+    Continue,
+    Submitted,
+}
+
+/// A turn's span: its LLM call and the commands it runs are its children.
+fn turn_span(turn: u32) -> tracing::Span {
+    tracing::info_span!("agent_turn", turn, otel.name = "agent turn")
+}
+
 /// The `swe-text` loop.
 pub async fn run_text(ctx: &AgentContext<'_>, lease: &Lease) -> Result<AgentOutcome, TrialError> {
     let mut messages = vec![
@@ -96,32 +109,46 @@ pub async fn run_text(ctx: &AgentContext<'_>, lease: &Lease) -> Result<AgentOutc
         answer: None,
     };
     while outcome.turns < ctx.max_turns {
-        let answer = ctx
-            .llm
-            .chat(ctx.base_url, &messages, None, &ctx.sampling, ctx.deadline)
+        let span = turn_span(outcome.turns);
+        let turn = text_turn(ctx, lease, &mut messages, &mut outcome)
+            .instrument(span)
             .await?;
-        outcome.turns += 1;
-        let text = answer.message["content"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned();
-        messages.push(json!({"role": "assistant", "content": text}));
-        let observation = match shell_block(&text) {
-            None => {
-                outcome.parse_failures += 1;
-                "Your reply had no command. Reply with exactly one ```bash block, or a block \
-                 holding only submit."
-                    .to_owned()
-            }
-            Some(command) if command.trim() == "submit" => {
-                outcome.exit = AgentExit::Submitted;
-                return Ok(outcome);
-            }
-            Some(command) => run_shell(ctx, lease, &command).await?,
-        };
-        messages.push(user(observation));
+        if turn == Turn::Submitted {
+            outcome.exit = AgentExit::Submitted;
+            break;
+        }
     }
     Ok(outcome)
+}
+
+async fn text_turn(
+    ctx: &AgentContext<'_>,
+    lease: &Lease,
+    messages: &mut Vec<Value>,
+    outcome: &mut AgentOutcome,
+) -> Result<Turn, TrialError> {
+    let answer = ctx
+        .llm
+        .chat(ctx.base_url, messages, None, &ctx.sampling, ctx.deadline)
+        .await?;
+    outcome.turns += 1;
+    let text = answer.message["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    messages.push(json!({"role": "assistant", "content": text}));
+    let observation = match shell_block(&text) {
+        None => {
+            outcome.parse_failures += 1;
+            "Your reply had no command. Reply with exactly one ```bash block, or a block \
+             holding only submit."
+                .to_owned()
+        }
+        Some(command) if command.trim() == "submit" => return Ok(Turn::Submitted),
+        Some(command) => run_shell(ctx, lease, &command).await?,
+    };
+    messages.push(user(observation));
+    Ok(Turn::Continue)
 }
 
 /// The `swe` (tool-calling) loop.
@@ -138,58 +165,73 @@ pub async fn run_tools(ctx: &AgentContext<'_>, lease: &Lease) -> Result<AgentOut
         answer: None,
     };
     while outcome.turns < ctx.max_turns {
-        let answer = ctx
-            .llm
-            .chat(
-                ctx.base_url,
-                &messages,
-                Some(&tools),
-                &ctx.sampling,
-                ctx.deadline,
-            )
+        let span = turn_span(outcome.turns);
+        let turn = tool_turn(ctx, lease, &tools, &mut messages, &mut outcome)
+            .instrument(span)
             .await?;
-        outcome.turns += 1;
-        let calls = answer.message["tool_calls"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default();
-        let mut assistant =
-            json!({"role": "assistant", "content": answer.message["content"].clone()});
-        if !calls.is_empty() {
-            assistant["tool_calls"] = Value::Array(calls.clone());
-        }
-        messages.push(assistant);
-        if calls.is_empty() {
-            outcome.parse_failures += 1;
-            messages.push(user(
-                "Use the tools (run_shell, view_file, edit_file); call submit when you are done."
-                    .into(),
-            ));
-            continue;
-        }
-        for call in &calls {
-            let name = call["function"]["name"].as_str().unwrap_or_default();
-            if name == "submit" {
-                outcome.exit = AgentExit::Submitted;
-                return Ok(outcome);
-            }
-            let arguments: Value = call["function"]["arguments"]
-                .as_str()
-                .and_then(|a| serde_json::from_str(a).ok())
-                .unwrap_or(Value::Null);
-            let result = match tool(ctx, lease, name, &arguments).await? {
-                Some(result) => result,
-                None => {
-                    outcome.parse_failures += 1;
-                    format!("unknown tool {name:?} or bad arguments {arguments}")
-                }
-            };
-            messages.push(
-                json!({"role": "tool", "tool_call_id": call["id"].clone(), "content": result}),
-            );
+        if turn == Turn::Submitted {
+            outcome.exit = AgentExit::Submitted;
+            break;
         }
     }
     Ok(outcome)
+}
+
+async fn tool_turn(
+    ctx: &AgentContext<'_>,
+    lease: &Lease,
+    tools: &Value,
+    messages: &mut Vec<Value>,
+    outcome: &mut AgentOutcome,
+) -> Result<Turn, TrialError> {
+    let answer = ctx
+        .llm
+        .chat(
+            ctx.base_url,
+            messages,
+            Some(tools),
+            &ctx.sampling,
+            ctx.deadline,
+        )
+        .await?;
+    outcome.turns += 1;
+    let calls = answer.message["tool_calls"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let mut assistant = json!({"role": "assistant", "content": answer.message["content"].clone()});
+    if !calls.is_empty() {
+        assistant["tool_calls"] = Value::Array(calls.clone());
+    }
+    messages.push(assistant);
+    if calls.is_empty() {
+        outcome.parse_failures += 1;
+        messages.push(user(
+            "Use the tools (run_shell, view_file, edit_file); call submit when you are done."
+                .into(),
+        ));
+        return Ok(Turn::Continue);
+    }
+    for call in &calls {
+        let name = call["function"]["name"].as_str().unwrap_or_default();
+        if name == "submit" {
+            return Ok(Turn::Submitted);
+        }
+        let arguments: Value = call["function"]["arguments"]
+            .as_str()
+            .and_then(|a| serde_json::from_str(a).ok())
+            .unwrap_or(Value::Null);
+        let result = match tool(ctx, lease, name, &arguments).await? {
+            Some(result) => result,
+            None => {
+                outcome.parse_failures += 1;
+                format!("unknown tool {name:?} or bad arguments {arguments}")
+            }
+        };
+        messages
+            .push(json!({"role": "tool", "tool_call_id": call["id"].clone(), "content": result}));
+    }
+    Ok(Turn::Continue)
 }
 
 /// The command agent: mini-swe-agent, unchanged, inside the sandbox, its LLM calls going
@@ -280,6 +322,7 @@ pub async fn run_math(ctx: &AgentContext<'_>) -> Result<AgentOutcome, TrialError
     let answer = ctx
         .llm
         .chat(ctx.base_url, &messages, None, &ctx.sampling, ctx.deadline)
+        .instrument(turn_span(0))
         .await?;
     Ok(AgentOutcome {
         exit: AgentExit::Submitted,

@@ -9,6 +9,7 @@
 //! replica takes a grade reads the attempt's calls by their subject and publishes; no
 //! replica waits for a grade, and one that dies between hand-offs holds nothing.
 
+use tracing::Instrument;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -139,6 +140,13 @@ impl Rollout {
             turns,
             finished.parse_failures,
         )
+        .instrument(tracing::info_span!(
+            "trajectory_handoff",
+            otel.name = "trajectory hand-off",
+            turns,
+            reward = scored.reward,
+            masked = status == SampleStatus::Masked,
+        ))
         .await?;
         self.mark_done(&request).await
     }

@@ -189,6 +189,7 @@ impl Rollout {
                 let span = tracing::info_span!(
                     parent: None,
                     "trial",
+                    openinference.span.kind = "AGENT",
                     run = %batch.run_id,
                     trial = %trial_id,
                     step = batch.step,

@@ -7,11 +7,13 @@
 //!   micro-batches, gradient clipping, AdamW); [`schedule`]: the learning rate.
 //! - [`batch`]: a step's batch assembled from trajectories; [`checkpoint`]: policy versions
 //!   and resumable checkpoints on disk; [`policy`]: a run's model, reference and optimizer
-//!   on the CPU or a GPU; [`service`]: the NATS service around them.
+//!   on the CPU or a GPU; [`service`]: the NATS service around them; [`metrics`]: what
+//!   each step did, for Prometheus.
 
 pub mod batch;
 pub mod checkpoint;
 pub mod hosted;
+pub mod metrics;
 pub mod objective;
 pub mod policy;
 pub mod schedule;

@@ -27,6 +27,7 @@ use arl_schemas::state::{GpuDeviceV1, TRAINER_TTL_SECONDS, TrainerAnnouncementV1
 use arl_schemas::{Domain, RunId};
 use tokio::sync::{Mutex, oneshot};
 
+use crate::metrics::TrainerMetrics;
 use crate::batch::{self, Admission, StepBatch};
 use crate::checkpoint::{self, TrainerState};
 use crate::objective::{Clip, KlEstimator, LossAggregation};
@@ -151,6 +152,7 @@ pub struct Trainer {
     /// The GPU this trainer opened at start, or why it has none.
     gpu: Arc<Result<Cuda, String>>,
     instance: String,
+    metrics: TrainerMetrics,
 }
 
 impl Trainer {
@@ -166,11 +168,12 @@ impl Trainer {
             Err(reason) => tracing::info!(%reason, "no GPU; cpu runs only"),
         }
         Self {
-            bus,
             config,
             runs: Arc::default(),
             gpu: Arc::new(gpu),
             instance: format!("trainer-{}", uuid::Uuid::now_v7().simple()),
+            metrics: TrainerMetrics::register(bus.metrics()),
+            bus,
         }
     }
 
@@ -467,6 +470,7 @@ impl Trainer {
                 return Err(Arc::new(StepError::Publish { step, source }));
             }
         }
+        self.metrics.step(&train_step_event);
         tracing::info!(
             run = %run.run_id, step, pg_loss = step_metrics.pg_loss, grad_norm = step_metrics.grad_norm,
             reward_mean = step_metrics.reward_mean, samples = assembled.samples.len(),
