@@ -63,10 +63,7 @@ fn services(
     }
     let mut imagebuilder = vec!["--environments-dir".into(), s(&environments)];
     imagebuilder.extend(recipes.iter().cloned());
-    let controller = vec![
-        "--tensorboard-dir".into(),
-        s(&state.join("tensorboard")),
-    ];
+    let controller = vec!["--tensorboard-dir".into(), s(&state.join("tensorboard"))];
     let list = vec![
         ("arl-controller", controller, None),
         ("arl-dataset", vec![], None),
@@ -400,7 +397,10 @@ pub async fn execute(
     );
     if let Some(ui) = &traces {
         std::fs::write(state.join("traces-url"), ui).map_err(io)?;
-        println!("traces: {ui} (Arize Phoenix; each trial is one trace, project \"{}\")", arl_runtime::telemetry::trace_project());
+        println!(
+            "traces: {ui} (Arize Phoenix; each trial is one trace, project \"{}\")",
+            arl_runtime::telemetry::trace_project()
+        );
     }
     match &least_privilege {
         Some(written) => println!(
@@ -474,8 +474,8 @@ async fn start_phoenix(
         // No telemetry home from a machine that may have no network.
         ("PHOENIX_TELEMETRY_ENABLED", "false".to_owned()),
     ];
-    let (child, log) = spawn(&program, "phoenix", &["serve".to_owned()], &env, logs)
-        .map_err(|e| {
+    let (child, log) =
+        spawn(&program, "phoenix", &["serve".to_owned()], &env, logs).map_err(|e| {
             CliError::Usage(format!(
                 "--traces needs Arize Phoenix: {e}; install it with `make observability` and set \
                  ARL_PHOENIX to its `phoenix` program (or put it on PATH)"
@@ -492,7 +492,9 @@ async fn start_phoenix(
         }
         if let Some(code) = exited(children) {
             let _ = code;
-            return Err(CliError::Usage("Phoenix exited at start (see above)".into()));
+            return Err(CliError::Usage(
+                "Phoenix exited at start (see above)".into(),
+            ));
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }

@@ -235,8 +235,16 @@ async fn reduced_run(least_privilege: bool) -> (tempfile::TempDir, String, Child
         let pg_loss = scalars["actor/pg_loss"].as_array().unwrap();
         assert_eq!(pg_loss[0][0], 1, "{pg_loss:?}");
         let logged = pg_loss[0][1].as_f64().unwrap();
-        assert!((logged - step.pg_loss).abs() <= 1e-6 * step.pg_loss.abs().max(1.0), "{logged} vs {}", step.pg_loss);
-        assert!(scalars["val/test_score/mean"].as_array().is_some_and(|v| !v.is_empty()));
+        assert!(
+            (logged - step.pg_loss).abs() <= 1e-6 * step.pg_loss.abs().max(1.0),
+            "{logged} vs {}",
+            step.pg_loss
+        );
+        assert!(
+            scalars["val/test_score/mean"]
+                .as_array()
+                .is_some_and(|v| !v.is_empty())
+        );
     }
     let plot = arl_at(&[
         "run",
@@ -376,7 +384,9 @@ async fn traces_in_phoenix(state: &Path, trials: &[String]) {
             if let Some(service) = attribute(span, "service.name").and_then(|s| s.as_str()) {
                 entry.1.insert(service.to_owned());
             }
-            entry.2.insert(span["name"].as_str().unwrap_or_default().to_owned());
+            entry
+                .2
+                .insert(span["name"].as_str().unwrap_or_default().to_owned());
         }
         traces
     };
@@ -388,35 +398,58 @@ async fn traces_in_phoenix(state: &Path, trials: &[String]) {
         })
     };
     // Spans leave each service in batches (every few seconds).
-    let traces = arl_testkit::wait_for("every trial's spans in Phoenix", Duration::from_secs(90), || async {
-        let traces = fold(&phoenix_spans(&ui).await);
-        if complete(&traces) {
-            Some(traces)
-        } else {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            None
-        }
-    })
+    let traces = arl_testkit::wait_for(
+        "every trial's spans in Phoenix",
+        Duration::from_secs(90),
+        || async {
+            let traces = fold(&phoenix_spans(&ui).await);
+            if complete(&traces) {
+                Some(traces)
+            } else {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                None
+            }
+        },
+    )
     .await;
     for (trace, (held, _, _)) in &traces {
-        assert!(held.len() <= 1, "trace {trace} holds several trials: {held:?}");
+        assert!(
+            held.len() <= 1,
+            "trace {trace} holds several trials: {held:?}"
+        );
     }
     let (trace, (_, _, names)) = traces
         .iter()
         .find(|(_, (held, _, _))| held.contains(&trials[0]))
         .unwrap();
-    for name in ["trial", "agent turn", "llm_call", "generate", "sandbox exec", "grade", "trajectory hand-off"] {
-        assert!(names.contains(name), "trace {trace} has no {name} span: {names:?}");
+    for name in [
+        "trial",
+        "agent turn",
+        "llm_call",
+        "generate",
+        "sandbox exec",
+        "grade",
+        "trajectory hand-off",
+    ] {
+        assert!(
+            names.contains(name),
+            "trace {trace} has no {name} span: {names:?}"
+        );
     }
 
     // The same trace through the UI a person opens.
-    let project: serde_json::Value = arl_testkit::http(&format!("{ui}/v1/projects/arl"), "GET", &[], b"")
-        .await
-        .unwrap()
-        .json();
-    let page = format!("{ui}/projects/{}/traces/{trace}", project["data"]["id"].as_str().unwrap());
-    let artifacts = Path::new(&std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
-        .join("test-artifacts");
+    let project: serde_json::Value =
+        arl_testkit::http(&format!("{ui}/v1/projects/arl"), "GET", &[], b"")
+            .await
+            .unwrap()
+            .json();
+    let page = format!(
+        "{ui}/projects/{}/traces/{trace}",
+        project["data"]["id"].as_str().unwrap()
+    );
+    let artifacts =
+        Path::new(&std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
+            .join("test-artifacts");
     std::fs::create_dir_all(&artifacts).unwrap();
     let chromium = |mode: &str| {
         Command::new("chromium")
@@ -444,7 +477,11 @@ async fn traces_in_phoenix(state: &Path, trials: &[String]) {
     let shot = artifacts.join("phoenix-trial-trace.png");
     let _ = chromium(&format!("--screenshot={}", shot.display()));
     let png = std::fs::read(&shot).unwrap();
-    assert!(png.starts_with(b"\x89PNG") && png.len() > 20_000, "{} bytes", png.len());
+    assert!(
+        png.starts_with(b"\x89PNG") && png.len() > 20_000,
+        "{} bytes",
+        png.len()
+    );
 }
 
 /// Every address in `metrics-targets.json` serves OpenMetrics text a strict parser takes,
@@ -484,8 +521,47 @@ fn metrics_parse(state: &Path) {
             ("arl_trainer_tokens_per_second", "gauge"),
         ],
     );
+    expect(
+        "arl-proxy",
+        &[
+            ("arl_proxy_calls", "counter"),
+            ("arl_proxy_call_seconds", "histogram"),
+        ],
+    );
+    // The runtime's families are in every service's text.
     for service in services.keys() {
-        expect(service, &[("arl_messages_handled", "counter")]);
+        expect(service, &[("arl_publish_retries", "counter")]);
+    }
+    // Every series the Grafana dashboard charts is one a service serves.
+    let served: std::collections::BTreeSet<&str> = services
+        .values()
+        .flat_map(|families| families.as_object().unwrap().keys().map(String::as_str))
+        .collect();
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/grafana/arl-dashboard.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"].as_str().unwrap();
+            let names = expr
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+                .filter(|t| t.starts_with("arl_") || t.starts_with("vllm:"));
+            for name in names {
+                let family = ["_bucket", "_total", "_sum", "_count"]
+                    .iter()
+                    .find_map(|suffix| name.strip_suffix(suffix))
+                    .unwrap_or(name);
+                assert!(
+                    served.contains(family),
+                    "the dashboard's panel {:?} charts {name}, which no service serves",
+                    panel["title"]
+                );
+            }
+        }
     }
 }
 
@@ -493,18 +569,24 @@ fn metrics_parse(state: &Path) {
 /// step and evaluations are in.
 async fn tensorboard_scalars(state: &Path, run: &str) -> serde_json::Value {
     let logdir = state.join("tensorboard");
-    arl_testkit::wait_for("the run's TensorBoard scalars", Duration::from_secs(60), || async {
-        if !logdir.exists() {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            return None;
-        }
-        let scalars = observability_py("tensorboard", &logdir)[run].clone();
-        if scalars.get("actor/pg_loss").is_some() && scalars.get("val/test_score/mean").is_some() {
-            Some(scalars)
-        } else {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            None
-        }
-    })
+    arl_testkit::wait_for(
+        "the run's TensorBoard scalars",
+        Duration::from_secs(60),
+        || async {
+            if !logdir.exists() {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                return None;
+            }
+            let scalars = observability_py("tensorboard", &logdir)[run].clone();
+            if scalars.get("actor/pg_loss").is_some()
+                && scalars.get("val/test_score/mean").is_some()
+            {
+                Some(scalars)
+            } else {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                None
+            }
+        },
+    )
     .await
 }

@@ -6,8 +6,8 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::collector::Collector;
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;

@@ -8,8 +8,7 @@ use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
     DatasetRegisteredV1, EvaluationCompletedV1, RunAcceptedV1, RunFailedV1, RunPhase,
-    RunRejectedV1, RunRequestedV1, TrainStepV2, TrialFailedV1, TrialFinishedV1,
-    WeightsPublishedV1,
+    RunRejectedV1, RunRequestedV1, TrainStepV2, TrialFailedV1, TrialFinishedV1, WeightsPublishedV1,
 };
 use arl_schemas::state::{RunStateV1, RunStatus};
 use arl_schemas::{Domain, Event, RunId};

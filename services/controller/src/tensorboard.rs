@@ -262,8 +262,11 @@ mod tests {
             let length_crc = u32::from_le_bytes(bytes[at + 8..at + 12].try_into().unwrap());
             assert_eq!(length_crc, masked_crc32c(&bytes[at..at + 8]));
             let data = &bytes[at + 12..at + 12 + length];
-            let data_crc =
-                u32::from_le_bytes(bytes[at + 12 + length..at + 16 + length].try_into().unwrap());
+            let data_crc = u32::from_le_bytes(
+                bytes[at + 12 + length..at + 16 + length]
+                    .try_into()
+                    .unwrap(),
+            );
             assert_eq!(data_crc, masked_crc32c(data));
             at += 16 + length;
             records += 1;
@@ -285,6 +288,9 @@ mod tests {
         assert_eq!(value("timing_s/step"), Some(step.timing.total));
         let eval = EvaluationCompletedV1::example();
         let scalars = eval_scalars(&eval);
-        assert_eq!(scalars[0], ("val/test_score/mean".into(), eval.resolution_rate));
+        assert_eq!(
+            scalars[0],
+            ("val/test_score/mean".into(), eval.resolution_rate)
+        );
     }
 }

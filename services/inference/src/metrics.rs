@@ -46,8 +46,8 @@ const TPOT_BUCKETS: &[f64] = &[
 ];
 /// vLLM's buckets for whole-request phases (e2e, queue, prefill, decode).
 const REQUEST_BUCKETS: &[f64] = &[
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0, 960.0, 1920.0, 7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
 ];
 
 /// The service's own metric families, with the served model's name as their label.
@@ -149,8 +149,16 @@ impl InferenceMetrics {
             metrics.register_foreign(name, help, family.clone());
         }
         let counters = [
-            ("vllm:prompt_tokens", "Prefill tokens processed", &m.prompt_tokens),
-            ("vllm:generation_tokens", "Generation tokens processed", &m.generation_tokens),
+            (
+                "vllm:prompt_tokens",
+                "Prefill tokens processed",
+                &m.prompt_tokens,
+            ),
+            (
+                "vllm:generation_tokens",
+                "Generation tokens processed",
+                &m.generation_tokens,
+            ),
             (
                 "vllm:prefix_cache_queries",
                 "Prompt tokens looked up in the prefix and session caches",
@@ -215,8 +223,12 @@ impl InferenceMetrics {
                 })
                 .inc();
         }
-        self.e2e_latency.get_or_create(model).observe(e2e.as_secs_f64());
-        self.queue_time.get_or_create(model).observe(queue.as_secs_f64());
+        self.e2e_latency
+            .get_or_create(model)
+            .observe(e2e.as_secs_f64());
+        self.queue_time
+            .get_or_create(model)
+            .observe(queue.as_secs_f64());
         if let Some(first) = timeline.time_to_first_token() {
             self.time_to_first_token
                 .get_or_create(model)
@@ -299,7 +311,7 @@ impl Timeline {
             queue: admitted - self.arrived,
             prefill: first.saturating_duration_since(admitted),
             decode: last.saturating_duration_since(first),
-            e2e: now - self.arrived,
+            e2e: now.max(last) - self.arrived,
         }
     }
 }
@@ -345,5 +357,49 @@ impl Collector for LiveState {
             gauge.encode(family.encode_family(&self.model)?)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn a_timeline_splits_into_vllm_phases() {
+        let arrived = Instant::now();
+        let ms = Duration::from_millis;
+        let mut timeline = Timeline::new(arrived);
+        timeline.admitted(arrived + ms(10));
+        timeline.admitted(arrived + ms(99)); // only the first admission counts
+        // Two choices decoding side by side; the longer has 5 tokens.
+        for (at, tokens) in [
+            (40, 1),
+            (41, 1),
+            (50, 2),
+            (51, 2),
+            (60, 3),
+            (70, 4),
+            (80, 5),
+        ] {
+            timeline.token(arrived + ms(at), tokens);
+        }
+        assert_eq!(timeline.time_to_first_token(), Some(ms(40)));
+        assert_eq!(timeline.time_per_output_token(), Some(ms(10)));
+        let phases = timeline.phases();
+        assert_eq!(phases.queue, ms(10));
+        assert_eq!(phases.prefill, ms(30));
+        assert_eq!(phases.decode, ms(40));
+        assert!(phases.e2e >= ms(80));
+    }
+
+    #[test]
+    fn a_request_that_never_started_was_all_queue() {
+        let timeline = Timeline::new(Instant::now());
+        assert_eq!(timeline.time_to_first_token(), None);
+        assert_eq!(timeline.time_per_output_token(), None);
+        let phases = timeline.phases();
+        assert_eq!(phases.prefill, Duration::ZERO);
+        assert_eq!(phases.decode, Duration::ZERO);
     }
 }

@@ -277,7 +277,64 @@ async fn streaming_matches_non_streaming_with_a_seed() {
     );
     let usage = &chunks.last().unwrap()["usage"];
     assert_eq!(usage, &whole["usage"]);
+
+    // Both requests are in vLLM's metrics, under vLLM's names and labels.
+    let generated = 2.0 * whole["usage"]["completion_tokens"].as_f64().unwrap();
+    let metrics = arl_testkit::wait_for(
+        "both requests in /metrics",
+        Duration::from_secs(10),
+        || async {
+            let text = http(&format!("{}/metrics", server.base), "GET", &[], b"")
+                .await
+                .ok()?
+                .text();
+            (sample(
+                &text,
+                "vllm:e2e_request_latency_seconds_count{model_name=\"policy\"}",
+            ) == Some(2.0))
+            .then_some(text)
+        },
+    )
+    .await;
+    for (series, value) in [
+        (
+            "vllm:time_to_first_token_seconds_count{model_name=\"policy\"}",
+            2.0,
+        ),
+        (
+            "vllm:time_per_output_token_seconds_count{model_name=\"policy\"}",
+            2.0,
+        ),
+        (
+            "vllm:generation_tokens_total{model_name=\"policy\"}",
+            generated,
+        ),
+        ("vllm:num_requests_running{model_name=\"policy\"}", 0.0),
+        ("vllm:num_requests_waiting{model_name=\"policy\"}", 0.0),
+        ("vllm:kv_cache_usage_perc{model_name=\"policy\"}", 0.0),
+    ] {
+        assert_eq!(
+            sample(&metrics, series),
+            Some(value),
+            "{series} in:\n{metrics}"
+        );
+    }
+    let finished: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("vllm:request_success_total{"))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum();
+    assert_eq!(
+        finished, 4.0,
+        "two requests of two choices each:\n{metrics}"
+    );
     server.shutdown.trigger();
+}
+
+/// The value of one series in Prometheus text.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -27,6 +27,7 @@ use tracing::Instrument;
 use crate::backends::Backends;
 use crate::client::{ClientError, HttpClient};
 use crate::keys::{Keys, Trial};
+use crate::metrics::{ProxyMetrics, StatusLabel};
 
 #[derive(Clone, Debug)]
 pub struct ProxyConfig {
@@ -53,6 +54,7 @@ pub struct Proxy {
     pub client: HttpClient,
     pub config: ProxyConfig,
     runs: Arc<Mutex<HashMap<RunId, Arc<RunLoad>>>>,
+    metrics: ProxyMetrics,
 }
 
 /// What the proxy knows of a run: calls in flight, the newest policy version seen.
@@ -65,6 +67,7 @@ struct RunLoad {
 impl Proxy {
     pub fn new(bus: Bus, keys: Arc<Keys>, backends: Arc<Backends>, config: ProxyConfig) -> Self {
         Self {
+            metrics: ProxyMetrics::register(bus.metrics()),
             bus,
             keys,
             backends,
@@ -225,9 +228,17 @@ async fn call(p: Arc<Proxy>, key: Option<String>, kind: Kind, request: Request) 
     } else if let Some(trial) = &trial {
         trial.trace.adopt(&span);
     }
-    forward(p, key, kind, request, span.clone())
+    let metrics = p.metrics.clone();
+    let response = forward(p, key, kind, request, span.clone())
         .instrument(span)
-        .await
+        .await;
+    metrics
+        .calls
+        .get_or_create(&StatusLabel {
+            status: response.status().as_u16(),
+        })
+        .inc();
+    response
 }
 
 async fn forward(
@@ -629,13 +640,27 @@ impl Recorder {
             backend: self.backend.clone(),
             model: r.model.clone().unwrap_or_else(|| self.call.model.clone()),
         };
+        let metrics = &self.proxy.metrics;
+        metrics.call_seconds.observe(event.timing.latency_ms / 1e3);
+        if let Some(ttft) = event.timing.time_to_first_token_ms {
+            metrics.time_to_first_token_seconds.observe(ttft / 1e3);
+        }
+        metrics
+            .prompt_tokens
+            .inc_by(event.prompt_token_ids.len() as u64);
+        metrics
+            .completion_tokens
+            .inc_by(event.completion_token_ids.len() as u64);
         let span = &self.span;
         span.record("backend", event.backend.as_str());
         span.record("policy_version", event.policy_version);
         span.record("prompt_tokens", event.prompt_token_ids.len());
         span.record("completion_tokens", event.completion_token_ids.len());
         span.record("llm.token_count.prompt", event.prompt_token_ids.len());
-        span.record("llm.token_count.completion", event.completion_token_ids.len());
+        span.record(
+            "llm.token_count.completion",
+            event.completion_token_ids.len(),
+        );
         span.record("latency_ms", event.timing.latency_ms);
         if let Some(ttft) = event.timing.time_to_first_token_ms {
             span.record("time_to_first_token_ms", ttft);

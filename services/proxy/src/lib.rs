@@ -4,11 +4,13 @@
 //!
 //! - [`keys`]: per-trial keys; [`service`]: issuing and revoking them over NATS;
 //! - [`api`]: authentication, checks, backpressure, forwarding and recording;
-//! - [`backends`]: routing, affinity, health and dialects; [`client`]: the HTTP client.
+//! - [`backends`]: routing, affinity, health and dialects; [`client`]: the HTTP client;
+//! - [`metrics`]: every call as the proxy saw it (status, latency, tokens).
 
 pub mod api;
 pub mod backends;
 pub mod client;
 pub mod hosted;
 pub mod keys;
+pub mod metrics;
 pub mod service;

@@ -4,11 +4,11 @@
 //! grading could not be done: no test output, unknown task) or `infrastructure` (no
 //! sandbox after retries). Never a silent zero.
 
-use tracing::Instrument;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tracing::Instrument;
 
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};

@@ -9,9 +9,9 @@
 //! replica takes a grade reads the attempt's calls by their subject and publishes; no
 //! replica waits for a grade, and one that dies between hand-offs holds nothing.
 
-use tracing::Instrument;
 use std::sync::Arc;
 use std::time::Duration;
+use tracing::Instrument;
 
 use arl_runtime::{ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{

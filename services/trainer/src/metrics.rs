@@ -49,14 +49,26 @@ impl TrainerMetrics {
             phase_seconds: Family::new_with_constructor(phase_histogram),
             last: [
                 gauge("trainer_pg_loss", "The last step's policy-gradient loss"),
-                gauge("trainer_grad_norm", "The last step's gradient norm (before clipping)"),
+                gauge(
+                    "trainer_grad_norm",
+                    "The last step's gradient norm (before clipping)",
+                ),
                 gauge("trainer_kl", "The last step's KL to the reference policy"),
                 gauge("trainer_entropy", "The last step's mean token entropy"),
                 gauge("trainer_reward_mean", "The last step's mean reward"),
-                gauge("trainer_response_length_mean", "The last step's mean response length (tokens)"),
-                gauge("trainer_tokens_per_second", "The last step's training throughput"),
+                gauge(
+                    "trainer_response_length_mean",
+                    "The last step's mean response length (tokens)",
+                ),
+                gauge(
+                    "trainer_tokens_per_second",
+                    "The last step's training throughput",
+                ),
                 gauge("trainer_learning_rate", "The last step's learning rate"),
-                gauge("trainer_policy_version", "The policy version the last step produced"),
+                gauge(
+                    "trainer_policy_version",
+                    "The policy version the last step produced",
+                ),
             ],
         };
         metrics.register("trainer_steps", "Steps trained", m.steps.clone());
@@ -81,7 +93,7 @@ impl TrainerMetrics {
             m.phase_seconds.clone(),
         );
         for (name, help, family) in &m.last {
-            metrics.register(*name, *help, family.clone());
+            metrics.register(name, help, family.clone());
         }
         m
     }

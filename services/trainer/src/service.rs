@@ -27,9 +27,9 @@ use arl_schemas::state::{GpuDeviceV1, TRAINER_TTL_SECONDS, TrainerAnnouncementV1
 use arl_schemas::{Domain, RunId};
 use tokio::sync::{Mutex, oneshot};
 
-use crate::metrics::TrainerMetrics;
 use crate::batch::{self, Admission, StepBatch};
 use crate::checkpoint::{self, TrainerState};
+use crate::metrics::TrainerMetrics;
 use crate::objective::{Clip, KlEstimator, LossAggregation};
 use crate::policy::{OpenSpec, Policy};
 use crate::schedule::{Decay, LrSchedule};
