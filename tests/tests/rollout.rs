@@ -279,6 +279,35 @@ impl Stack {
             .unwrap()
     }
 
+    /// One trace per trial, across processes: the rollout's request, start and finish and
+    /// the proxy's records of the trial's LLM calls (reached over HTTP with the trial's
+    /// `traceparent`, or — for an agent that sends none — parented on the trace the trial
+    /// key was issued in) share the trial's trace id; two trials never share one.
+    async fn assert_one_trace_per_trial(&self, run: &RunId, trials: usize) {
+        let mut trial_traces = std::collections::HashMap::new();
+        for domain in [Domain::Trial, Domain::Llm] {
+            for (trial, trace) in self.traces(run, domain).await {
+                assert_eq!(
+                    trace.len(),
+                    32,
+                    "{domain:?} event of {trial} without a trace"
+                );
+                let first = trial_traces.entry(trial.clone()).or_insert(trace.clone());
+                assert_eq!(
+                    *first, trace,
+                    "{trial}: its {domain:?} events leave its trace"
+                );
+            }
+        }
+        assert_eq!(trial_traces.len(), trials, "{trial_traces:?}");
+        let distinct: std::collections::HashSet<&String> = trial_traces.values().collect();
+        assert_eq!(
+            distinct.len(),
+            trials,
+            "two trials share a trace: {trial_traces:?}"
+        );
+    }
+
     /// (trial id, trace id from `traceparent`) of every stored message of `domain`'s
     /// stream for `run` that names a trial.
     async fn traces(&self, run: &RunId, domain: Domain) -> Vec<(String, String)> {
@@ -424,31 +453,7 @@ async fn trials_on_bundled_tasks_become_graded_token_true_trajectories() {
     let mut samples: Vec<u32> = trajectories.iter().map(|t| t.slot.sample_index).collect();
     samples.sort();
     assert_eq!(samples, [0, 1]);
-    // One trace per trial, across processes: the rollout's request, start and finish and
-    // the proxy's records of the trial's LLM calls (reached over HTTP with the trial's
-    // `traceparent`) share the trial's trace id; two trials never share one.
-    let mut trial_traces = std::collections::HashMap::new();
-    for domain in [Domain::Trial, Domain::Llm] {
-        for (trial, trace) in stack.traces(&run, domain).await {
-            assert_eq!(
-                trace.len(),
-                32,
-                "{domain:?} event of {trial} without a trace"
-            );
-            let first = trial_traces.entry(trial.clone()).or_insert(trace.clone());
-            assert_eq!(
-                *first, trace,
-                "{trial}: its {domain:?} events leave its trace"
-            );
-        }
-    }
-    assert_eq!(trial_traces.len(), 2, "{trial_traces:?}");
-    let distinct: std::collections::HashSet<&String> = trial_traces.values().collect();
-    assert_eq!(
-        distinct.len(),
-        2,
-        "two trials share a trace: {trial_traces:?}"
-    );
+    stack.assert_one_trace_per_trial(&run, 2).await;
     for trajectory in &trajectories {
         assert_eq!(trajectory.status, SampleStatus::Scored, "{trajectory:?}");
         assert!(trajectory.num_turns >= 1 && trajectory.num_turns <= 2);
@@ -561,6 +566,8 @@ async fn a_mini_swe_agent_trial_runs_in_the_sandbox_through_the_proxy() {
         assert_eq!(trajectory.num_turns as usize, mine.len());
         check_token_truth(trajectory, &mine);
     }
+    // mini-swe-agent sends no traceparent: its calls still land in their trial's trace.
+    stack.assert_one_trace_per_trial(&run, 2).await;
     stack.shutdown.trigger();
     stack.shutdown.wait().await;
 }
