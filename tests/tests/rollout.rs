@@ -729,3 +729,81 @@ async fn grades_slower_than_the_ack_wait_hold_no_slot_and_any_replica_joins_them
     stack.shutdown.trigger();
     stack.shutdown.wait().await;
 }
+
+/// A scripted engine for the swe-text agent (a test double for the model): the first turn
+/// writes a file of `bytes` random bytes (base64) into the work tree, the next submits.
+async fn scripted_engine(port: u16, bytes: usize, shutdown: &Shutdown) {
+    use serde_json::json;
+    let answer = move |text: String| {
+        json!({"id": "chatcmpl-1", "object": "chat.completion", "model": "policy",
+               "prompt_token_ids": [1, 2, 3], "policy_version": 0,
+               "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                            "token_ids": [7, 8], "finish_reason": "stop",
+                            "logprobs": {"content": [{"token": "a", "logprob": -0.1},
+                                                     {"token": "b", "logprob": -0.2}]}}],
+               "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+    };
+    let router = axum::Router::new()
+        .route(
+            "/v1/chat/completions",
+            axum::routing::post(
+                move |axum::Json(body): axum::Json<serde_json::Value>| async move {
+                    let first_turn = body["messages"].as_array().map_or(0, Vec::len) <= 2;
+                    let command = if first_turn {
+                        format!("head -c {bytes} /dev/urandom | base64 > big.txt")
+                    } else {
+                        "submit".to_owned()
+                    };
+                    axum::Json(answer(format!("```bash\n{command}\n```")))
+                },
+            ),
+        )
+        .route(
+            "/v1/models",
+            axum::routing::get(|| async {
+                axum::Json(
+                    json!({"object": "list", "data": [{"id": "policy", "object": "model",
+                    "policy_version": 0, "run_id": null, "ready": true}]}),
+                )
+            }),
+        );
+    arl_runtime::http::serve(
+        format!("127.0.0.1:{port}").parse().unwrap(),
+        router,
+        shutdown,
+    )
+    .await
+    .unwrap();
+}
+
+/// An agent whose diff is too large to be an event (over the bus's 1 MiB) fails its trial
+/// as `agent_error`, saying so, at once — not a message retried until it dies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_diff_too_large_for_an_event_fails_the_trial_as_the_agents_doing() {
+    let stack = Stack::start_without_engine(false).await;
+    scripted_engine(stack.engine_port, 2 << 20, &stack.shutdown).await;
+    let _rollout = Children(vec![stack.rollout()]);
+    let run = stack
+        .submit_with(2, |spec| {
+            spec.rollout.agent = arl_schemas::spec::AgentKind::SweText;
+            spec.trainer.val_before_train = false;
+        })
+        .await;
+    let failed = wait_for("the trials' failures", Duration::from_secs(180), || async {
+        let failed: Vec<TrialFailedV1> = stack.events(&run, Domain::Trial, "failed").await;
+        (failed.len() >= 2).then_some(failed)
+    })
+    .await;
+    for failure in &failed {
+        assert_eq!(failure.class, FailureClass::AgentError, "{failure:?}");
+        assert!(
+            failure.message.contains("trial.finished is")
+                && failure.message.contains("-byte limit of one event"),
+            "{failure:?}"
+        );
+    }
+    let finished: Vec<TrialFinishedV1> = stack.events(&run, Domain::Trial, "finished").await;
+    assert!(finished.is_empty(), "{finished:?}");
+    stack.shutdown.trigger();
+    stack.shutdown.wait().await;
+}

@@ -42,6 +42,14 @@ pub enum BusError {
     },
     #[error("publish to {subject} refused: {reason}")]
     PublishRefused { subject: String, reason: String },
+    #[error(
+        "{event_type} is {bytes} bytes, over the {limit}-byte limit of one event (NATS's max_payload and the streams' max_msg_size)"
+    )]
+    TooLarge {
+        event_type: &'static str,
+        bytes: usize,
+        limit: usize,
+    },
     #[error("reading back {filter}: {reason}")]
     Replay { filter: String, reason: String },
     #[error("key-value {bucket}: {reason}")]
@@ -115,6 +123,10 @@ pub struct Bus {
 /// Messages kept per stream; old ones go first. Trajectories and LLM calls are large, so
 /// streams are bounded by age and bytes rather than kept forever.
 const STREAM_MAX_AGE: Duration = Duration::from_secs(14 * 24 * 3600);
+/// The largest event stored: NATS's default `max_payload`, and every stream's
+/// `max_msg_size`. A larger one is refused before it is sent ([`BusError::TooLarge`]), so
+/// a huge diff or LLM call becomes a classed failure, never a retry loop.
+pub const MAX_EVENT_BYTES: usize = 1 << 20;
 /// Window within which a repeated `Nats-Msg-Id` is dropped as a duplicate.
 const DUPLICATE_WINDOW: Duration = Duration::from_secs(10 * 60);
 
@@ -296,6 +308,7 @@ impl Bus {
             retention: stream::RetentionPolicy::Limits,
             max_age: STREAM_MAX_AGE,
             duplicate_window: DUPLICATE_WINDOW,
+            max_message_size: MAX_EVENT_BYTES as i32,
             ..Default::default()
         };
         retry_provision(&name, || async {
@@ -316,6 +329,7 @@ impl Bus {
             if current.subjects == config.subjects
                 && current.max_age == config.max_age
                 && current.duplicate_window == config.duplicate_window
+                && current.max_message_size == config.max_message_size
             {
                 return Ok(());
             }
@@ -671,6 +685,14 @@ impl Bus {
             event_type: E::TYPE,
             source,
         })?;
+        let limit = self.max_event_bytes();
+        if body.len() > limit {
+            return Err(BusError::TooLarge {
+                event_type: E::TYPE,
+                bytes: body.len(),
+                limit,
+            });
+        }
         let mut headers = HeaderMap::new();
         headers.insert(headers::MSG_ID, event.message_id().as_str());
         headers.insert(headers::EVENT_TYPE, E::TYPE);
@@ -686,6 +708,17 @@ impl Bus {
             })
             .inc();
         Ok(published)
+    }
+
+    /// The largest event this bus stores: [`MAX_EVENT_BYTES`], or the server's smaller
+    /// `max_payload`.
+    pub fn max_event_bytes(&self) -> usize {
+        let server = self.client.server_info().max_payload;
+        if server == 0 {
+            MAX_EVENT_BYTES
+        } else {
+            MAX_EVENT_BYTES.min(server)
+        }
     }
 
     /// Reads every stored event of type `E` on subjects matching `filter` in `domain`'s

@@ -19,7 +19,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::consumer::{self, pull};
 use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use tokio::sync::Semaphore;
 use tracing::Instrument;
 
@@ -201,6 +201,17 @@ impl HandlerError {
     pub fn dead_letter(error: impl Into<BoxError>) -> Self {
         HandlerError::DeadLetter(error.into())
     }
+
+    /// A handler that panicked: its message is parked with the panic's text (a bug, so
+    /// redelivering it would only panic again).
+    pub fn panicked(panic: &(dyn std::any::Any + Send)) -> Self {
+        let text = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a non-text panic payload".to_owned());
+        HandlerError::DeadLetter(format!("the handler panicked: {text}").into())
+    }
 }
 
 /// A message that does not decode never will: it is dead-lettered with the reason.
@@ -211,8 +222,12 @@ impl From<arl_schemas::DecodeError> for HandlerError {
 }
 
 impl From<BusError> for HandlerError {
+    /// Transient trouble is retried; an event that can never be stored is not.
     fn from(err: BusError) -> Self {
-        HandlerError::Retry(Box::new(err))
+        match err {
+            BusError::TooLarge { .. } => HandlerError::DeadLetter(Box::new(err)),
+            other => HandlerError::Retry(Box::new(other)),
+        }
     }
 }
 
@@ -386,7 +401,12 @@ async fn handle_message<H, Fut>(
         crate::telemetry::set_parent_from_headers(&span, headers);
     }
     let started = Instant::now();
-    let work = handler(delivery.clone()).instrument(span.clone());
+    // A panicking handler fails its message into the dead-letter stream with the panic's
+    // text; the consumer goes on with the next one.
+    let work = std::panic::AssertUnwindSafe(handler(delivery.clone()))
+        .catch_unwind()
+        .map(|outcome| outcome.unwrap_or_else(|panic| Err(HandlerError::panicked(panic.as_ref()))))
+        .instrument(span.clone());
     let result = if spec.keep_alive {
         keep_alive(&message, spec.ack_wait, work).await
     } else {

@@ -510,3 +510,75 @@ async fn a_run_whose_state_disappears_is_failed_with_the_reason() {
     shutdown.trigger();
     shutdown.wait().await;
 }
+
+/// A handler that panics, and one whose event is too large to ever be stored, each send
+/// their message to the dead-letter stream with the reason at the first delivery; the
+/// consumer goes on with the next message.
+#[tokio::test]
+async fn a_panic_and_an_oversized_event_are_dead_lettered_at_once() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let shutdown = Shutdown::new();
+    let handled = Arc::new(AtomicU32::new(0));
+    let (publisher, seen) = (bus.clone(), handled.clone());
+    shutdown.spawn(run_consumer(
+        bus.clone(),
+        fast_spec(&ns, "fragile"),
+        move |delivery: Delivery| {
+            let (bus, seen) = (publisher.clone(), seen.clone());
+            async move {
+                let event = delivery.decode::<RunProgressV1>()?;
+                seen.fetch_add(1, Ordering::SeqCst);
+                match event.sequence {
+                    1 => panic!("sequence one is a bug"),
+                    2 => {
+                        let huge = RunFailedV1 {
+                            reason: "x".repeat(arl_runtime::bus::MAX_EVENT_BYTES),
+                            ..RunFailedV1::example()
+                        };
+                        bus.publish(&huge).await?;
+                        Ok(())
+                    }
+                    _ => Ok(()),
+                }
+            }
+        },
+        shutdown.clone(),
+    ));
+    for sequence in 1..=3 {
+        bus.publish(&progress("run-p", sequence)).await.unwrap();
+    }
+    wait_for_dead_letters(&bus, &ns, 2).await;
+    let dlq = bus
+        .jetstream()
+        .get_stream(ns.stream(Domain::DeadLetter))
+        .await
+        .unwrap();
+    let dlq = &dlq;
+    let reason = |sequence| async move {
+        let message = dlq.get_raw_message(sequence).await.unwrap();
+        message
+            .headers
+            .get(headers::DEAD_LETTER_REASON)
+            .unwrap()
+            .as_str()
+            .to_owned()
+    };
+    let first = reason(1).await;
+    assert_eq!(first, "the handler panicked: sequence one is a bug");
+    let second = reason(2).await;
+    assert!(
+        second.contains("run.failed is") && second.contains("-byte limit of one event"),
+        "{second}"
+    );
+    // Each was delivered once; the third message was handled after them.
+    wait_for("the third message", Duration::from_secs(10), || async {
+        (handled.load(Ordering::SeqCst) == 3).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(handled.load(Ordering::SeqCst), 3, "nothing was redelivered");
+    shutdown.trigger();
+    shutdown.wait().await;
+}

@@ -268,7 +268,20 @@ impl Rollout {
                 .await;
         }
         match self.run(&trial).await {
-            Ok(ran) => self.hand_off(&trial, ran).await,
+            Ok(ran) => {
+                let calls = ran.calls;
+                match self.hand_off(&trial, ran).await {
+                    // A diff too large to be an event is the agent's doing: the trial
+                    // fails with that class instead of its message dying undelivered.
+                    Err(HandOffError::TooLarge(error)) => {
+                        let error = TrialError::new(FailureClass::AgentError, error.to_string());
+                        self.fail(&trial.request, &trial.spec, error, Some(calls), true)
+                            .await
+                    }
+                    Err(HandOffError::Handler(error)) => Err(error),
+                    Ok(()) => Ok(()),
+                }
+            }
             Err((error, calls)) => {
                 self.fail(&trial.request, &trial.spec, error, calls, true)
                     .await
@@ -516,9 +529,10 @@ impl Rollout {
     /// the join reads when the grade comes. In this order, so that a replica dying in
     /// between leaves an attempt claimed without a hand-off: redelivered, it is failed
     /// once as `infrastructure` and its grade (if any) joins nothing.
-    async fn hand_off(&self, trial: &Trial, ran: Ran) -> Result<(), HandlerError> {
+    async fn hand_off(&self, trial: &Trial, ran: Ran) -> Result<(), HandOffError> {
         let req = &trial.request;
-        self.bus
+        let published = self
+            .bus
             .publish(&TrialFinishedV1 {
                 run_id: req.run_id.clone(),
                 trial_id: req.trial_id.clone(),
@@ -529,7 +543,13 @@ impl Rollout {
                 duration_seconds: trial.started.elapsed().as_secs_f64(),
                 finished_at: chrono::Utc::now(),
             })
-            .await?;
+            .await;
+        match published {
+            Err(error @ arl_runtime::BusError::TooLarge { .. }) => {
+                return Err(HandOffError::TooLarge(error));
+            }
+            other => other.map_err(HandlerError::from)?,
+        };
         let attempt = req.slot.attempt;
         let finished = FinishedAttemptV1 {
             task: req.task.clone(),
@@ -732,6 +752,25 @@ enum Claim {
 
 pub(crate) fn infrastructure(message: String) -> TrialError {
     TrialError::new(FailureClass::Infrastructure, message)
+}
+
+/// Why a finished trial was not handed to grading.
+enum HandOffError {
+    /// Its `trial.finished` (the diff) cannot be an event.
+    TooLarge(arl_runtime::BusError),
+    Handler(HandlerError),
+}
+
+impl From<HandlerError> for HandOffError {
+    fn from(error: HandlerError) -> Self {
+        HandOffError::Handler(error)
+    }
+}
+
+impl From<arl_runtime::BusError> for HandOffError {
+    fn from(error: arl_runtime::BusError) -> Self {
+        HandOffError::Handler(error.into())
+    }
 }
 
 #[cfg(test)]
