@@ -206,9 +206,11 @@ fn spawn(
         PathBuf::from(bin)
     };
     // Through setpriv, each child gets SIGTERM when `arl up` dies, however it dies (even
-    // SIGKILL): nothing is left running.
+    // SIGKILL): nothing is left running. The trace UI holds nothing that needs draining
+    // (and its Python server can take long to stop): it is killed outright.
+    let signal = if name == "phoenix" { "KILL" } else { "TERM" };
     let mut command = Command::new("setpriv");
-    command.args(["--pdeathsig", "TERM", "--"]).arg(&program);
+    command.args(["--pdeathsig", signal, "--"]).arg(&program);
     let child = command
         .args(args)
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))

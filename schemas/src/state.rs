@@ -172,6 +172,11 @@ pub struct TrainerAnnouncementV1 {
     pub gpu_unavailable: Option<String>,
     /// Runs whose model this trainer holds.
     pub runs: Vec<RunId>,
+    /// Trajectories it can hold unacknowledged until their step's checkpoint (its
+    /// consumer's `max_ack_pending`); admission refuses a run that would need more.
+    /// Absent from trainers that predate it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_capacity: Option<u64>,
     pub at: DateTime<Utc>,
 }
 

@@ -275,10 +275,24 @@ async fn reduced_run(least_privilege: bool) -> (tempfile::TempDir, String, Child
     }
     up.0[0].kill().unwrap();
     up.0[0].wait().unwrap();
-    arl_testkit::wait_for("the services to stop", Duration::from_secs(20), || async {
-        services.iter().all(|p| !running(p)).then_some(())
+    let stopped = tokio::time::timeout(Duration::from_secs(30), async {
+        while services.iter().any(|p| running(p)) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     })
     .await;
+    let survivors: Vec<String> = services
+        .iter()
+        .filter(|p| running(p))
+        .map(|p| {
+            let name = std::fs::read_to_string(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            format!("{p} ({})", name.replace('\0', " ").trim())
+        })
+        .collect();
+    assert!(
+        stopped.is_ok() && survivors.is_empty(),
+        "still running 30 s after arl up was killed: {survivors:?}"
+    );
     (state, url, up)
 }
 

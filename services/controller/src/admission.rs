@@ -75,7 +75,9 @@ pub fn admit(
             errors,
         });
     }
-    if let Some(error) = gpu_trainer_missing(&request, trainers) {
+    let refusal =
+        gpu_trainer_missing(&request, trainers).or_else(|| held_capacity_short(&request, trainers));
+    if let Some(error) = refusal {
         return Ok(Admission::Reject {
             run_id,
             request: Some(Box::new(request)),
@@ -139,6 +141,39 @@ fn gpu_trainer_missing(
     ))
 }
 
+/// A trainer acknowledges a trajectory only once a checkpoint covers its step, so it holds
+/// `train_batch_size × n × (save_every + max_staleness)` of a run at the peak (the steps
+/// since the last checkpoint, and those rollouts ran ahead on). A run needing more than
+/// the roomiest live trainer holds would stall forever once JetStream stops delivering:
+/// it is refused here. Trainers that do not announce a capacity are not judged.
+fn held_capacity_short(
+    request: &RunRequestedV1,
+    trainers: &[TrainerAnnouncementV1],
+) -> Option<FieldError> {
+    let roomiest = trainers.iter().filter_map(|t| t.held_capacity).max()?;
+    let spec = &request.spec;
+    let needed = u64::from(spec.data.train_batch_size)
+        * u64::from(spec.rollout.n)
+        * (u64::from(spec.trainer.save_every) + u64::from(spec.algorithm.max_staleness));
+    (needed > roomiest).then(|| {
+        FieldError::new(
+            "spec.trainer.save_every",
+            format!(
+                "is {} but data.train_batch_size × rollout.n × (trainer.save_every + \
+                 algorithm.max_staleness) = {} × {} × ({} + {}) = {needed} trajectories would \
+                 be held awaiting a checkpoint, and the roomiest live trainer holds {roomiest}; \
+                 lower trainer.save_every (or the batch), or start arl-trainer with --capacity \
+                 {needed} or more",
+                spec.trainer.save_every,
+                spec.data.train_batch_size,
+                spec.rollout.n,
+                spec.trainer.save_every,
+                spec.algorithm.max_staleness
+            ),
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,6 +188,7 @@ mod tests {
                 .then(|| "no CUDA driver: libcuda.so could not be loaded".into()),
             devices,
             runs: Vec::new(),
+            held_capacity: None,
             at: chrono::Utc::now(),
         }
     }
@@ -189,6 +225,31 @@ mod tests {
         }]);
         let request: RunRequestedV1 = serde_json::from_slice(&body).unwrap();
         assert_eq!(gpu_trainer_missing(&request, &[trainer(vec![]), gpu]), None);
+    }
+
+    #[test]
+    fn a_run_that_would_hold_more_than_any_trainer_can_is_refused() {
+        let mut request = <RunRequestedV1 as arl_schemas::events::Example>::example();
+        request.spec.data.train_batch_size = 8;
+        request.spec.rollout.n = 16;
+        request.spec.trainer.save_every = 10;
+        request.spec.algorithm.max_staleness = 2;
+        let roomy = |capacity| TrainerAnnouncementV1 {
+            held_capacity: Some(capacity),
+            ..trainer(vec![])
+        };
+        // 8 × 16 × (10 + 2) = 1536.
+        let error = held_capacity_short(&request, &[roomy(1000), roomy(1535)]).unwrap();
+        assert_eq!(error.path, "spec.trainer.save_every");
+        assert!(error.reason.contains("= 1536 trajectories"), "{error:?}");
+        assert!(error.reason.contains("holds 1535"), "{error:?}");
+        assert_eq!(
+            held_capacity_short(&request, &[roomy(1000), roomy(1536)]),
+            None
+        );
+        // Trainers that say nothing are not judged.
+        assert_eq!(held_capacity_short(&request, &[trainer(vec![])]), None);
+        assert_eq!(held_capacity_short(&request, &[]), None);
     }
 
     #[test]

@@ -418,6 +418,7 @@ async fn a_cuda_run_is_admitted_only_where_a_live_trainer_has_a_gpu() {
         devices: Vec::new(),
         gpu_unavailable: Some("no CUDA driver: libcuda.so could not be loaded".into()),
         runs: Vec::new(),
+        held_capacity: None,
         at: chrono::Utc::now(),
     };
     h.bus.announce_trainer(&trainer).await.unwrap();

@@ -201,6 +201,7 @@ impl Trainer {
             devices,
             gpu_unavailable,
             runs: self.runs.lock().await.keys().cloned().collect(),
+            held_capacity: Some(self.config.capacity as u64),
             at: chrono::Utc::now(),
         }
     }
