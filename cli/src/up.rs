@@ -492,8 +492,8 @@ async fn start_phoenix(
                 tail(&log)
             )));
         }
-        if let Some(code) = exited(children) {
-            let _ = code;
+        // `exited` prints the log's tail of whatever stopped.
+        if exited(children).is_some() {
             return Err(CliError::Usage(
                 "Phoenix exited at start (see above)".into(),
             ));

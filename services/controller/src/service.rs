@@ -19,6 +19,9 @@ use crate::progress;
 use crate::store::{RunStore, StoreError};
 use crate::tensorboard::{self, TensorBoard};
 
+/// A run's scalars at a step, as read from one event.
+type RunScalars = (RunId, u32, Vec<tensorboard::Scalar>);
+
 /// The durable consumer names of the controller.
 const ADMISSION: &str = "controller-admission";
 const FOLD: &str = "controller";
@@ -114,36 +117,41 @@ impl Controller {
 
     /// Writes every step's and evaluation's figures to TensorBoard event files.
     fn track(&self, shutdown: &Shutdown, board: Arc<TensorBoard>) {
-        let ns = self.inner.bus.namespace();
-        let steps = board.clone();
-        self.consume(
-            shutdown,
-            ConsumerSpec::for_event::<TrainStepV2>(ns, TENSORBOARD),
-            move |_, delivery| {
-                let board = steps.clone();
-                async move {
-                    let step = delivery.decode_train_step()?;
-                    let scalars = tensorboard::step_scalars(&step);
-                    board
-                        .write(step.run_id(), step.step(), &scalars)
-                        .map_err(HandlerError::retry)
-                }
-            },
-        );
-        self.consume(
-            shutdown,
-            ConsumerSpec::for_event::<EvaluationCompletedV1>(ns, TENSORBOARD),
-            move |_, delivery| {
-                let board = board.clone();
-                async move {
-                    let eval: EvaluationCompletedV1 = delivery.decode()?;
-                    let scalars = tensorboard::eval_scalars(&eval);
-                    board
-                        .write(&eval.run_id, eval.step, &scalars)
-                        .map_err(HandlerError::retry)
-                }
-            },
-        );
+        self.track_event::<TrainStepV2>(shutdown, board.clone(), |delivery| {
+            let step = delivery.decode_train_step()?;
+            Ok((
+                step.run_id().clone(),
+                step.step(),
+                tensorboard::step_scalars(&step),
+            ))
+        });
+        self.track_event::<EvaluationCompletedV1>(shutdown, board, |delivery| {
+            let eval: EvaluationCompletedV1 = delivery.decode()?;
+            Ok((
+                eval.run_id.clone(),
+                eval.step,
+                tensorboard::eval_scalars(&eval),
+            ))
+        });
+    }
+
+    /// A durable consumer of `E` whose events `read` turns into a run's scalars at a step.
+    fn track_event<E: Event>(
+        &self,
+        shutdown: &Shutdown,
+        board: Arc<TensorBoard>,
+        read: fn(&Delivery) -> Result<RunScalars, arl_schemas::DecodeError>,
+    ) {
+        let spec = ConsumerSpec::for_event::<E>(self.inner.bus.namespace(), TENSORBOARD);
+        self.consume(shutdown, spec, move |_, delivery| {
+            let board = board.clone();
+            async move {
+                let (run, step, scalars) = read(&delivery)?;
+                board
+                    .write(&run, step, &scalars)
+                    .map_err(HandlerError::retry)
+            }
+        });
     }
 
     fn consume<F, Fut>(&self, shutdown: &Shutdown, spec: ConsumerSpec, handler: F)

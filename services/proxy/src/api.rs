@@ -229,7 +229,7 @@ async fn call(p: Arc<Proxy>, key: Option<String>, kind: Kind, request: Request) 
         trial.trace.adopt(&span);
     }
     let metrics = p.metrics.clone();
-    let response = forward(p, key, kind, request, span.clone())
+    let response = forward(p, trial, kind, request, span.clone())
         .instrument(span)
         .await;
     metrics
@@ -243,14 +243,14 @@ async fn call(p: Arc<Proxy>, key: Option<String>, kind: Kind, request: Request) 
 
 async fn forward(
     p: Arc<Proxy>,
-    key: Option<String>,
+    trial: Option<Arc<Trial>>,
     kind: Kind,
     request: Request,
     span: tracing::Span,
 ) -> Response {
     let started = Instant::now();
     let started_at = chrono::Utc::now();
-    let Some(trial) = key.as_deref().and_then(|k| p.keys.get(k)) else {
+    let Some(trial) = trial else {
         return error(
             StatusCode::UNAUTHORIZED,
             "invalid_api_key",
