@@ -82,7 +82,7 @@ fn authorize<B: Backend>(
     service: &SandboxService<B>,
     lease_id: &str,
     headers: &HeaderMap,
-) -> Result<Arc<Lease>, ApiError> {
+) -> Result<Arc<Lease<B::Sandbox>>, ApiError> {
     let not_found = || {
         ApiError::new(
             StatusCode::NOT_FOUND,
@@ -117,7 +117,7 @@ struct PathQuery {
 }
 
 /// The absolute path inside the sandbox of a path relative to the work tree.
-fn sandbox_path(lease: &Lease, relative: &str) -> Result<String, ApiError> {
+fn sandbox_path<S>(lease: &Lease<S>, relative: &str) -> Result<String, ApiError> {
     let relative = relative.trim_start_matches("./");
     if relative.starts_with('/')
         || relative.contains('\0')
@@ -127,7 +127,7 @@ fn sandbox_path(lease: &Lease, relative: &str) -> Result<String, ApiError> {
             "path {relative:?} must be relative to the work tree, without '..'"
         )));
     }
-    let workdir = &lease.handle.workdir;
+    let workdir = &lease.workdir;
     Ok(if relative.is_empty() || relative == "." {
         workdir.clone()
     } else {
@@ -137,7 +137,7 @@ fn sandbox_path(lease: &Lease, relative: &str) -> Result<String, ApiError> {
 
 async fn run_in<B: Backend>(
     service: &SandboxService<B>,
-    lease: &Lease,
+    lease: &Lease<B::Sandbox>,
     command: &str,
     env: BTreeMap<String, String>,
     stdin: Option<Vec<u8>>,

@@ -13,12 +13,43 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use arl_schemas::LeaseId;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use arl_schemas::events::{EnvironmentRef, LeaseEnd, SandboxBackend};
+use tokio::io::AsyncWriteExt;
+use tokio_util::sync::CancellationToken;
 
-use crate::backend::{Backend, BackendError, ExecOutput, ExecSpec, SandboxHandle};
+use crate::backend::{Activation, Backend, BackendError, ExecOutput, ExecSpec, Prepared, capture};
 use crate::cgroup::{CgroupSupport, LeaseCgroup};
 use crate::config::{ResolvedLimits, SandboxConfig};
-use crate::environment::Environment;
+use crate::environment::{self, Environment, EnvironmentError};
+use crate::lease::LeaseRecord;
+
+/// A prepared work tree in a warm pool: `dir/tree` holds the files.
+#[derive(Debug)]
+pub struct WarmTree {
+    dir: PathBuf,
+    /// Disk the fresh tree holds: a lease's disk limit counts growth beyond it.
+    bytes: u64,
+    environment: Environment,
+}
+
+/// A leased work tree and what its commands need.
+#[derive(Clone, Debug)]
+pub struct SandboxHandle {
+    pub lease_id: LeaseId,
+    /// Holds `tree/` and the lease's record.
+    pub dir: PathBuf,
+    pub workdir: String,
+    /// Read-only (host folder, path inside) mounts of the environment.
+    pub mounts: Vec<(PathBuf, String)>,
+    /// The environment's variables (a request's own variables override them).
+    pub env: std::collections::BTreeMap<String, String>,
+    pub cgroup: LeaseCgroup,
+    pub limits: ResolvedLimits,
+    /// Disk the tree held when leased.
+    pub baseline_bytes: u64,
+    /// Cancelled when the lease ends: running commands are killed.
+    pub ended: CancellationToken,
+}
 
 /// Inside the sandbox.
 const INIT_PATH: &str = "/run/arl/init";
@@ -26,6 +57,12 @@ const PROXY_SOCKET_PATH: &str = "/run/arl/proxy.sock";
 
 #[derive(Debug)]
 pub struct Bubblewrap {
+    /// Environment snapshots: `<dir>/<name>/tree`.
+    environments_dir: PathBuf,
+    /// Leased trees: `<dir>/<lease id>/`.
+    leases_dir: PathBuf,
+    /// Prepared trees: `<dir>/<environment slot>/<id>/`.
+    warm_dir: PathBuf,
     init_binary: PathBuf,
     /// The BPF program of [`crate::seccomp`], handed to bubblewrap on fd 3.
     seccomp_filter: PathBuf,
@@ -81,6 +118,9 @@ impl Bubblewrap {
         let cgroups = CgroupSupport::detect(&scope.simple().to_string()[..12]);
         tracing::info!(limits = cgroups.describe(), "bubblewrap backend ready");
         Ok(Self {
+            environments_dir: config.environments_dir.clone(),
+            leases_dir: config.state_dir.join("leases"),
+            warm_dir: config.state_dir.join("warm"),
             init_binary: init,
             seccomp_filter,
             proxy_socket: config.proxy_socket.clone(),
@@ -228,8 +268,13 @@ async fn run(program: &str, args: &[&str], dir: Option<&Path>) -> Result<String,
     Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
 }
 
-impl Backend for Bubblewrap {
-    async fn prepare(&self, environment: &Environment, dir: &Path) -> Result<String, BackendError> {
+impl Bubblewrap {
+    /// Copies the environment's snapshot into `dir/tree`, committed to git (its base).
+    async fn copy_snapshot(
+        &self,
+        environment: &Environment,
+        dir: &Path,
+    ) -> Result<String, BackendError> {
         let fail = |reason: String| BackendError::Prepare {
             environment: environment.name.clone(),
             reason,
@@ -288,14 +333,105 @@ impl Backend for Bubblewrap {
         Ok(base)
     }
 
+    /// Moves a prepared tree to its lease's folder, records whose it is, and makes its
+    /// limits.
+    async fn place(
+        &self,
+        tree: &WarmTree,
+        dir: &Path,
+        lease: &Activation<'_>,
+    ) -> Result<LeaseCgroup, BackendError> {
+        std::fs::rename(&tree.dir, dir)
+            .and_then(|()| lease.record.write(dir))
+            .map_err(|err| BackendError::Spawn(format!("cannot place the work tree: {err}")))?;
+        let lease_id = &lease.record.lease_id;
+        self.cgroups
+            .create(lease_id.as_str(), lease.limits)
+            .map_err(|e| {
+                BackendError::Limits(format!("{} for {lease_id}: {e}", self.cgroups.describe()))
+            })
+    }
+
+    async fn remove(&self, dir: &Path) {
+        if let Err(err) = tokio::fs::remove_dir_all(dir).await
+            && err.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(dir = %dir.display(), %err, "cannot delete a sandbox's files");
+        }
+    }
+}
+
+impl Backend for Bubblewrap {
+    type Environment = Environment;
+    type Idle = WarmTree;
+    type Sandbox = SandboxHandle;
+
+    fn kind(&self) -> SandboxBackend {
+        SandboxBackend::Bubblewrap
+    }
+
+    fn resolve(&self, environment: &EnvironmentRef) -> Result<Environment, EnvironmentError> {
+        environment::resolve(&self.environments_dir, environment)
+    }
+
+    async fn prepare(&self, environment: &Environment) -> Result<Prepared<WarmTree>, BackendError> {
+        let slot = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, environment.name.as_bytes());
+        let dir = self
+            .warm_dir
+            .join(slot.simple().to_string())
+            .join(uuid::Uuid::new_v4().simple().to_string());
+        let made = match self.copy_snapshot(environment, &dir).await {
+            Ok(base) => crate::disk::measure(&dir.join("tree"))
+                .await
+                .map(|(bytes, _)| (base, bytes))
+                .map_err(|err| BackendError::Prepare {
+                    environment: environment.name.clone(),
+                    reason: format!("cannot measure the prepared tree: {err}"),
+                }),
+            Err(err) => Err(err),
+        };
+        match made {
+            Ok((base, bytes)) => Ok(Prepared {
+                base,
+                workdir: environment.workdir.clone(),
+                sandbox: WarmTree {
+                    dir,
+                    bytes,
+                    environment: environment.clone(),
+                },
+            }),
+            Err(err) => {
+                self.remove(&dir).await;
+                Err(err)
+            }
+        }
+    }
+
     async fn activate(
         &self,
-        lease_id: &LeaseId,
-        limits: &ResolvedLimits,
-    ) -> Result<LeaseCgroup, BackendError> {
-        self.cgroups.create(lease_id.as_str(), limits).map_err(|e| {
-            BackendError::Limits(format!("{} for {lease_id}: {e}", self.cgroups.describe()))
-        })
+        prepared: Prepared<WarmTree>,
+        lease: Activation<'_>,
+    ) -> Result<SandboxHandle, BackendError> {
+        let tree = prepared.sandbox;
+        let dir = self.leases_dir.join(lease.record.lease_id.as_str());
+        match self.place(&tree, &dir, &lease).await {
+            Ok(cgroup) => Ok(SandboxHandle {
+                lease_id: lease.record.lease_id.clone(),
+                dir,
+                workdir: tree.environment.workdir.clone(),
+                mounts: tree.environment.mounts.clone(),
+                env: tree.environment.env.clone(),
+                cgroup,
+                limits: lease.limits.clone(),
+                baseline_bytes: tree.bytes,
+                ended: lease.ended,
+            }),
+            Err(err) => {
+                self.remove(if dir.exists() { &dir } else { &tree.dir })
+                    .await;
+                Err(err)
+            }
+        }
     }
 
     async fn exec(
@@ -392,18 +528,67 @@ impl Backend for Bubblewrap {
         })
     }
 
-    async fn destroy(&self, dir: &Path, cgroup: &LeaseCgroup) {
-        cgroup.destroy().await;
-        if let Err(err) = tokio::fs::remove_dir_all(dir).await
-            && err.kind() != std::io::ErrorKind::NotFound
-        {
-            tracing::warn!(dir = %dir.display(), %err, "cannot delete a sandbox's files");
+    async fn destroy(&self, sandbox: &SandboxHandle) {
+        sandbox.cgroup.destroy().await;
+        self.remove(&sandbox.dir).await;
+    }
+
+    /// Ends the lease once its work tree has grown past its disk limit ([`crate::disk`]).
+    async fn watch(&self, sandbox: &SandboxHandle) -> (LeaseEnd, String) {
+        let tree = sandbox.dir.join("tree");
+        let mut pause = Duration::from_secs(1);
+        loop {
+            tokio::time::sleep(pause).await;
+            let (bytes, took) = match crate::disk::measure(&tree).await {
+                Ok(measured) => measured,
+                Err(err) => {
+                    if !sandbox.ended.is_cancelled() {
+                        tracing::warn!(lease = %sandbox.lease_id, %err, "cannot measure a work tree");
+                    }
+                    pause = Duration::from_secs(10);
+                    continue;
+                }
+            };
+            pause = crate::disk::next_check_in(took);
+            let grown = bytes.saturating_sub(sandbox.baseline_bytes);
+            if let Some(why) = crate::disk::over_limit(grown, sandbox.limits.disk_mb) {
+                return (LeaseEnd::DiskLimit, why);
+            }
         }
     }
 
-    fn leftover_cgroups(&self) -> Vec<LeaseCgroup> {
-        self.cgroups.leftovers()
+    async fn reap_leftovers(&self) -> Vec<LeaseRecord> {
+        let mut records = Vec::new();
+        for dir in read_dirs(&self.leases_dir) {
+            if let Some(record) = LeaseRecord::read(&dir) {
+                records.push(record);
+            }
+            self.remove(&dir).await;
+        }
+        for cgroup in self.cgroups.leftovers() {
+            cgroup.destroy().await;
+        }
+        self.wind_down().await;
+        records
     }
+
+    async fn wind_down(&self) {
+        for dir in read_dirs(&self.warm_dir) {
+            self.remove(&dir).await;
+        }
+    }
+}
+
+fn read_dirs(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|p| p.is_dir())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn exit_code_of(status: std::process::ExitStatus) -> i32 {
@@ -425,27 +610,4 @@ async fn kill_tree(child: &mut tokio::process::Child, cgroup: &LeaseCgroup) {
         };
         swept.kill_all().await;
     }
-}
-
-/// Reads a stream to its end, keeping at most `limit` bytes.
-async fn capture<R: AsyncRead + Unpin>(stream: Option<R>, limit: usize) -> (Vec<u8>, bool) {
-    let Some(mut stream) = stream else {
-        return (Vec::new(), false);
-    };
-    let mut kept = Vec::new();
-    let mut truncated = false;
-    let mut buffer = vec![0u8; 64 * 1024];
-    loop {
-        match stream.read(&mut buffer).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                let room = limit.saturating_sub(kept.len());
-                if n > room {
-                    truncated = true;
-                }
-                kept.extend_from_slice(&buffer[..n.min(room)]);
-            }
-        }
-    }
-    (kept, truncated)
 }

@@ -19,6 +19,9 @@ pub struct SandboxConfig {
     pub proxy_socket: Option<PathBuf>,
     /// Port of the proxy relay on the sandbox's loopback.
     pub proxy_port: u16,
+    /// The proxy's URL as sandboxes reach it over the network (a cluster Service), when
+    /// there is no relay to a local socket.
+    pub proxy_service_url: Option<String>,
     /// Third-party agents (a Python venv with e.g. mini-swe-agent), mounted read-only at
     /// `/opt/arl-agents` in every sandbox. Must be readable by the sandbox user.
     pub agents_dir: Option<PathBuf>,
@@ -76,6 +79,15 @@ impl Default for ResolvedLimits {
 }
 
 impl SandboxConfig {
+    /// The OpenAI base URL of the token proxy inside a sandbox, when it has one.
+    pub fn proxy_url(&self) -> Option<String> {
+        match (&self.proxy_service_url, &self.proxy_socket) {
+            (Some(url), _) => Some(format!("{}/v1", url.trim_end_matches('/'))),
+            (None, Some(_)) => Some(format!("http://127.0.0.1:{}/v1", self.proxy_port)),
+            (None, None) => None,
+        }
+    }
+
     /// Defaults for one machine, with state under `state_dir`.
     pub fn local(state_dir: PathBuf, environments_dir: PathBuf, init_binary: PathBuf) -> Self {
         Self {
@@ -85,6 +97,7 @@ impl SandboxConfig {
             init_binary,
             proxy_socket: None,
             proxy_port: 8000,
+            proxy_service_url: None,
             agents_dir: None,
             sandbox_uid: 65534,
             sandbox_gid: 65534,

@@ -62,8 +62,8 @@ fn default_workdir() -> String {
     "/app".into()
 }
 
-pub fn resolve(root: &Path, env: &EnvironmentRef) -> Result<Environment, EnvironmentError> {
-    let name = env.name.as_str();
+/// Checks an environment's name: letters, digits, `.`, `_`, `-` between `/` separators.
+pub fn check_name(name: &str) -> Result<(), EnvironmentError> {
     let valid = !name.is_empty()
         && !name.starts_with('/')
         && name.split('/').all(|part| {
@@ -74,9 +74,16 @@ pub fn resolve(root: &Path, env: &EnvironmentRef) -> Result<Environment, Environ
                     .chars()
                     .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
         });
-    if !valid {
-        return Err(EnvironmentError::BadName(name.to_owned()));
+    if valid {
+        Ok(())
+    } else {
+        Err(EnvironmentError::BadName(name.to_owned()))
     }
+}
+
+pub fn resolve(root: &Path, env: &EnvironmentRef) -> Result<Environment, EnvironmentError> {
+    let name = env.name.as_str();
+    check_name(name)?;
     let dir = root.join(name);
     let tree = dir.join("tree");
     if !tree.is_dir() {

@@ -8,12 +8,10 @@ use arl_schemas::{LeaseId, RunId, TrialId};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
 
-use crate::backend::SandboxHandle;
-use crate::environment::Environment;
-
-/// What is written next to a lease's files, so that a restarted service can reap it and
-/// say whose it was.
+/// Whose a lease is: kept with the sandbox (beside a work tree, on a Pod's annotations),
+/// so that a restarted service can reap it and say whose it was.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LeaseRecord {
     pub lease_id: LeaseId,
@@ -37,37 +35,56 @@ impl LeaseRecord {
 }
 
 #[derive(Debug)]
-pub struct Lease {
+pub struct Lease<S> {
     pub record: LeaseRecord,
     pub trial_id: Option<TrialId>,
-    pub environment: Environment,
     /// Bearer token of the exec and file API.
     pub token: String,
     /// The commit diffs are taken against.
     pub base: String,
-    pub handle: SandboxHandle,
+    /// Absolute path of the work tree inside the sandbox.
+    pub workdir: String,
+    /// The backend's sandbox.
+    pub sandbox: S,
+    /// Cancelled when the lease ends: running commands are killed.
+    pub ended: CancellationToken,
     expires_at: Mutex<DateTime<Utc>>,
     /// Held for the lease's life: bounds leases per instance.
     _capacity: OwnedSemaphorePermit,
 }
 
-impl Lease {
+/// What a lease is made of, besides its token and expiry.
+pub struct LeaseParts<S> {
+    pub record: LeaseRecord,
+    pub trial_id: Option<TrialId>,
+    pub base: String,
+    pub workdir: String,
+    pub sandbox: S,
+    pub ended: CancellationToken,
+}
+
+impl<S> Lease<S> {
     pub fn new(
-        record: LeaseRecord,
-        trial_id: Option<TrialId>,
-        environment: Environment,
-        base: String,
-        handle: SandboxHandle,
+        parts: LeaseParts<S>,
         expires_at: DateTime<Utc>,
         capacity: OwnedSemaphorePermit,
     ) -> Self {
+        let LeaseParts {
+            record,
+            trial_id,
+            base,
+            workdir,
+            sandbox,
+            ended,
+        } = parts;
         Self {
             record,
             trial_id,
-            environment,
             token: uuid::Uuid::new_v4().simple().to_string(),
             base,
-            handle,
+            workdir,
+            sandbox,
+            ended,
             expires_at: Mutex::new(expires_at),
             _capacity: capacity,
         }
@@ -97,9 +114,9 @@ impl Lease {
     }
 }
 
-#[derive(Debug, Default)]
-pub struct LeaseTable {
-    leases: RwLock<HashMap<LeaseId, Arc<Lease>>>,
+#[derive(Debug)]
+pub struct LeaseTable<S> {
+    leases: RwLock<HashMap<LeaseId, Arc<Lease<S>>>>,
     /// Why the service itself ended recent leases, for holders who call again.
     ended_by_service: Mutex<VecDeque<(LeaseId, String)>>,
 }
@@ -107,12 +124,21 @@ pub struct LeaseTable {
 /// Ended leases whose reason is kept for their holders.
 const ENDS_KEPT: usize = 1024;
 
-impl LeaseTable {
-    pub fn insert(&self, lease: Arc<Lease>) {
+impl<S> Default for LeaseTable<S> {
+    fn default() -> Self {
+        Self {
+            leases: RwLock::default(),
+            ended_by_service: Mutex::default(),
+        }
+    }
+}
+
+impl<S> LeaseTable<S> {
+    pub fn insert(&self, lease: Arc<Lease<S>>) {
         self.write().insert(lease.id().clone(), lease);
     }
 
-    pub fn get(&self, id: &LeaseId) -> Option<Arc<Lease>> {
+    pub fn get(&self, id: &LeaseId) -> Option<Arc<Lease<S>>> {
         self.leases
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -121,7 +147,7 @@ impl LeaseTable {
     }
 
     /// Removes a lease; only one caller gets it (release and expiry may race).
-    pub fn remove(&self, id: &LeaseId) -> Option<Arc<Lease>> {
+    pub fn remove(&self, id: &LeaseId) -> Option<Arc<Lease<S>>> {
         self.write().remove(id)
     }
 
@@ -177,7 +203,7 @@ impl LeaseTable {
         self.len() == 0
     }
 
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<LeaseId, Arc<Lease>>> {
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<LeaseId, Arc<Lease<S>>>> {
         self.leases.write().unwrap_or_else(PoisonError::into_inner)
     }
 }

@@ -3,9 +3,11 @@
 //!
 //! - [`environment`]: the environment snapshots sandboxes are made from.
 //! - [`backend`]: the boundary every backend implements; [`bwrap`] is the local one
-//!   (bubblewrap namespaces, no network but the proxy relay, cgroup or rlimit limits).
+//!   (bubblewrap namespaces, no network but the proxy relay, cgroup or rlimit limits),
+//!   [`kube`] the cluster one (Pods from the environment's image, or OpenKruise
+//!   SandboxClaims; exec through the Kubernetes API).
 //! - [`cgroup`]: per-lease memory, pids and CPU limits.
-//! - [`pool`]: warm pools of prepared work trees per environment (deadpool).
+//! - [`pool`]: warm pools of prepared sandboxes per environment (deadpool).
 //! - [`lease`]: the lease table: ttl, renew, expiry.
 //! - [`api`]: the exec and file API per lease (axum).
 //! - [`service`]: lease/renew/release over NATS, events, reaping at start.
@@ -18,6 +20,7 @@ pub mod config;
 pub mod disk;
 pub mod environment;
 pub mod hosted;
+pub mod kube;
 pub mod lease;
 pub mod pool;
 pub mod seccomp;

@@ -1,62 +1,35 @@
-//! Warm pools: per environment, a deadpool of prepared work trees, so a lease usually
-//! takes a ready tree instead of copying a snapshot while its caller waits.
+//! Warm pools: per environment, a deadpool of prepared sandboxes, so a lease usually takes
+//! a ready one instead of waiting while a snapshot is copied or a Pod starts.
 //!
-//! A tree handed to a lease is detached from its pool (it becomes the lease's, and is
+//! A sandbox handed to a lease is detached from its pool (it becomes the lease's, and is
 //! deleted with it), and the pool is refilled in the background to `min_idle`.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use deadpool::managed::{self, Manager, Object, Pool, RecycleResult};
 
-use crate::backend::{Backend, BackendError, PreparedTree};
-use crate::environment::Environment;
+use crate::backend::{Backend, BackendError, Prepared};
 
-pub struct TreeManager<B> {
+pub struct SandboxMaker<B: Backend> {
     backend: Arc<B>,
-    environment: Environment,
-    warm_dir: PathBuf,
+    environment: B::Environment,
 }
 
-impl<B: Backend> Manager for TreeManager<B> {
-    type Type = PreparedTree;
+impl<B: Backend> Manager for SandboxMaker<B> {
+    type Type = Prepared<B::Idle>;
     type Error = BackendError;
 
-    async fn create(&self) -> Result<PreparedTree, BackendError> {
-        let dir = self
-            .warm_dir
-            .join(uuid::Uuid::new_v4().simple().to_string());
-        let prepared = match self.backend.prepare(&self.environment, &dir).await {
-            Ok(base) => crate::disk::measure(&dir.join("tree"))
-                .await
-                .map(|(bytes, _)| (base, bytes))
-                .map_err(|err| BackendError::Prepare {
-                    environment: self.environment.name.clone(),
-                    reason: format!("cannot measure the prepared tree: {err}"),
-                }),
-            Err(err) => Err(err),
-        };
-        match prepared {
-            Ok((base, bytes)) => Ok(PreparedTree {
-                dir,
-                base,
-                bytes,
-                environment: self.environment.clone(),
-            }),
-            Err(err) => {
-                let _ = tokio::fs::remove_dir_all(&dir).await;
-                Err(err)
-            }
-        }
+    async fn create(&self) -> Result<Prepared<B::Idle>, BackendError> {
+        self.backend.prepare(&self.environment).await
     }
 
     async fn recycle(
         &self,
-        _tree: &mut PreparedTree,
+        _sandbox: &mut Prepared<B::Idle>,
         _: &managed::Metrics,
     ) -> RecycleResult<BackendError> {
-        // An idle tree has never been leased: it is as fresh as when it was made.
+        // An idle sandbox has never been leased: it is as fresh as when it was made.
         Ok(())
     }
 }
@@ -64,24 +37,21 @@ impl<B: Backend> Manager for TreeManager<B> {
 /// All warm pools of one service instance.
 pub struct WarmPools<B: Backend> {
     backend: Arc<B>,
-    warm_root: PathBuf,
     min_idle: usize,
     max_size: usize,
-    pools: Mutex<HashMap<String, Pool<TreeManager<B>>>>,
+    pools: Mutex<HashMap<String, Pool<SandboxMaker<B>>>>,
     shutdown: arl_runtime::Shutdown,
 }
 
 impl<B: Backend> WarmPools<B> {
     pub fn new(
         backend: Arc<B>,
-        warm_root: PathBuf,
         min_idle: usize,
         max_size: usize,
         shutdown: arl_runtime::Shutdown,
     ) -> Self {
         Self {
             backend,
-            warm_root,
             min_idle,
             max_size: max_size.max(1),
             pools: Mutex::default(),
@@ -89,58 +59,63 @@ impl<B: Backend> WarmPools<B> {
         }
     }
 
-    fn pool(&self, environment: &Environment) -> Result<Pool<TreeManager<B>>, BackendError> {
+    fn pool(
+        &self,
+        name: &str,
+        environment: &B::Environment,
+    ) -> Result<Pool<SandboxMaker<B>>, BackendError> {
         let mut pools = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(pool) = pools.get(&environment.name) {
+        if let Some(pool) = pools.get(name) {
             return Ok(pool.clone());
         }
-        let slot = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, environment.name.as_bytes());
-        let manager = TreeManager {
+        let manager = SandboxMaker {
             backend: self.backend.clone(),
             environment: environment.clone(),
-            warm_dir: self.warm_root.join(slot.simple().to_string()),
         };
         let pool = Pool::builder(manager)
             .max_size(self.max_size)
             .runtime(deadpool::Runtime::Tokio1)
             .build()
             .map_err(|e| BackendError::Prepare {
-                environment: environment.name.clone(),
+                environment: name.to_owned(),
                 reason: e.to_string(),
             })?;
-        pools.insert(environment.name.clone(), pool.clone());
+        pools.insert(name.to_owned(), pool.clone());
         Ok(pool)
     }
 
-    /// A prepared tree of `environment`, and whether it came ready from the pool.
+    /// A prepared sandbox of `environment` (named `name`), and whether it came ready from
+    /// the pool.
     pub async fn take(
         &self,
-        environment: &Environment,
-    ) -> Result<(PreparedTree, bool), BackendError> {
-        let pool = self.pool(environment)?;
+        name: &str,
+        environment: &B::Environment,
+    ) -> Result<(Prepared<B::Idle>, bool), BackendError> {
+        let pool = self.pool(name, environment)?;
         let warm = pool.status().available > 0;
         let object = pool.get().await.map_err(|err| match err {
             managed::PoolError::Backend(err) => err,
             other => BackendError::Prepare {
-                environment: environment.name.clone(),
+                environment: name.to_owned(),
                 reason: other.to_string(),
             },
         })?;
-        let tree = Object::take(object);
-        self.refill(environment);
-        Ok((tree, warm))
+        let prepared = Object::take(object);
+        self.refill(name, environment);
+        Ok((prepared, warm))
     }
 
-    /// Brings the pool of `environment` up to `min_idle` prepared trees, in the background.
-    pub fn refill(&self, environment: &Environment) {
+    /// Brings the pool of `environment` up to `min_idle` prepared sandboxes, in the
+    /// background.
+    pub fn refill(&self, name: &str, environment: &B::Environment) {
         if self.min_idle == 0 {
             return;
         }
-        let Ok(pool) = self.pool(environment) else {
+        let Ok(pool) = self.pool(name, environment) else {
             return;
         };
         let want = self.min_idle.min(self.max_size);
-        let name = environment.name.clone();
+        let name = name.to_owned();
         self.shutdown.spawn(async move {
             let status = pool.status();
             if status.available >= want {
@@ -153,7 +128,7 @@ impl<B: Backend> WarmPools<B> {
                 match pool.get().await {
                     Ok(object) => held.push(object),
                     Err(err) => {
-                        tracing::warn!(environment = %name, %err, "cannot pre-warm a tree");
+                        tracing::warn!(environment = %name, %err, "cannot pre-warm a sandbox");
                         break;
                     }
                 }
@@ -162,7 +137,7 @@ impl<B: Backend> WarmPools<B> {
         });
     }
 
-    /// Prepared trees waiting, per environment.
+    /// Prepared sandboxes waiting, per environment.
     pub fn idle(&self) -> HashMap<String, usize> {
         let pools = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
         pools

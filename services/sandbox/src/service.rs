@@ -2,14 +2,13 @@
 //! earlier instance left; lifecycle events.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use arl_runtime::rpc::serve;
 use arl_runtime::{Bus, Shutdown};
 use arl_schemas::events::{
-    EnvironmentRef, LeaseEnd, SandboxBackend, SandboxFailedV1, SandboxLeasedV1, SandboxReleasedV2,
+    EnvironmentRef, LeaseEnd, SandboxFailedV1, SandboxLeasedV1, SandboxReleasedV2,
 };
 use arl_schemas::rpc::{
     LeaseGrantV1, LeaseRequestV1, ReleaseRequest, ReleasedV1, RenewRequest, RenewedV1, RpcError,
@@ -20,11 +19,11 @@ use chrono::Utc;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{Backend, ExecOutput, ExecSpec, SandboxHandle};
+use crate::backend::{Activation, Backend, ExecOutput, ExecSpec};
 use crate::bwrap::Bubblewrap;
 use crate::config::SandboxConfig;
-use crate::environment::{self, EnvironmentError};
-use crate::lease::{Lease, LeaseRecord, LeaseTable};
+use crate::environment::EnvironmentError;
+use crate::lease::{Lease, LeaseParts, LeaseRecord, LeaseTable};
 use crate::pool::WarmPools;
 
 pub(crate) struct Inner<B: Backend> {
@@ -32,7 +31,7 @@ pub(crate) struct Inner<B: Backend> {
     pub(crate) config: SandboxConfig,
     pub(crate) backend: Arc<B>,
     pub(crate) pools: WarmPools<B>,
-    pub(crate) leases: LeaseTable,
+    pub(crate) leases: LeaseTable<B::Sandbox>,
     capacity: Arc<Semaphore>,
     shutdown: Shutdown,
 }
@@ -73,7 +72,7 @@ impl SandboxService<Bubblewrap> {
     /// API on `http_addr`, and answers lease requests until `shutdown`.
     pub async fn start_local(
         bus: Bus,
-        mut config: SandboxConfig,
+        config: SandboxConfig,
         http_addr: SocketAddr,
         shutdown: &Shutdown,
     ) -> Result<Self, StartError> {
@@ -87,6 +86,20 @@ impl SandboxService<Bubblewrap> {
             })?;
         }
         let backend = Arc::new(Bubblewrap::new(&config)?);
+        Self::start_with(bus, config, backend, http_addr, shutdown).await
+    }
+}
+
+impl<B: Backend> SandboxService<B> {
+    /// Starts the service on `backend`: reaps what an earlier instance left, serves the
+    /// exec API on `http_addr`, and answers lease requests until `shutdown`.
+    pub async fn start_with(
+        bus: Bus,
+        mut config: SandboxConfig,
+        backend: Arc<B>,
+        http_addr: SocketAddr,
+        shutdown: &Shutdown,
+    ) -> Result<Self, StartError> {
         let listener = tokio::net::TcpListener::bind(http_addr)
             .await
             .map_err(|source| StartError::Http {
@@ -97,18 +110,17 @@ impl SandboxService<Bubblewrap> {
             addr: http_addr,
             source,
         })?;
-        config.public_url = format!("http://{bound}");
+        if config.public_url.is_empty() {
+            config.public_url = format!("http://{bound}");
+        }
         let service = Self::assemble(bus, config, backend, shutdown);
         service.start(listener, bound).await?;
         Ok(service)
     }
-}
 
-impl<B: Backend> SandboxService<B> {
     fn assemble(bus: Bus, config: SandboxConfig, backend: Arc<B>, shutdown: &Shutdown) -> Self {
         let pools = WarmPools::new(
             backend.clone(),
-            config.state_dir.join("warm"),
             config.pool_min_idle,
             config.pool_max_size,
             shutdown.clone(),
@@ -139,15 +151,15 @@ impl<B: Backend> SandboxService<B> {
         self.inner.leases.len()
     }
 
-    /// Prepared trees waiting per environment.
-    pub fn idle_trees(&self) -> std::collections::HashMap<String, usize> {
+    /// Prepared sandboxes waiting per environment.
+    pub fn idle_sandboxes(&self) -> std::collections::HashMap<String, usize> {
         self.inner.pools.idle()
     }
 
     /// Starts pre-warming an environment's pool (e.g. when a run's tasks are known).
     pub fn prewarm(&self, environment: &EnvironmentRef) -> Result<(), EnvironmentError> {
-        let environment = environment::resolve(&self.inner.config.environments_dir, environment)?;
-        self.inner.pools.refill(&environment);
+        let resolved = self.inner.backend.resolve(environment)?;
+        self.inner.pools.refill(&environment.name, &resolved);
         Ok(())
     }
 
@@ -241,7 +253,10 @@ impl<B: Backend> SandboxService<B> {
                 ),
             ));
         }
-        let environment = environment::resolve(&config.environments_dir, &request.environment)
+        let environment = self
+            .inner
+            .backend
+            .resolve(&request.environment)
             .map_err(|err| {
                 let code = match err {
                     EnvironmentError::Missing { .. } => RpcErrorCode::NotFound,
@@ -277,7 +292,8 @@ impl<B: Backend> SandboxService<B> {
             (event, RpcError::new(RpcErrorCode::Internal, message))
         };
 
-        let (tree, warm) = match self.inner.pools.take(&environment).await {
+        let name = request.environment.name.as_str();
+        let (prepared, warm) = match self.inner.pools.take(name, &environment).await {
             Ok(taken) => taken,
             Err(err) => {
                 let (event, error) = failed(err.to_string());
@@ -285,78 +301,50 @@ impl<B: Backend> SandboxService<B> {
                 return Err(error);
             }
         };
-        let dir = config.state_dir.join("leases").join(lease_id.as_str());
         let record = LeaseRecord {
             lease_id: lease_id.clone(),
             run_id: request.run_id.clone(),
             instance: config.instance.clone(),
-            environment: environment.name.clone(),
+            environment: name.to_owned(),
             created_at: Utc::now(),
         };
-        let placed = std::fs::rename(&tree.dir, &dir).and_then(|()| record.write(&dir));
-        let cgroup = match placed {
-            Ok(()) => self
-                .inner
-                .backend
-                .activate(&lease_id, &limits)
-                .await
-                .map_err(|e| e.to_string()),
-            Err(err) => Err(format!("cannot place the work tree: {err}")),
+        let (base, workdir) = (prepared.base.clone(), prepared.workdir.clone());
+        let ended = CancellationToken::new();
+        let activation = Activation {
+            record: &record,
+            limits: &limits,
+            ended: ended.clone(),
         };
-        let cgroup = match cgroup {
-            Ok(cgroup) => cgroup,
-            Err(message) => {
-                let cleanup = if dir.exists() {
-                    dir.clone()
-                } else {
-                    tree.dir.clone()
-                };
-                self.inner
-                    .backend
-                    .destroy(&cleanup, &Default::default())
-                    .await;
-                let (event, error) = failed(message);
+        let sandbox = match self.inner.backend.activate(prepared, activation).await {
+            Ok(sandbox) => sandbox,
+            Err(err) => {
+                let (event, error) = failed(err.to_string());
                 self.announce(&event).await;
                 return Err(error);
             }
         };
         let expires_at = Utc::now() + chrono::Duration::seconds(request.ttl_s as i64);
-        let baseline_bytes = tree.bytes;
-        let handle = SandboxHandle {
-            lease_id: lease_id.clone(),
-            dir,
-            workdir: environment.workdir.clone(),
-            mounts: environment.mounts.clone(),
-            env: environment.env.clone(),
-            cgroup,
-            limits,
-            ended: CancellationToken::new(),
-        };
-        let lease = Arc::new(Lease::new(
+        let parts = LeaseParts {
             record,
-            request.trial_id.clone(),
-            environment,
-            tree.base,
-            handle,
-            expires_at,
-            permit,
-        ));
+            trial_id: request.trial_id.clone(),
+            base,
+            workdir,
+            sandbox,
+            ended,
+        };
+        let lease = Arc::new(Lease::new(parts, expires_at, permit));
         self.inner.leases.insert(lease.clone());
-        let service = self.clone();
-        let (id, tree) = (lease_id.clone(), lease.handle.dir.join("tree"));
-        let (limit_mb, ended) = (lease.handle.limits.disk_mb, lease.handle.ended.clone());
-        self.inner.shutdown.spawn(async move {
-            service
-                .watch_disk(id, &tree, baseline_bytes, limit_mb, ended)
-                .await;
-        });
+        let (service, watched) = (self.clone(), lease.clone());
+        self.inner
+            .shutdown
+            .spawn(async move { service.watch(watched).await });
         let endpoint = format!("{}/leases/{lease_id}", config.public_url);
         self.announce(&SandboxLeasedV1 {
             run_id: request.run_id.clone(),
             lease_id: lease_id.clone(),
             trial_id: request.trial_id.clone(),
             environment: request.environment.clone(),
-            backend: SandboxBackend::Bubblewrap,
+            backend: self.inner.backend.kind(),
             endpoint: endpoint.clone(),
             expires_at,
             warm,
@@ -367,11 +355,8 @@ impl<B: Backend> SandboxService<B> {
             instance: config.instance.clone(),
             endpoint,
             token: lease.token.clone(),
-            workdir: lease.environment.workdir.clone(),
-            proxy_url: config
-                .proxy_socket
-                .as_ref()
-                .map(|_| format!("http://127.0.0.1:{}/v1", config.proxy_port)),
+            workdir: lease.workdir.clone(),
+            proxy_url: config.proxy_url(),
             expires_at,
             warm,
         })
@@ -414,7 +399,11 @@ impl<B: Backend> SandboxService<B> {
     }
 
     /// The lease, when `token` is its own.
-    fn holder_of(&self, lease_id: &LeaseId, token: &str) -> Result<Arc<Lease>, RpcError> {
+    fn holder_of(
+        &self,
+        lease_id: &LeaseId,
+        token: &str,
+    ) -> Result<Arc<Lease<B::Sandbox>>, RpcError> {
         let lease = self
             .inner
             .leases
@@ -447,11 +436,8 @@ impl<B: Backend> SandboxService<B> {
                 .leases
                 .remember_end(lease_id.clone(), why.clone());
         }
-        lease.handle.ended.cancel();
-        self.inner
-            .backend
-            .destroy(&lease.handle.dir, &lease.handle.cgroup)
-            .await;
+        lease.ended.cancel();
+        self.inner.backend.destroy(&lease.sandbox).await;
         self.announce(&SandboxReleasedV2 {
             run_id: lease.record.run_id.clone(),
             lease_id,
@@ -464,47 +450,30 @@ impl<B: Backend> SandboxService<B> {
         Ok(())
     }
 
-    /// Ends the lease once its work tree has grown past its disk limit ([`crate::disk`]).
-    async fn watch_disk(
-        &self,
-        lease_id: LeaseId,
-        tree: &Path,
-        baseline_bytes: u64,
-        limit_mb: u64,
-        ended: CancellationToken,
-    ) {
+    /// Ends the lease early when its backend says it must (a work tree past its disk
+    /// limit).
+    async fn watch(&self, lease: Arc<Lease<B::Sandbox>>) {
         let shutdown = self.inner.shutdown.clone();
-        let mut pause = Duration::from_secs(1);
-        loop {
-            tokio::select! {
-                () = ended.cancelled() => return,
-                () = shutdown.triggered() => return,
-                () = tokio::time::sleep(pause) => {}
-            }
-            let (bytes, took) = match crate::disk::measure(tree).await {
-                Ok(measured) => measured,
-                Err(_) if ended.is_cancelled() => return,
-                Err(err) => {
-                    tracing::warn!(lease = %lease_id, %err, "cannot measure a work tree");
-                    pause = Duration::from_secs(10);
-                    continue;
-                }
-            };
-            pause = crate::disk::next_check_in(took);
-            let grown = bytes.saturating_sub(baseline_bytes);
-            if let Some(why) = crate::disk::over_limit(grown, limit_mb) {
-                tracing::warn!(lease = %lease_id, %why, "ending a lease past its disk limit");
-                let _ = self.release(lease_id, LeaseEnd::DiskLimit, Some(why)).await;
-                return;
-            }
-        }
+        let (reason, why) = tokio::select! {
+            () = lease.ended.cancelled() => return,
+            () = shutdown.triggered() => return,
+            ended = self.inner.backend.watch(&lease.sandbox) => ended,
+        };
+        let lease_id = lease.id().clone();
+        drop(lease);
+        tracing::warn!(lease = %lease_id, %why, "ending a lease early");
+        let _ = self.release(lease_id, reason, Some(why)).await;
     }
 
     /// Runs a command in a lease's sandbox.
-    pub async fn exec(&self, lease: &Lease, spec: ExecSpec) -> Result<ExecOutput, RpcError> {
+    pub async fn exec(
+        &self,
+        lease: &Lease<B::Sandbox>,
+        spec: ExecSpec,
+    ) -> Result<ExecOutput, RpcError> {
         self.inner
             .backend
-            .exec(&lease.handle, spec)
+            .exec(&lease.sandbox, spec)
             .await
             .map_err(|err| RpcError::new(RpcErrorCode::Internal, err.to_string()))
     }
@@ -525,37 +494,28 @@ impl<B: Backend> SandboxService<B> {
         for lease_id in self.inner.leases.ids() {
             let _ = self.release(lease_id, LeaseEnd::Reaped, None).await;
         }
-        let _ = tokio::fs::remove_dir_all(self.inner.config.state_dir.join("warm")).await;
+        self.inner.backend.wind_down().await;
     }
 
-    /// Destroys leases and warm trees an earlier instance left on this machine.
+    /// Destroys the leases and prepared sandboxes an earlier instance left, and says so.
     async fn reap_leftovers(&self) {
-        let leases_dir = self.inner.config.state_dir.join("leases");
-        let mut reaped = 0;
-        for dir in read_dirs(&leases_dir) {
-            let record = LeaseRecord::read(&dir);
-            self.inner.backend.destroy(&dir, &Default::default()).await;
-            reaped += 1;
-            if let Some(record) = record {
-                self.announce(&SandboxReleasedV2 {
-                    run_id: record.run_id,
-                    lease_id: record.lease_id,
-                    trial_id: None,
-                    reason: LeaseEnd::Reaped,
-                    detail: None,
-                    at: Utc::now(),
-                })
-                .await;
-            }
+        let records = self.inner.backend.reap_leftovers().await;
+        if !records.is_empty() {
+            tracing::warn!(
+                reaped = records.len(),
+                "reaped leases left by an earlier instance"
+            );
         }
-        for cgroup in self.inner.backend.leftover_cgroups() {
-            cgroup.destroy().await;
-        }
-        for dir in read_dirs(&self.inner.config.state_dir.join("warm")) {
-            self.inner.backend.destroy(&dir, &Default::default()).await;
-        }
-        if reaped > 0 {
-            tracing::warn!(reaped, "reaped leases left by an earlier instance");
+        for record in records {
+            self.announce(&SandboxReleasedV2 {
+                run_id: record.run_id,
+                lease_id: record.lease_id,
+                trial_id: None,
+                reason: LeaseEnd::Reaped,
+                detail: None,
+                at: Utc::now(),
+            })
+            .await;
         }
     }
 
@@ -582,16 +542,4 @@ fn not_found(lease_id: &LeaseId) -> RpcError {
         RpcErrorCode::NotFound,
         format!("no lease {lease_id} on this instance (expired or released?)"),
     )
-}
-
-fn read_dirs(dir: &std::path::Path) -> Vec<PathBuf> {
-    std::fs::read_dir(dir)
-        .map(|entries| {
-            entries
-                .filter_map(Result::ok)
-                .map(|e| e.path())
-                .filter(|p| p.is_dir())
-                .collect()
-        })
-        .unwrap_or_default()
 }
