@@ -1,7 +1,9 @@
-//! Building a missing cluster image with BuildKit: a build context (a generated Dockerfile
-//! plus the source repository) and a `buildctl build … --output type=image,push=true`
-//! against the configured buildkitd. BuildKit cannot be installed on these machines, so
-//! what is tested is this boundary: the context and the exact command.
+//! Building a missing cluster image with BuildKit: a build context (a generated Dockerfile,
+//! `setup.sh` and the source repository) and the `buildctl build … --output
+//! type=image,push=true` arguments that build and push it. [`BuildKit`] runs them against a
+//! buildkitd here; [`crate::jobs`] runs them in a Kubernetes Job (rootless, daemonless).
+//! BuildKit cannot be installed on these machines, so what is tested is this boundary: the
+//! context and the exact command.
 //!
 //! The image runs the same setup script as a local snapshot, on the official
 //! `python:<major.minor>` image: the pyenv interpreter path the recipe names becomes
@@ -74,52 +76,62 @@ pub fn dockerfile(recipe: &Recipe) -> Result<String, BuildKitError> {
     ))
 }
 
-impl BuildKit {
-    /// Writes the build context for `recipe` into `dir`.
-    pub fn prepare(
-        &self,
-        recipe: &Recipe,
-        pyenv_root: &Path,
-        dir: &Path,
-    ) -> Result<(), BuildKitError> {
-        let context = |e: std::io::Error| BuildKitError::Context(format!("{}: {e}", dir.display()));
-        std::fs::create_dir_all(dir).map_err(context)?;
-        std::fs::write(dir.join("Dockerfile"), dockerfile(recipe)?).map_err(context)?;
-        std::fs::write(dir.join("setup.sh"), setup_script(recipe, pyenv_root)).map_err(context)?;
-        let source = match &recipe.source {
-            Source::GitRepository(repo) | Source::Folder(repo) | Source::Tarball(repo) => repo,
-        };
-        let status = std::process::Command::new("cp")
-            .arg("-a")
-            .arg(source)
-            .arg(dir.join("source"))
-            .status()
-            .map_err(context)?;
-        if !status.success() {
-            return Err(BuildKitError::Context(format!(
-                "cannot copy {}",
-                source.display()
-            )));
-        }
-        Ok(())
+/// Writes the build context for `recipe` into `dir`: `Dockerfile`, `setup.sh` and `source/`.
+pub fn prepare_context(
+    recipe: &Recipe,
+    pyenv_root: &Path,
+    dir: &Path,
+) -> Result<(), BuildKitError> {
+    let context = |e: std::io::Error| BuildKitError::Context(format!("{}: {e}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(context)?;
+    std::fs::write(dir.join("Dockerfile"), dockerfile(recipe)?).map_err(context)?;
+    std::fs::write(dir.join("setup.sh"), setup_script(recipe, pyenv_root)).map_err(context)?;
+    let source = match &recipe.source {
+        Source::GitRepository(repo) | Source::Folder(repo) | Source::Tarball(repo) => repo,
+    };
+    let status = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(source)
+        .arg(dir.join("source"))
+        .status()
+        .map_err(context)?;
+    if !status.success() {
+        return Err(BuildKitError::Context(format!(
+            "cannot copy {}",
+            source.display()
+        )));
     }
+    Ok(())
+}
 
+/// `buildctl build`'s arguments (after the subcommand) for the context in `dir`, pushed as
+/// `reference`. A registry reached over plain HTTP must be named insecure, or BuildKit
+/// pushes over HTTPS and fails.
+pub fn build_args(dir: &str, reference: &str, insecure_registry: bool) -> Vec<String> {
+    let insecure = if insecure_registry {
+        ",registry.insecure=true"
+    } else {
+        ""
+    };
+    vec![
+        "build".into(),
+        "--frontend".into(),
+        "dockerfile.v0".into(),
+        "--local".into(),
+        format!("context={dir}"),
+        "--local".into(),
+        format!("dockerfile={dir}"),
+        "--output".into(),
+        format!("type=image,name={reference},push=true{insecure}"),
+    ]
+}
+
+impl BuildKit {
     /// The `buildctl` arguments that build `dir` and push it as `reference`.
     pub fn command(&self, dir: &Path, reference: &str) -> Vec<String> {
-        let dir = dir.to_string_lossy();
-        vec![
-            "--addr".into(),
-            self.addr.clone(),
-            "build".into(),
-            "--frontend".into(),
-            "dockerfile.v0".into(),
-            "--local".into(),
-            format!("context={dir}"),
-            "--local".into(),
-            format!("dockerfile={dir}"),
-            "--output".into(),
-            format!("type=image,name={reference},push=true"),
-        ]
+        let mut args = vec!["--addr".to_owned(), self.addr.clone()];
+        args.extend(build_args(&dir.to_string_lossy(), reference, false));
+        args
     }
 
     /// Builds and pushes; the error says what is missing or what failed.
@@ -165,12 +177,7 @@ mod tests {
     fn the_context_runs_the_recipe_on_the_matching_python_image() {
         let recipe = django();
         let dir = std::env::temp_dir().join(format!("arl-ctx-{}", std::process::id()));
-        let kit = BuildKit {
-            addr: "tcp://b:1".into(),
-            buildctl: "buildctl".into(),
-        };
-        kit.prepare(&recipe, Path::new("/root/.pyenv"), &dir)
-            .unwrap();
+        prepare_context(&recipe, Path::new("/root/.pyenv"), &dir).unwrap();
         let dockerfile = std::fs::read_to_string(dir.join("Dockerfile")).unwrap();
         assert!(dockerfile.contains("FROM python:3.6\n"), "{dockerfile}");
         assert!(dockerfile.contains("COPY source /opt/arl-source.git\n"));
@@ -198,6 +205,15 @@ mod tests {
         assert_eq!(
             args.join(" "),
             "--addr tcp://buildkitd:1234 build --frontend dockerfile.v0 --local context=/ctx --local dockerfile=/ctx --output type=image,name=reg:5000/swebench/x:latest,push=true"
+        );
+    }
+
+    #[test]
+    fn a_plain_http_registry_is_pushed_to_as_insecure() {
+        let args = build_args("/workspace", "registry:5000/swebench/x:latest", true);
+        assert_eq!(
+            args.last().unwrap(),
+            "type=image,name=registry:5000/swebench/x:latest,push=true,registry.insecure=true"
         );
     }
 

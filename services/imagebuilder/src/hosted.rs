@@ -9,10 +9,11 @@ use arl_runtime::host::{Context, Ops, Service, StartError};
 use arl_runtime::http::Readiness;
 
 use crate::buildkit::BuildKit;
+use crate::jobs::{JobBuilds, JobConfig, Polling};
 use crate::local::{LocalBuilder, LocalConfig};
 use crate::recipe::load_instances;
 use crate::registry::{Credentials, Registry};
-use crate::service::{Cluster, ImageBuilder as ImageBuilderService, Recipes};
+use crate::service::{Builds, Cluster, ImageBuilder as ImageBuilderService, Recipes};
 
 /// `arl-imagebuilder`'s own flags (beside the common ones).
 #[derive(Debug, clap::Args)]
@@ -52,6 +53,45 @@ pub struct Args {
     buildkit_addr: String,
     #[arg(long, default_value = "buildctl")]
     buildctl: PathBuf,
+    /// Where build contexts are written (a temporary folder when not given; with
+    /// `--build-jobs`, the mount point of `--contexts-claim` in this pod).
+    #[arg(long, env = "ARL_CONTEXTS_DIR")]
+    contexts_dir: Option<PathBuf>,
+
+    /// Build missing images as Kubernetes Jobs (`type=image-build`, rootless BuildKit)
+    /// instead of with `buildctl` here. Needs the Kubernetes API (in-cluster service
+    /// account, or a kubeconfig).
+    #[arg(long, requires_all = ["registry", "contexts_dir", "contexts_claim"])]
+    build_jobs: bool,
+    /// The namespace build Jobs run in (default: the service account's).
+    #[arg(long, env = "ARL_BUILD_NAMESPACE")]
+    build_namespace: Option<String>,
+    /// The rootless BuildKit image build Jobs run.
+    #[arg(long, default_value = "moby/buildkit:v0.23.0-rootless")]
+    buildkit_image: String,
+    /// The PersistentVolumeClaim mounted at `--contexts-dir`; build Jobs mount their
+    /// context from it read-only.
+    #[arg(long, env = "ARL_CONTEXTS_CLAIM")]
+    contexts_claim: Option<String>,
+    /// A `kubernetes.io/dockerconfigjson` Secret with the registry's credentials, for the
+    /// build Jobs' push.
+    #[arg(long, env = "ARL_REGISTRY_SECRET")]
+    registry_secret: Option<String>,
+    /// A build Job running longer is stopped (`activeDeadlineSeconds`) and reported as a
+    /// timeout.
+    #[arg(long, default_value_t = 1800)]
+    build_job_timeout_s: u64,
+    /// A build Job whose pod has not started after this long (an image it cannot pull, no
+    /// node that fits) is given up, with the pod's waiting reason.
+    #[arg(long, default_value_t = 300)]
+    build_pending_timeout_s: u64,
+    /// Kubernetes removes a finished build Job after this long (`ttlSecondsAfterFinished`),
+    /// should the builder not have deleted it.
+    #[arg(long, default_value_t = 86400)]
+    build_job_ttl_s: u64,
+    /// Keep failed build Jobs (until their TTL) for `kubectl logs` / `describe`.
+    #[arg(long)]
+    keep_failed_build_jobs: bool,
 
     /// Local snapshots are garbage-collected (least recently used first) above this size.
     #[arg(long, default_value_t = 50.0)]
@@ -67,6 +107,11 @@ impl Service for ImageBuilder {
     type Args = Args;
 
     async fn start(args: Args, ctx: Context) -> Result<Ops, StartError> {
+        // Cluster mode first: a missing Kubernetes API is a start error before anything runs.
+        let cluster = match &args.registry {
+            Some(url) => Some(cluster(&args, url).await?),
+            None => None,
+        };
         let home = PathBuf::from(std::env::var_os("HOME").unwrap_or_default());
         let pyenv_root = args.pyenv_root.unwrap_or(home.join(".pyenv"));
         let mut recipes = Recipes {
@@ -91,21 +136,76 @@ impl Service for ImageBuilder {
         }));
         let mut builder = ImageBuilderService::new(ctx.bus, local, recipes)
             .with_cache_limit((args.cache_limit_gb * 1e9) as u64);
-        if let Some(url) = &args.registry {
-            let credentials = match (args.registry_user, args.registry_password) {
-                (Some(username), Some(password)) => Some(Credentials { username, password }),
-                _ => None,
-            };
-            builder = builder.with_cluster(Cluster {
-                registry: Registry::new(url, &args.registry_namespace, credentials),
-                buildkit: BuildKit {
-                    addr: args.buildkit_addr,
-                    buildctl: args.buildctl,
-                },
-                contexts: std::env::temp_dir().join("arl-build-contexts"),
-            });
+        if let Some(cluster) = cluster {
+            builder = builder.with_cluster(cluster);
         }
         builder.start(&ctx.shutdown);
         Ok(Ops::Host(Readiness::always()))
     }
+}
+
+/// Cluster mode's registry and builds.
+async fn cluster(args: &Args, url: &str) -> Result<Cluster, StartError> {
+    let credentials = match (&args.registry_user, &args.registry_password) {
+        (Some(username), Some(password)) => Some(Credentials {
+            username: username.clone(),
+            password: password.clone(),
+        }),
+        _ => None,
+    };
+    let builds = if args.build_jobs {
+        Builds::Jobs(Arc::new(job_builds(args, url).await?))
+    } else {
+        Builds::Buildctl(BuildKit {
+            addr: args.buildkit_addr.clone(),
+            buildctl: args.buildctl.clone(),
+        })
+    };
+    Ok(Cluster {
+        registry: Registry::new(url, &args.registry_namespace, credentials),
+        builds,
+        contexts: args
+            .contexts_dir
+            .clone()
+            .unwrap_or_else(|| std::env::temp_dir().join("arl-build-contexts")),
+    })
+}
+
+/// Build Jobs over the Kubernetes API this process finds (in-cluster service account, or a
+/// kubeconfig); none found is a start error that says so.
+async fn job_builds(args: &Args, registry: &str) -> Result<JobBuilds, StartError> {
+    let (Some(contexts_claim), Some(_)) = (&args.contexts_claim, &args.contexts_dir) else {
+        return Err(
+            "--build-jobs needs --contexts-dir and --contexts-claim (the volume build \
+                    contexts are written to, and its claim, which the Jobs mount)"
+                .into(),
+        );
+    };
+    let client = kube::Client::try_default().await.map_err(|e| {
+        format!(
+            "--build-jobs needs the Kubernetes API, and none was found ({e}): run the image \
+             builder in the cluster under a service account (or give it a KUBECONFIG), or drop \
+             --build-jobs to build with buildctl"
+        )
+    })?;
+    let namespace = args
+        .build_namespace
+        .clone()
+        .unwrap_or_else(|| client.default_namespace().to_owned());
+    tracing::info!(namespace, image = %args.buildkit_image, "image builds run as Kubernetes Jobs");
+    Ok(JobBuilds::new(
+        client,
+        JobConfig {
+            namespace,
+            buildkit_image: args.buildkit_image.clone(),
+            contexts_claim: contexts_claim.clone(),
+            registry_secret: args.registry_secret.clone(),
+            insecure_registry: registry.starts_with("http://"),
+            timeout: Duration::from_secs(args.build_job_timeout_s),
+            pending_timeout: Duration::from_secs(args.build_pending_timeout_s),
+            ttl_after_finished: Duration::from_secs(args.build_job_ttl_s),
+            keep_failed: args.keep_failed_build_jobs,
+            polling: Polling::default(),
+        },
+    ))
 }

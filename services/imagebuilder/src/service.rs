@@ -2,6 +2,11 @@
 //! environment exists, then say so (`image.ready`, with the location and whether it was
 //! cached) or say why not (`image.failed`, with a reason and the build log's tail). A build
 //! failure is reported once and not retried; only bus trouble is.
+//!
+//! In cluster mode an image found in the registry is ready as it is; a missing one is built
+//! from a context written under the contexts folder — by `buildctl` against a buildkitd
+//! ([`Builds::Buildctl`]) or by a Kubernetes Job ([`Builds::Jobs`]) — and reported with the
+//! digest the registry then names for it (`…:latest@sha256:…`).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -15,7 +20,8 @@ use arl_schemas::events::{
     TaskRef,
 };
 
-use crate::buildkit::BuildKit;
+use crate::buildkit::{BuildKit, prepare_context};
+use crate::jobs::{JobBuild, JobBuildError, JobBuilds, build_name};
 use crate::local::{BuildError, LocalBuilder};
 use crate::recipe::{Recipe, SweInstance};
 use crate::registry::Registry;
@@ -24,9 +30,19 @@ use crate::registry::Registry;
 #[derive(Clone, Debug)]
 pub struct Cluster {
     pub registry: Registry,
-    pub buildkit: BuildKit,
-    /// Where build contexts are written.
+    pub builds: Builds,
+    /// Where build contexts are written (with [`Builds::Jobs`], the root of the volume the
+    /// Jobs mount).
     pub contexts: PathBuf,
+}
+
+/// Who runs BuildKit for a missing image.
+#[derive(Clone, Debug)]
+pub enum Builds {
+    /// `buildctl` here, against a buildkitd.
+    Buildctl(BuildKit),
+    /// A Kubernetes Job per build, rootless BuildKit in the pod.
+    Jobs(Arc<JobBuilds>),
 }
 
 /// Where recipes come from.
@@ -114,7 +130,10 @@ impl ImageBuilder {
             let started = std::time::Instant::now();
             let outcome = match self.recipe(task, dataset.as_ref()) {
                 Ok(recipe) => match &self.cluster {
-                    Some(cluster) => self.ensure_image(cluster, &recipe).await,
+                    Some(cluster) => {
+                        self.ensure_image(cluster, &recipe, &batch.run_id, task)
+                            .await
+                    }
                     None => self
                         .local
                         .ensure(&recipe)
@@ -176,7 +195,13 @@ impl ImageBuilder {
     }
 
     /// The recipe's image: found in the registry, or built and pushed by BuildKit.
-    async fn ensure_image(&self, cluster: &Cluster, recipe: &Recipe) -> Result<Ready, Failure> {
+    async fn ensure_image(
+        &self,
+        cluster: &Cluster,
+        recipe: &Recipe,
+        run: &RunId,
+        task: &TaskRef,
+    ) -> Result<Ready, Failure> {
         let instance = recipe.name.rsplit('/').next().unwrap_or(&recipe.name);
         let registry_failure = |e: crate::registry::RegistryError| Failure {
             reason: ImageFailureReason::RegistryError,
@@ -207,17 +232,41 @@ impl ImageBuilder {
             message: e.to_string(),
             log_tail: String::new(),
         };
-        let context = cluster.contexts.join(recipe.name.replace('/', "_"));
-        let _ = std::fs::remove_dir_all(&context);
-        cluster
-            .buildkit
-            .prepare(recipe, &self.recipes.pyenv_root, &context)
-            .map_err(build_failure)?;
-        cluster
-            .buildkit
-            .build(&context, &reference)
-            .await
-            .map_err(build_failure)?;
+        match &cluster.builds {
+            Builds::Buildctl(buildkit) => {
+                let context = cluster.contexts.join(recipe.name.replace('/', "_"));
+                let _ = std::fs::remove_dir_all(&context);
+                prepare_context(recipe, &self.recipes.pyenv_root, &context)
+                    .map_err(build_failure)?;
+                buildkit
+                    .build(&context, &reference)
+                    .await
+                    .map_err(build_failure)?;
+            }
+            Builds::Jobs(jobs) => {
+                // The build's name is its Job's and its context folder's: the Job mounts
+                // that folder of the contexts volume.
+                let name = build_name(instance);
+                let context = cluster.contexts.join(&name);
+                prepare_context(recipe, &self.recipes.pyenv_root, &context)
+                    .map_err(build_failure)?;
+                let built = jobs
+                    .build(&JobBuild {
+                        name: &name,
+                        reference: &reference,
+                        run,
+                        task: &task.task_id,
+                    })
+                    .await;
+                // A failed build's context stays with its Job when failed Jobs are kept.
+                if (built.is_ok() || !jobs.config().keep_failed)
+                    && let Err(e) = std::fs::remove_dir_all(&context)
+                {
+                    tracing::warn!(context = %context.display(), error = %e, "build context not removed");
+                }
+                built.map_err(job_failure)?;
+            }
+        }
         let digest = cluster
             .registry
             .manifest_digest(instance)
@@ -298,5 +347,20 @@ fn failure(error: BuildError) -> Failure {
         reason,
         message: error.to_string(),
         log_tail,
+    }
+}
+
+fn job_failure(error: JobBuildError) -> Failure {
+    let reason = match &error {
+        JobBuildError::Timeout { .. } => ImageFailureReason::Timeout,
+        JobBuildError::Failed { .. }
+        | JobBuildError::NotStarted { .. }
+        | JobBuildError::Forbidden { .. }
+        | JobBuildError::Api { .. } => ImageFailureReason::BuildError,
+    };
+    Failure {
+        reason,
+        log_tail: error.log_tail().to_owned(),
+        message: error.to_string(),
     }
 }

@@ -3,18 +3,16 @@
 //! digest, a missing one is not, and bad or absent credentials are refused clearly.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::time::Duration;
-
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::Arc;
+use std::time::Duration;
 
 use arl_imagebuilder::buildkit::BuildKit;
 use arl_imagebuilder::local::{LocalBuilder, LocalConfig};
 use arl_imagebuilder::recipe::load_instances;
 use arl_imagebuilder::registry::{Credentials, Registry, RegistryError};
-use arl_imagebuilder::service::{Cluster, ImageBuilder, Recipes};
+use arl_imagebuilder::service::{Builds, Cluster, ImageBuilder, Recipes};
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown};
 use arl_schemas::events::{
@@ -22,11 +20,10 @@ use arl_schemas::events::{
     TaskBatchV1, TaskKind, TaskRef,
 };
 use arl_schemas::{Domain, Event, RunId, TaskId};
-use arl_testkit::{Children, NatsServer, free_port, http, test_namespace, wait_for};
+use arl_testkit::{NatsServer, test_namespace, wait_for};
 
-fn sha256(bytes: &[u8]) -> String {
-    format!("sha256:{}", arl_runtime::digest::sha256_hex(bytes))
-}
+mod common;
+use common::LocalRegistry;
 
 fn bcrypt(password: &str) -> String {
     let python = std::env::var_os("ARL_TOOLS_PYTHON")
@@ -53,103 +50,14 @@ fn bcrypt(password: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn images_are_found_by_manifest_with_registry_auth() {
-    let binary = std::env::var_os("ARL_REGISTRY_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/usr/bin/docker-registry"));
-    assert!(
-        binary.exists(),
-        "{} is missing: apt-get install docker-registry (`make deps` does)",
-        binary.display()
-    );
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port().unwrap();
-    std::fs::write(
-        dir.path().join("htpasswd"),
-        format!("arl:{}\n", bcrypt("s3cret")),
-    )
-    .unwrap();
-    std::fs::write(
-        dir.path().join("config.yml"),
-        format!(
-            "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: 127.0.0.1:{port}\nauth:\n  htpasswd:\n    realm: arl\n    path: {}\n",
-            dir.path().join("data").display(),
-            dir.path().join("htpasswd").display()
-        ),
-    )
-    .unwrap();
-    let _registry = Children(vec![
-        Command::new(&binary)
-            .arg("serve")
-            .arg(dir.path().join("config.yml"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    ]);
-    let base = format!("http://127.0.0.1:{port}");
-    wait_for("the registry", Duration::from_secs(20), || async {
-        http(&format!("{base}/v2/"), "GET", &[], b"")
-            .await
-            .ok()
-            .map(|_| ())
-    })
-    .await;
-
-    // Push a minimal OCI image (config blob + manifest) through the API.
-    let auth = ("authorization", "Basic YXJsOnMzY3JldA=="); // arl:s3cret
+    let local_registry =
+        LocalRegistry::start(dir.path(), Some(&format!("arl:{}\n", bcrypt("s3cret")))).await;
+    let (base, port) = (local_registry.base.clone(), local_registry.port);
     let repository = "swebench/django__django-11880";
-    let config = b"{\"architecture\":\"amd64\",\"os\":\"linux\",\"rootfs\":{\"type\":\"layers\",\"diff_ids\":[]}}";
-    let config_digest = sha256(config);
-    // Start an upload session, then finish it with the blob (monolithic PUT).
-    let session = http(
-        &format!("{base}/v2/{repository}/blobs/uploads/"),
-        "POST",
-        &[auth],
-        b"",
-    )
-    .await
-    .unwrap();
-    assert_eq!(session.status, 202, "{}", session.text());
-    let location = session
-        .headers
-        .iter()
-        .find(|(k, _)| k == "location")
-        .map(|(_, v)| v.clone())
-        .unwrap();
-    let location = if location.starts_with("http") {
-        location
-    } else {
-        format!("{base}{location}")
-    };
-    let separator = if location.contains('?') { '&' } else { '?' };
-    let upload = http(
-        &format!("{location}{separator}digest={config_digest}"),
-        "PUT",
-        &[auth, ("content-type", "application/octet-stream")],
-        config,
-    )
-    .await
-    .unwrap();
-    assert_eq!(upload.status, 201, "{}", upload.text());
-    let manifest = serde_json::json!({
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config.len()},
-        "layers": []
-    })
-    .to_string();
-    let put = http(
-        &format!("{base}/v2/{repository}/manifests/latest"),
-        "PUT",
-        &[
-            auth,
-            ("content-type", "application/vnd.oci.image.manifest.v1+json"),
-        ],
-        manifest.as_bytes(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(put.status, 201, "{}", put.text());
+    let digest_pushed = local_registry
+        .push_image(repository, Some("Basic YXJsOnMzY3JldA==")) // arl:s3cret
+        .await;
 
     let credentials = Some(Credentials {
         username: "arl".into(),
@@ -164,7 +72,7 @@ async fn images_are_found_by_manifest_with_registry_auth() {
         .manifest_digest("django__django-11880")
         .await
         .unwrap();
-    assert_eq!(digest, Some(sha256(manifest.as_bytes())));
+    assert_eq!(digest, Some(digest_pushed.clone()));
     assert_eq!(
         registry
             .manifest_digest("django__django-9296")
@@ -229,10 +137,10 @@ async fn images_are_found_by_manifest_with_registry_auth() {
     }));
     let cluster = Cluster {
         registry: registry.clone(),
-        buildkit: BuildKit {
+        builds: Builds::Buildctl(BuildKit {
             addr: "tcp://127.0.0.1:1".into(),
             buildctl: "/nonexistent/buildctl".into(),
-        },
+        }),
         contexts: dir.path().join("contexts"),
     };
     let shutdown = Shutdown::new();
@@ -285,10 +193,7 @@ async fn images_are_found_by_manifest_with_registry_auth() {
     assert_eq!(
         ready.location,
         EnvironmentLocation::OciImage {
-            reference: format!(
-                "127.0.0.1:{port}/{repository}:latest@{}",
-                sha256(manifest.as_bytes())
-            )
+            reference: format!("127.0.0.1:{port}/{repository}:latest@{digest_pushed}")
         }
     );
     let failed = wait_for("image.failed", Duration::from_secs(30), || {
