@@ -66,6 +66,8 @@ help:
 	@echo "make fuzz     coverage-guided fuzzing (cargo-fuzz) of every parser of outside input, FUZZ_SECONDS (60) each"
 	@echo "make gpu-test-bundle  the GPU test binaries, stripped, into .device/bin (for a GPU machine without Rust; README: GPU)"
 	@echo "make chart    lint, render and validate the Helm chart deploy/helm/arl (helm, kubernetes-validate; deploy/check-chart.py)"
+	@echo "make image-check  build the Dockerfile's image (buildah, debootstrap root), push it to a local registry, start it until /health answers"
+	@echo "make image  the image of release binaries, left in buildah's store $(ARL_CACHE)/image/storage as localhost/arl:latest"
 	@echo "make lint | fmt | bench | clean-cache"
 
 deps: $(TOOLS_STAMP) $(AGENTS_STAMP) system-deps
@@ -188,8 +190,27 @@ $(CHART_STAMP): | $(TOOLS_STAMP)
 chart: $(CHART_STAMP)
 	$(ARL_TOOLS_PYTHON) deploy/check-chart.py --helm $(HELM)
 
-test: deps models data vllm observability lint chart build
+test: deps models data vllm observability lint chart build image-check
 	cargo test --workspace --no-fail-fast
+
+# The one image (Dockerfile) without a Docker daemon or a pullable base: buildah builds it on
+# a debootstrap root of this host's Debian, from the binaries `build` made; scripts/image-check.sh.
+.PHONY: image image-check image-deps
+image-deps:
+	@missing=""; command -v buildah >/dev/null || missing="$$missing buildah"; \
+	    command -v debootstrap >/dev/null || missing="$$missing debootstrap"; \
+	    command -v curl >/dev/null || missing="$$missing curl"; \
+	    command -v objdump >/dev/null || missing="$$missing binutils"; \
+	    if [ -n "$$missing" ]; then \
+	    if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $$missing; \
+	    else echo "missing Debian packages:$$missing (sudo apt-get install$$missing)"; exit 1; fi; fi
+
+image-check: $(TOOLS_STAMP) system-deps image-deps build
+	scripts/image-check.sh
+
+image: image-deps
+	cargo build --release --locked -p arl-cli --bin arl -p arl-sandbox --bin arl-sandbox-init
+	ARL_IMAGE_PROFILE=release scripts/image-check.sh --build-only
 
 bench: deps models loadtest
 	cargo build --release --quiet -p arl-sandbox -p arl-proxy --bins
