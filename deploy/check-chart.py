@@ -61,6 +61,7 @@ SANDBOX_RULES = {
 KRUISE_RULES = {
     *(("agents.kruise.io", "sandboxclaims", v) for v in ["get", "list", "watch", "create", "delete"]),
     *(("agents.kruise.io", "sandboxsets", v) for v in ["get", "list", "watch"]),
+    *(("agents.kruise.io", "sandboxes", v) for v in ["get", "list", "delete"]),
 }
 IMAGEBUILDER_RULES = {
     *(("batch", "jobs", v) for v in ["get", "list", "watch", "create", "delete"]),
@@ -418,11 +419,31 @@ def invariant_sandboxes(r: Rendered, f: Failures, values: dict) -> None:
         f.check(svc is not None and any(p["port"] == proxy_port for p in svc["spec"]["ports"]),
                 f"the proxy Service does not serve port {proxy_port}")
         f.check(flag(args, "--kube-service-account") == f"{FULL}-sandbox-pod", "sandbox: --kube-service-account")
+        kube = values["sandbox"]["kube"]
+        registry = kube["registry"] or (
+            re.sub(r"^[a-z]+://", "", values["imagebuilder"]["registry"]["url"].rstrip("/"))
+            + "/" + values["imagebuilder"]["registry"]["namespace"]
+            if values["imagebuilder"]["registry"]["url"] else None)
+        f.check(flag(args, "--kube-registry") == registry, f"sandbox: --kube-registry {flag(args, '--kube-registry')}, expected {registry}")
+        images = sorted(a for i, a in enumerate(args) if i and args[i - 1] == "--kube-image")
+        f.check(images == sorted(f"{k}={v}" for k, v in kube["images"].items()), f"sandbox: --kube-image {images}")
+        secrets = [a for i, a in enumerate(args) if i and args[i - 1] == "--kube-image-pull-secret"]
+        f.check(secrets == kube["imagePullSecrets"], f"sandbox: --kube-image-pull-secret {secrets}")
+        # Owners cannot span namespaces: the service owns its Pods only in its own.
+        env = env_of(container(w))
+        owned = sandbox_ns == NAMESPACE
+        f.check(("ARL_POD_UID" in env and "ARL_POD_NAME" in env) == owned,
+                f"sandbox: owner Pod given {'ARL_POD_UID' in env}, sandboxes in its namespace {owned}")
+        f.check(env.get("ARL_SANDBOX_PUBLIC_URL", {}).get("value") == f"http://$(POD_IP):{values['sandbox']['port']}",
+                "sandbox: ARL_SANDBOX_PUBLIC_URL is not the pod's own address")
         sets = r.of("SandboxSet")
-        if values["sandbox"]["kube"]["sandboxSet"]["enabled"]:
-            name = flag(args, "--kube-sandboxset")
-            if values["sandbox"]["kube"]["sandboxSet"]["create"]:
-                f.check([s["metadata"]["name"] for s in sets] == [name], f"sandbox: --kube-sandboxset {name}, SandboxSets {sets}")
+        if kube["sandboxSet"]["enabled"]:
+            given = flag(args, "--kube-sandboxset")
+            name = kube["sandboxSet"]["name"]
+            if kube["sandboxSet"]["create"]:
+                name = f"{FULL}-sandboxes"
+                f.check([s["metadata"]["name"] for s in sets] == [name], f"SandboxSets {[s['metadata']['name'] for s in sets]}, expected {name}")
+            f.check(given == f"{kube['sandboxSet']['environment']}={name}", f"sandbox: --kube-sandboxset {given}")
         else:
             f.check("--kube-sandboxset" not in args and not sets, "sandbox: a SandboxSet without sandboxSet.enabled")
         runtime = values["sandbox"]["kube"]["runtimeClassName"]
