@@ -561,9 +561,23 @@ impl Kube {
             () = tokio::time::sleep(deadline) => None,
             () = ended.cancelled() => None,
         };
-        process.abort();
-        let (stdout, out_truncated) = out_task.await.unwrap_or_default();
-        let (stderr, err_truncated) = err_task.await.unwrap_or_default();
+        // After the status the connection ends and the output streams with it; otherwise
+        // (deadline, lease ended) the connection is dropped, and with it the command's
+        // output so far where the streams do not end within a moment.
+        let grace = Duration::from_secs(5);
+        if outcome.is_some() {
+            let _ = tokio::time::timeout(grace, process.join()).await;
+        } else {
+            process.abort();
+        }
+        let collect = |task: tokio::task::JoinHandle<(Vec<u8>, bool)>| async move {
+            match tokio::time::timeout(grace, task).await {
+                Ok(Ok(captured)) => captured,
+                _ => (Vec::new(), false),
+            }
+        };
+        let (stdout, out_truncated) = collect(out_task).await;
+        let (stderr, err_truncated) = collect(err_task).await;
         let elapsed = started.elapsed();
         let exit_code = match &outcome {
             Some(status) => exit_code_of(status.as_ref()),
