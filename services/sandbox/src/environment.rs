@@ -19,6 +19,11 @@ pub enum EnvironmentError {
     BadName(String),
     #[error("environment {name} does not exist (no {path}); build it with the image builder first")]
     Missing { name: String, path: String },
+    #[error(
+        "environment {name} has no image here: start the sandbox service with --kube-registry \
+         (images <registry>/<environment>:latest) or --kube-image {name}=IMAGE"
+    )]
+    NoImage { name: String },
     #[error("environment {name}: {path} is unreadable: {reason}")]
     BadMetadata {
         name: String,

@@ -182,9 +182,7 @@ impl Service for Sandbox {
 
 /// The Kubernetes backend: the in-cluster (or kubeconfig) client and the Pods' settings.
 async fn kube_backend(args: KubeArgs, config: &SandboxConfig) -> Result<Kube, StartError> {
-    let registry = args.kube_registry.ok_or_else(|| {
-        StartError::from("--backend kube needs --kube-registry (where environment images are)")
-    })?;
+
     let namespace = args.kube_namespace.or_else(own_namespace).ok_or_else(|| {
         StartError::from(
             "--backend kube needs --kube-namespace outside a Pod (no service-account namespace)",
@@ -203,7 +201,7 @@ async fn kube_backend(args: KubeArgs, config: &SandboxConfig) -> Result<Kube, St
         client,
         KubeSettings {
             namespace,
-            registry,
+            registry: args.kube_registry,
             images: args.kube_images.into_iter().collect(),
             sandboxsets: args.kube_sandboxsets.into_iter().collect(),
             instance: config.instance.clone(),

@@ -64,8 +64,9 @@ const ENVIRONMENT_ANNOTATION: &str = "arl.dev/environment";
 pub struct KubeSettings {
     /// Where sandbox Pods (and claims) are made.
     pub namespace: String,
-    /// Images are `{registry}/{environment}:latest` (e.g. `registry.arl:5000`).
-    pub registry: String,
+    /// Images are `{registry}/{environment}:latest` (e.g. `registry.arl:5000`); without
+    /// one, only environments with an image of their own can be leased.
+    pub registry: Option<String>,
     /// Images given per environment, overriding the registry's.
     pub images: BTreeMap<String, String>,
     /// Environments served from an OpenKruise SandboxSet, by set name.
@@ -851,11 +852,25 @@ impl Backend for Kube {
     fn resolve(&self, environment: &EnvironmentRef) -> Result<PodEnvironment, EnvironmentError> {
         let name = environment.name.as_str();
         check_name(name)?;
-        let registry = self.settings.registry.trim_end_matches('/');
-        let image = match (&environment.digest, self.settings.images.get(name)) {
-            (_, Some(image)) => image.clone(),
-            (Some(digest), None) => format!("{registry}/{name}@{digest}"),
-            (None, None) => format!("{registry}/{name}:latest"),
+        let registry = self
+            .settings
+            .registry
+            .as_deref()
+            .map(|r| r.trim_end_matches('/'));
+        let image = match (
+            self.settings.images.get(name),
+            registry,
+            &environment.digest,
+        ) {
+            (Some(image), _, _) => image.clone(),
+            (None, Some(registry), Some(digest)) => format!("{registry}/{name}@{digest}"),
+            (None, Some(registry), None) => format!("{registry}/{name}:latest"),
+            (None, None, _) if self.settings.sandboxsets.contains_key(name) => String::new(),
+            (None, None, _) => {
+                return Err(EnvironmentError::NoImage {
+                    name: name.to_owned(),
+                });
+            }
         };
         Ok(PodEnvironment {
             name: name.to_owned(),

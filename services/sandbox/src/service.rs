@@ -259,7 +259,9 @@ impl<B: Backend> SandboxService<B> {
             .resolve(&request.environment)
             .map_err(|err| {
                 let code = match err {
-                    EnvironmentError::Missing { .. } => RpcErrorCode::NotFound,
+                    EnvironmentError::Missing { .. } | EnvironmentError::NoImage { .. } => {
+                        RpcErrorCode::NotFound
+                    }
                     _ => RpcErrorCode::BadRequest,
                 };
                 RpcError::new(code, err.to_string())

@@ -109,23 +109,24 @@ impl FakeApi {
     }
 
     fn backend(&self, instance: &str, owner: Option<OwnerPod>) -> Kube {
-        Kube::new(
-            self.client(),
-            KubeSettings {
-                namespace: "arl".into(),
-                registry: "registry.test:5000".into(),
-                images: BTreeMap::new(),
-                sandboxsets: BTreeMap::new(),
-                instance: instance.into(),
-                owner,
-                service_account: Some("arl-sandbox-pods".into()),
-                runtime_class: None,
-                proxy_url: Some("http://arl-proxy.arl.svc:8000/v1".into()),
-                default_limits: ResolvedLimits::default(),
-                ready_timeout: Duration::from_secs(1),
-                image_pull_secrets: vec!["registry".into()],
-            },
-        )
+        Kube::new(self.client(), self.settings(instance, owner))
+    }
+
+    fn settings(&self, instance: &str, owner: Option<OwnerPod>) -> KubeSettings {
+        KubeSettings {
+            namespace: "arl".into(),
+            registry: Some("registry.test:5000".into()),
+            images: BTreeMap::new(),
+            sandboxsets: BTreeMap::new(),
+            instance: instance.into(),
+            owner,
+            service_account: Some("arl-sandbox-pods".into()),
+            runtime_class: None,
+            proxy_url: Some("http://arl-proxy.arl.svc:8000/v1".into()),
+            default_limits: ResolvedLimits::default(),
+            ready_timeout: Duration::from_secs(1),
+            image_pull_secrets: vec!["registry".into()],
+        }
     }
 
     fn pods(&self) -> BTreeMap<String, Value> {
@@ -198,7 +199,7 @@ fn decode(text: &str) -> String {
     let mut i = 0;
     while i < bytes.len() {
         match bytes[i] {
-            b'%' if i + 2 < bytes.len() + 0 && i + 2 <= bytes.len() - 1 => {
+            b'%' if i + 2 < bytes.len() => {
                 let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap();
                 out.push(u8::from_str_radix(hex, 16).unwrap());
                 i += 3;
@@ -493,6 +494,26 @@ async fn a_pod_of_the_environments_image_runs_commands_with_limits_and_is_delete
         .unwrap();
     assert_eq!(pinned.image, "registry.test:5000/swebench/x@sha256:abc");
     assert!(kube.resolve(&environment("../escape")).is_err());
+    let unregistered = Kube::new(
+        api.client(),
+        KubeSettings {
+            registry: None,
+            images: BTreeMap::from([("math".into(), "python:3.12-slim".into())]),
+            ..api.settings("a", None)
+        },
+    );
+    assert_eq!(
+        unregistered.resolve(&environment("math")).unwrap().image,
+        "python:3.12-slim"
+    );
+    let err = unregistered
+        .resolve(&environment("swebench/x"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("--kube-registry") && err.contains("--kube-image swebench/x=IMAGE"),
+        "{err}"
+    );
 
     let prepared = kube
         .prepare(&kube.resolve(&environment("swebench/x")).unwrap())
