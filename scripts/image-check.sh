@@ -282,22 +282,21 @@ PUSHED_DIGEST=$(cat "$WORK/digest")
 PUSH_SECONDS=$(since "$t")
 
 # ---- 5. the image builder's registry check -----------------------------------------------
-# The request Registry::manifest_digest (services/imagebuilder/src/registry.rs) makes for
-# {namespace}/{instance}:latest — HEAD with its Accept list, the digest from
-# Docker-Content-Digest — made with curl: `arl` has no command that runs that client yet.
-ACCEPT=$(sed -n 's/^const ACCEPT: &str = "\(.*\)";$/\1/p' "$REPO/services/imagebuilder/src/registry.rs")
-[ -n "$ACCEPT" ] || fail "no ACCEPT list in services/imagebuilder/src/registry.rs: update this check to the registry client"
-MANIFEST_URL=http://$REGISTRY/v2/$REGISTRY_NAMESPACE/$REGISTRY_NAME/manifests/latest
-status=$(curl -sS -o /dev/null -D "$WORK/head" -w '%{http_code}' -I -H "accept: $ACCEPT" "$MANIFEST_URL") \
-    || fail "HEAD $MANIFEST_URL: the registry did not answer"
-[ "$status" = 200 ] || fail "HEAD $MANIFEST_URL answered HTTP $status: the pushed image is not found"
-FOUND_DIGEST=$(tr -d '\r' <"$WORK/head" | awk 'tolower($1) == "docker-content-digest:" { print $2 }')
+# `arl image check` runs the image builder's own client (Registry::manifest_digest): HEAD
+# {namespace}/{instance}:latest with its Accept list, the digest from Docker-Content-Digest.
+FOUND=$("$BIN_DIR/arl" image check --registry "http://$REGISTRY" --namespace "$REGISTRY_NAMESPACE" "$REGISTRY_NAME" 2>"$WORK/check.err") \
+    || { cat "$WORK/check.err" >&2; fail "arl image check did not find $REFERENCE"; }
+FOUND_DIGEST=${FOUND##*@}
 [ "$FOUND_DIGEST" = "$PUSHED_DIGEST" ] \
     || fail "the registry has $REFERENCE as ${FOUND_DIGEST:-no digest}, buildah pushed $PUSHED_DIGEST"
-# …and, like the client, tells a missing image (404) from a found one.
-missing=$(curl -sS -o /dev/null -w '%{http_code}' -I -H "accept: $ACCEPT" \
-    "http://$REGISTRY/v2/$REGISTRY_NAMESPACE/no-such-image/manifests/latest")
-[ "$missing" = 404 ] || fail "the registry answered HTTP $missing for an image never pushed (expected 404)"
+# …and tells a missing image (exit 4) from a found one.
+missing=0
+"$BIN_DIR/arl" image check --registry "http://$REGISTRY" --namespace "$REGISTRY_NAMESPACE" no-such-image >/dev/null 2>&1 \
+    || missing=$?
+[ "$missing" = 4 ] || fail "arl image check exited $missing for an image never pushed (expected 4)"
+ACCEPT=$(sed -n 's/^const ACCEPT: &str = "\(.*\)";$/\1/p' "$REPO/services/imagebuilder/src/registry.rs")
+MANIFEST_URL=http://$REGISTRY/v2/$REGISTRY_NAMESPACE/$REGISTRY_NAME/manifests/latest
+curl -sS -o /dev/null -D "$WORK/head" -I -H "accept: $ACCEPT" "$MANIFEST_URL"
 MEDIA_TYPE=$(tr -d '\r' <"$WORK/head" | awk 'tolower($1) == "content-type:" { print $2 }')
 PUSHED_BYTES=$(curl -fsS -H "accept: $ACCEPT" "$MANIFEST_URL" \
     | python3 -c 'import json, sys; m = json.load(sys.stdin); print(sum(l["size"] for l in m["layers"]))')
@@ -384,7 +383,7 @@ say "ok"
 cat <<EOF
   image     $IMAGE  id $IMAGE_ID  $IMAGE_SIZE  (arl $ARL_SIZE, arl-sandbox-init $INIT_SIZE: $PROFILE, stripped)
   base      $BASE_IMAGE  debootstrap minbase $SUITE, glibc $ROOT_GLIBC (binaries need $NEEDED_GLIBC)
-  registry  $REFERENCE  $FOUND_DIGEST  ($MEDIA_TYPE, layers $(human "$PUSHED_BYTES") compressed; found by the registry client's HEAD, made with curl)
+  registry  $REFERENCE  $FOUND_DIGEST  ($MEDIA_TYPE, layers $(human "$PUSHED_BYTES") compressed; found by arl image check)
   run       ${ENTRYPOINT[*]} serve $SERVICE as uid $RUNNING_UID in bubblewrap: /health 200 $HEALTH_BODY after ${HEALTH_SECONDS}s, /ready $READY_STATUS; SIGTERM → exit 0 in ${STOP_SECONDS}s
   seconds   root ${ROOT_SECONDS} ($root_note) · base ${BASE_SECONDS} ($base_note) · build ${BUILD_SECONDS} · push ${PUSH_SECONDS} · run ${RUN_SECONDS} · total $(since "$STARTED")
 EOF

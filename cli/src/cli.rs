@@ -48,9 +48,31 @@ pub enum Command {
     /// Start every ARL service on this machine (and a private nats-server when NATS_URL
     /// is not set); runs until Ctrl-C.
     Up(UpArgs),
+    /// Environment images in a registry, as the image builder sees them.
+    #[command(subcommand)]
+    Image(ImageCommand),
     /// Run services in this process: `arl serve SERVICE [FLAGS…] [+ SERVICE [FLAGS…]]…`,
     /// each with the flags of its `arl-<service>` binary (`arl serve rollout --help`).
     Serve(ServeArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ImageCommand {
+    /// Whether `<registry>/<namespace>/<name>:latest` exists (the image builder's own
+    /// check): prints the reference pinned by digest; exit 4 when it is not there.
+    Check {
+        /// The registry's base URL, e.g. http://registry:5000.
+        #[arg(long, env = "ARL_REGISTRY")]
+        registry: String,
+        #[arg(long, default_value = "swebench")]
+        namespace: String,
+        #[arg(long, env = "ARL_REGISTRY_USER", requires = "password")]
+        user: Option<String>,
+        #[arg(long, env = "ARL_REGISTRY_PASSWORD", hide_env_values = true, requires = "user")]
+        password: Option<String>,
+        /// The image's name under the namespace (a task's instance id).
+        name: String,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -4,6 +4,7 @@
 //! spec; 3 the bus could not be reached or refused; 4 no such run; 5 timed out waiting.
 
 mod cli;
+mod image;
 mod model;
 mod natsconf;
 mod run;
@@ -31,6 +32,7 @@ fn main() -> ExitCode {
         match cli.command {
             cli::Command::Run(command) => run::execute(&cli.bus, command).await,
             cli::Command::Model(command) => model::execute(command),
+            cli::Command::Image(command) => image::execute(command).await,
             cli::Command::Up(args) => up::execute(&cli.bus, args, nats_url_given).await,
             cli::Command::Serve(_) => Ok(ExitCode::SUCCESS),
         }

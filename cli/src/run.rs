@@ -32,6 +32,9 @@ pub enum CliError {
     Bus(String),
     #[error("no run {0} in this deployment; `arl run list` shows the runs there are")]
     NotFound(String),
+    /// Something else asked for is not there (exit 4, like a missing run).
+    #[error("{0}")]
+    Missing(String),
     #[error("gave up waiting for run {0}")]
     TimedOut(String),
 }
@@ -41,7 +44,7 @@ impl CliError {
         ExitCode::from(match self {
             CliError::InvalidSpec { .. } | CliError::Unreadable { .. } | CliError::Usage(_) => 2,
             CliError::Bus(_) => 3,
-            CliError::NotFound(_) => 4,
+            CliError::NotFound(_) | CliError::Missing(_) => 4,
             CliError::TimedOut(_) => 5,
         })
     }
