@@ -234,6 +234,23 @@ async fn tool_turn(
     Ok(Turn::Continue)
 }
 
+/// Where an agent inside the sandbox sends its calls. A sandbox whose proxy URL is on its
+/// own loopback relays to the proxy that serves this machine: the key goes in that URL's
+/// path. Otherwise the sandbox reaches proxies over the network (a cluster), and the
+/// calls go to the replica that issued the key (`key_url`, its own address): trial keys
+/// live in the replica that issued them, so a Service spreading calls over replicas
+/// would lose them.
+fn agent_base_url(sandbox_proxy: &str, key_url: &str, trial_key: &str) -> String {
+    let relayed = ["http://127.0.0.1:", "http://localhost:", "http://[::1]:"]
+        .iter()
+        .any(|loopback| sandbox_proxy.starts_with(loopback));
+    if relayed {
+        format!("{}/{trial_key}/v1", sandbox_proxy.trim_end_matches("/v1"))
+    } else {
+        key_url.to_owned()
+    }
+}
+
 /// The command agent: mini-swe-agent, unchanged, inside the sandbox, its LLM calls going
 /// to the token proxy through the sandbox's relay with the trial's key.
 pub async fn run_mini_swe_agent(
@@ -247,10 +264,9 @@ pub async fn run_mini_swe_agent(
             "the sandbox has no relay to the token proxy: start arl-sandbox with --proxy-socket",
         ));
     };
-    let base = proxy.trim_end_matches("/v1");
     let left = ctx.deadline.saturating_duration_since(Instant::now());
     let env = [
-        ("OPENAI_BASE_URL", format!("{base}/{trial_key}/v1")),
+        ("OPENAI_BASE_URL", agent_base_url(proxy, ctx.base_url, trial_key)),
         ("OPENAI_API_KEY", trial_key.to_owned()),
         ("AGENT_TASK", ctx.instruction.to_owned()),
         ("AGENT_STEP_LIMIT", ctx.max_turns.to_string()),
@@ -460,6 +476,22 @@ pub fn truncate(text: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn agents_use_the_relay_on_one_machine_and_the_issuing_replica_in_a_cluster() {
+        assert_eq!(
+            agent_base_url("http://127.0.0.1:8000/v1", "http://10.0.0.5:8000/tk-1/v1", "tk-1"),
+            "http://127.0.0.1:8000/tk-1/v1"
+        );
+        assert_eq!(
+            agent_base_url(
+                "http://arl-proxy.arl.svc:8000/v1",
+                "http://10.0.0.5:8000/tk-1/v1",
+                "tk-1"
+            ),
+            "http://10.0.0.5:8000/tk-1/v1"
+        );
+    }
 
     #[test]
     fn shell_blocks_are_found_or_refused() {
