@@ -182,7 +182,6 @@ impl Service for Sandbox {
 
 /// The Kubernetes backend: the in-cluster (or kubeconfig) client and the Pods' settings.
 async fn kube_backend(args: KubeArgs, config: &SandboxConfig) -> Result<Kube, StartError> {
-
     let namespace = args.kube_namespace.or_else(own_namespace).ok_or_else(|| {
         StartError::from(
             "--backend kube needs --kube-namespace outside a Pod (no service-account namespace)",

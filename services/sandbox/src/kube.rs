@@ -32,17 +32,14 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-use kube::api::{
-    Api, ApiResource, AttachParams, DeleteParams, DynamicObject, ListParams, Patch, PatchParams,
-    PostParams,
-};
-use kube::core::GroupVersionKind;
+use kube::api::{Api, AttachParams, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Activation, Backend, BackendError, ExecOutput, ExecSpec, Prepared, capture};
 use crate::config::ResolvedLimits;
 use crate::environment::{EnvironmentError, check_name};
+use crate::kruise::{Sandbox, SandboxClaim, SandboxClaimSpec};
 use crate::lease::LeaseRecord;
 
 /// The container every sandbox Pod runs the environment in.
@@ -128,8 +125,8 @@ pub struct Kube {
     client: kube::Client,
     settings: KubeSettings,
     pods: Api<Pod>,
-    claims: Api<DynamicObject>,
-    sandboxes: Api<DynamicObject>,
+    claims: Api<SandboxClaim>,
+    sandboxes: Api<Sandbox>,
 }
 
 impl std::fmt::Debug for Kube {
@@ -138,11 +135,6 @@ impl std::fmt::Debug for Kube {
             .field("settings", &self.settings)
             .finish()
     }
-}
-
-/// OpenKruise agents' kinds.
-fn kruise(kind: &str) -> ApiResource {
-    ApiResource::from_gvk(&GroupVersionKind::gvk("agents.kruise.io", "v1alpha1", kind))
 }
 
 /// What went wrong talking to the API server, said so that an operator knows what to fix.
@@ -163,8 +155,8 @@ impl Kube {
         let ns = settings.namespace.as_str();
         Self {
             pods: Api::namespaced(client.clone(), ns),
-            claims: Api::namespaced_with(client.clone(), ns, &kruise("SandboxClaim")),
-            sandboxes: Api::namespaced_with(client.clone(), ns, &kruise("Sandbox")),
+            claims: Api::namespaced(client.clone(), ns),
+            sandboxes: Api::namespaced(client.clone(), ns),
             client,
             settings,
         }
@@ -379,19 +371,25 @@ impl Kube {
         );
         let mut labels = self.labels("idle");
         labels.insert(CLAIM_LABEL.to_owned(), claim.clone());
-        let mut object =
-            DynamicObject::new(&claim, &kruise("SandboxClaim")).within(&self.settings.namespace);
-        object.metadata.labels = Some(labels.clone());
-        object.metadata.owner_references = self.owner_references();
-        object.data = serde_json::json!({
-            "spec": {
-                "templateName": set,
-                "replicas": 1,
-                "claimTimeout": format!("{}s", self.settings.ready_timeout.as_secs().max(1)),
-                "labels": labels,
-                "annotations": { ENVIRONMENT_ANNOTATION: environment.name },
-            }
-        });
+        let object = SandboxClaim::new(
+            ObjectMeta {
+                name: Some(claim.clone()),
+                namespace: Some(self.settings.namespace.clone()),
+                labels: Some(labels.clone()),
+                owner_references: self.owner_references(),
+                ..ObjectMeta::default()
+            },
+            SandboxClaimSpec {
+                template_name: set.to_owned(),
+                replicas: Some(1),
+                claim_timeout: Some(format!("{}s", self.settings.ready_timeout.as_secs().max(1))),
+                labels,
+                annotations: BTreeMap::from([(
+                    ENVIRONMENT_ANNOTATION.to_owned(),
+                    environment.name.clone(),
+                )]),
+            },
+        );
         self.claims
             .create(&PostParams::default(), &object)
             .await
@@ -416,7 +414,7 @@ impl Kube {
                 .list(&selector)
                 .await
                 .map_err(|err| api_error("listing claimed Sandboxes", err))?;
-            if let Some(ready) = sandboxes.items.iter().find(|s| sandbox_ready(s)) {
+            if let Some(ready) = sandboxes.items.iter().find(|s| s.is_ready()) {
                 return ready
                     .metadata
                     .name
@@ -427,15 +425,12 @@ impl Kube {
                 .claims
                 .get(claim)
                 .await
-                .map_err(|err| api_error(&format!("reading SandboxClaim {claim}"), err))?;
-            let phase = status.data["status"]["phase"].as_str().unwrap_or_default();
-            let claimed = status.data["status"]["claimedReplicas"]
-                .as_i64()
-                .unwrap_or(0);
-            if phase == "Completed" && claimed == 0 {
-                let message = status.data["status"]["message"]
-                    .as_str()
-                    .unwrap_or("no message");
+                .map_err(|err| api_error(&format!("reading SandboxClaim {claim}"), err))?
+                .status
+                .unwrap_or_default();
+            let phase = status.phase.unwrap_or_default();
+            if phase == "Completed" && status.claimed_replicas.unwrap_or(0) == 0 {
+                let message = status.message.unwrap_or_else(|| "no message".into());
                 return Err(format!(
                     "SandboxSet {set} gave no sandbox (claim {claim} completed: {message})"
                 ));
@@ -823,17 +818,6 @@ pub fn pod_progress(pod: &Pod) -> PodProgress {
             )
         });
     PodProgress::Waiting(scheduling.unwrap_or_else(|| format!("phase {phase}")))
-}
-
-/// Whether an OpenKruise Sandbox runs and is ready.
-fn sandbox_ready(sandbox: &DynamicObject) -> bool {
-    let status = &sandbox.data["status"];
-    status["phase"].as_str() == Some("Running")
-        && status["conditions"].as_array().is_some_and(|conditions| {
-            conditions.iter().any(|c| {
-                c["type"].as_str() == Some("Ready") && c["status"].as_str() == Some("True")
-            })
-        })
 }
 
 impl Backend for Kube {

@@ -20,6 +20,7 @@ pub mod config;
 pub mod disk;
 pub mod environment;
 pub mod hosted;
+pub mod kruise;
 pub mod kube;
 pub mod lease;
 pub mod pool;

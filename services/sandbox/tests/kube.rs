@@ -44,11 +44,16 @@ enum Script {
     Unschedulable,
     /// The service account may not create Pods.
     Forbidden,
+    /// The SandboxSet has nothing to give: claims complete with none claimed.
+    EmptySet,
 }
 
 struct Cluster {
     script: Script,
     pods: BTreeMap<String, Value>,
+    /// OpenKruise objects: claims, and the Sandboxes the "controller" binds to them.
+    claims: BTreeMap<String, Value>,
+    sandboxes: BTreeMap<String, Value>,
     /// (method, path and query) of every request, in order.
     requests: Vec<(String, String)>,
     /// Each Pod's "container": where its commands run.
@@ -69,6 +74,8 @@ impl FakeApi {
         let cluster = Arc::new(Mutex::new(Cluster {
             script,
             pods: BTreeMap::new(),
+            claims: BTreeMap::new(),
+            sandboxes: BTreeMap::new(),
             requests: Vec::new(),
             containers: BTreeMap::new(),
             root: root.path().to_path_buf(),
@@ -133,6 +140,26 @@ impl FakeApi {
         self.cluster.lock().unwrap().pods.clone()
     }
 
+    fn claims(&self) -> BTreeMap<String, Value> {
+        self.cluster.lock().unwrap().claims.clone()
+    }
+
+    fn sandboxes(&self) -> BTreeMap<String, Value> {
+        self.cluster.lock().unwrap().sandboxes.clone()
+    }
+
+    /// A backend serving `math` from the SandboxSet `python-pool`.
+    fn kruise_backend(&self) -> Kube {
+        Kube::new(
+            self.client(),
+            KubeSettings {
+                registry: None,
+                sandboxsets: BTreeMap::from([("math".into(), "python-pool".into())]),
+                ..self.settings("a", None)
+            },
+        )
+    }
+
     fn requests(&self) -> Vec<(String, String)> {
         self.cluster.lock().unwrap().requests.clone()
     }
@@ -159,7 +186,7 @@ fn with_status(mut pod: Value, script: Script) -> Value {
                 "state": state}])
     };
     pod["status"] = match script {
-        Script::Run | Script::Forbidden => json!({"phase": "Running",
+        Script::Run | Script::Forbidden | Script::EmptySet => json!({"phase": "Running",
             "containerStatuses": container(json!({"running": {"startedAt": "2026-12-03T00:00:00Z"}}))}),
         Script::ImagePull => json!({"phase": "Pending",
             "containerStatuses": container(json!({"waiting": {"reason": "ImagePullBackOff",
@@ -356,6 +383,169 @@ async fn answer(
                 .header("sec-websocket-protocol", "v5.channel.k8s.io")
                 .body(Full::new(Bytes::new()))
                 .unwrap()
+        }
+        (
+            Method::POST,
+            [
+                "apis",
+                "agents.kruise.io",
+                "v1alpha1",
+                "namespaces",
+                _,
+                "sandboxclaims",
+            ],
+        ) => {
+            let body = request.into_body().collect().await.unwrap().to_bytes();
+            let mut claim: Value = serde_json::from_slice(&body).unwrap();
+            let mut cluster = cluster.lock().unwrap();
+            let name = claim["metadata"]["name"].as_str().unwrap().to_owned();
+            // The OpenKruise controller's part: bind a warm Sandbox (and its Pod, of the
+            // Sandbox's name) to the claim, with the claim's labels — or have none.
+            if cluster.script == Script::EmptySet {
+                claim["status"] = json!({"phase": "Completed", "claimedReplicas": 0,
+                    "message": "no available sandboxes in SandboxSet python-pool"});
+            } else {
+                let sandbox = format!(
+                    "{}-{}",
+                    claim["spec"]["templateName"].as_str().unwrap(),
+                    cluster.sandboxes.len()
+                );
+                let container = cluster.root.join(&sandbox);
+                std::fs::create_dir_all(&container).unwrap();
+                std::fs::write(container.join("README"), "fresh tree\n").unwrap();
+                cluster.containers.insert(sandbox.clone(), container);
+                cluster.pods.insert(
+                    sandbox.clone(),
+                    json!({"apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": sandbox, "namespace": "arl", "labels": {}},
+                    "spec": {"containers": [{"name": "main", "image": "python:3.12"}]}}),
+                );
+                cluster.sandboxes.insert(sandbox.clone(), json!({
+                    "apiVersion": "agents.kruise.io/v1alpha1", "kind": "Sandbox",
+                    "metadata": {"name": sandbox, "namespace": "arl",
+                        "labels": claim["spec"]["labels"], "annotations": claim["spec"]["annotations"]},
+                    "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}));
+                claim["status"] = json!({"phase": "Completed", "claimedReplicas": 1});
+            }
+            cluster.claims.insert(name, claim.clone());
+            json_response(StatusCode::CREATED, &claim)
+        }
+        (
+            Method::GET,
+            [
+                "apis",
+                "agents.kruise.io",
+                "v1alpha1",
+                "namespaces",
+                _,
+                "sandboxclaims",
+                name,
+            ],
+        ) => match cluster.lock().unwrap().claims.get(*name) {
+            Some(claim) => json_response(StatusCode::OK, claim),
+            None => json_response(
+                StatusCode::NOT_FOUND,
+                &status_failure(404, "NotFound", "gone"),
+            ),
+        },
+        (
+            Method::DELETE,
+            [
+                "apis",
+                "agents.kruise.io",
+                "v1alpha1",
+                "namespaces",
+                _,
+                "sandboxclaims",
+                name,
+            ],
+        ) => match cluster.lock().unwrap().claims.remove(*name) {
+            Some(claim) => json_response(StatusCode::OK, &claim),
+            None => json_response(
+                StatusCode::NOT_FOUND,
+                &status_failure(404, "NotFound", "gone"),
+            ),
+        },
+        (
+            Method::GET,
+            [
+                "apis",
+                "agents.kruise.io",
+                "v1alpha1",
+                "namespaces",
+                _,
+                "sandboxes",
+            ],
+        ) => {
+            let selector = query_pairs(&query)
+                .into_iter()
+                .find(|(k, _)| k == "labelSelector")
+                .map(|(_, v)| v)
+                .unwrap_or_default();
+            let cluster = cluster.lock().unwrap();
+            let items: Vec<Value> = cluster
+                .sandboxes
+                .values()
+                .filter(|s| selected(s, &selector))
+                .cloned()
+                .collect();
+            json_response(
+                StatusCode::OK,
+                &json!({"apiVersion": "agents.kruise.io/v1alpha1",
+                "kind": "SandboxList", "metadata": {}, "items": items}),
+            )
+        }
+        (
+            Method::PATCH,
+            [
+                "apis",
+                "agents.kruise.io",
+                "v1alpha1",
+                "namespaces",
+                _,
+                "sandboxes",
+                name,
+            ],
+        ) => {
+            let body = request.into_body().collect().await.unwrap().to_bytes();
+            let patch: Value = serde_json::from_slice(&body).unwrap();
+            let mut cluster = cluster.lock().unwrap();
+            let Some(sandbox) = cluster.sandboxes.get_mut(*name) else {
+                return json_response(
+                    StatusCode::NOT_FOUND,
+                    &status_failure(404, "NotFound", "gone"),
+                );
+            };
+            for field in ["labels", "annotations"] {
+                if let Some(map) = patch["metadata"][field].as_object() {
+                    for (key, value) in map {
+                        sandbox["metadata"][field][key] = value.clone();
+                    }
+                }
+            }
+            json_response(StatusCode::OK, &sandbox.clone())
+        }
+        (
+            Method::DELETE,
+            [
+                "apis",
+                "agents.kruise.io",
+                "v1alpha1",
+                "namespaces",
+                _,
+                "sandboxes",
+                name,
+            ],
+        ) => {
+            let mut cluster = cluster.lock().unwrap();
+            cluster.pods.remove(*name);
+            match cluster.sandboxes.remove(*name) {
+                Some(sandbox) => json_response(StatusCode::OK, &sandbox),
+                None => json_response(
+                    StatusCode::NOT_FOUND,
+                    &status_failure(404, "NotFound", "gone"),
+                ),
+            }
         }
         (method, _) => json_response(
             StatusCode::NOT_FOUND,
@@ -843,4 +1033,90 @@ async fn the_lease_api_runs_unchanged_on_pods_with_warm_pools_refilled() {
         || async { api.pods().is_empty().then_some(()) },
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandboxset_environment_is_claimed_used_and_given_back() {
+    let api = FakeApi::start(Script::Run).await;
+    let kube = api.kruise_backend();
+    assert_eq!(kube.kind(), SandboxBackend::OpenkruiseClaim);
+    let prepared = kube
+        .prepare(&kube.resolve(&environment("math")).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(prepared.base.len(), 40, "{}", prepared.base);
+    let claims = api.claims();
+    let (claim_name, claim) = claims.iter().next().unwrap();
+    assert_eq!(claim["apiVersion"], "agents.kruise.io/v1alpha1");
+    assert_eq!(claim["spec"]["templateName"], "python-pool");
+    assert_eq!(claim["spec"]["replicas"], 1);
+    assert_eq!(
+        claim["spec"]["labels"]["arl.dev/claim"],
+        claim_name.as_str()
+    );
+    assert_eq!(claim["spec"]["annotations"]["arl.dev/environment"], "math");
+    assert!(
+        api.requests()
+            .iter()
+            .all(|(m, p)| !(m == "POST" && p.contains("/pods?"))),
+        "no Pod of its own"
+    );
+
+    let lease = record("lease-kruise-1");
+    let limits = ResolvedLimits::default();
+    let activation = Activation {
+        record: &lease,
+        limits: &limits,
+        ended: CancellationToken::new(),
+    };
+    let sandbox = kube.activate(prepared, activation).await.unwrap();
+    let marked = api.sandboxes().values().next().unwrap().clone();
+    assert_eq!(marked["metadata"]["labels"]["arl.dev/state"], "leased");
+    assert!(
+        marked["metadata"]["annotations"]["arl.dev/lease"]
+            .as_str()
+            .unwrap()
+            .contains("lease-kruise-1")
+    );
+
+    let output = kube
+        .exec(
+            &sandbox,
+            spec("echo hi from the pool", Duration::from_secs(20)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        "hi from the pool\n"
+    );
+    let exec = api
+        .requests()
+        .into_iter()
+        .find(|(_, p)| p.contains("/exec?"))
+        .unwrap();
+    assert!(
+        !exec.1.contains("container="),
+        "the SandboxSet's Pod's own default container: {exec:?}"
+    );
+
+    kube.destroy(&sandbox).await;
+    assert!(api.sandboxes().is_empty(), "the claimed Sandbox is deleted");
+    assert!(api.claims().is_empty(), "and its claim");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_empty_sandboxset_fails_the_lease_with_the_claims_message() {
+    let api = FakeApi::start(Script::EmptySet).await;
+    let kube = api.kruise_backend();
+    let err = kube
+        .prepare(&kube.resolve(&environment("math")).unwrap())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("python-pool") && err.contains("no available sandboxes"),
+        "{err}"
+    );
+    assert!(api.claims().is_empty(), "the claim is deleted");
 }
