@@ -61,6 +61,7 @@ pub fn all_events() -> Vec<EventEntry> {
         entry::<events::TrainStepV1>(),
         entry::<events::TrainStepV2>(),
         entry::<events::WeightsPublishedV1>(),
+        entry::<events::WeightsPublishedV2>(),
         entry::<events::EvaluationCompletedV1>(),
     ]
 }

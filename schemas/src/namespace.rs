@@ -97,13 +97,30 @@ pub enum Bucket {
 pub enum ObjectStore {
     /// Registered datasets ([`crate::dataset::DatasetManifestV1`]), named by digest.
     Datasets,
+    /// Policy versions for engines on other machines: one object per file of a version
+    /// folder, named [`ObjectStore::weights_object`]. The trainer writes (and prunes) it,
+    /// engines read it.
+    Weights,
 }
 
 impl ObjectStore {
+    pub const ALL: [ObjectStore; 2] = [ObjectStore::Datasets, ObjectStore::Weights];
+
     fn suffix(self) -> &'static str {
         match self {
             ObjectStore::Datasets => "ARL_DATASETS",
+            ObjectStore::Weights => "ARL_WEIGHTS",
         }
+    }
+
+    /// `<run_id>/<policy_version>/`: the objects of one policy version in `ARL_WEIGHTS`.
+    pub fn weights_prefix(run_id: &RunId, policy_version: u64) -> String {
+        format!("{run_id}/{policy_version}/")
+    }
+
+    /// `<run_id>/<policy_version>/<file>`: one file of a policy version in `ARL_WEIGHTS`.
+    pub fn weights_object(run_id: &RunId, policy_version: u64, file: &str) -> String {
+        format!("{}{file}", Self::weights_prefix(run_id, policy_version))
     }
 }
 
@@ -312,6 +329,12 @@ mod tests {
         assert_eq!(ns.stream(Domain::Run), "ARL_RUNS");
         assert_eq!(ns.stream_subjects(Domain::Run), "arl.run.>");
         assert_eq!(ns.bucket(Bucket::RunState), "ARL_RUN_STATE");
+        assert_eq!(ns.object_store(ObjectStore::Datasets), "ARL_DATASETS");
+        assert_eq!(ns.object_store(ObjectStore::Weights), "ARL_WEIGHTS");
+        assert_eq!(
+            ObjectStore::weights_object(&run, 12, "model.safetensors"),
+            "run-1/12/model.safetensors"
+        );
         assert_eq!(
             ns.dead_letter_subject("ARL_RUNS", "controller"),
             "arl.dlq.ARL_RUNS.controller"
@@ -355,6 +378,7 @@ mod tests {
         );
         assert_eq!(ns.stream(Domain::Trial), "T42_ARL_TRIALS");
         assert_eq!(ns.bucket(Bucket::RunState), "T42_ARL_RUN_STATE");
+        assert_eq!(ns.object_store(ObjectStore::Weights), "T42_ARL_WEIGHTS");
         assert_eq!(ns.run_token("t42.arl.run.r-1.requested"), Some("r-1"));
         assert_eq!(ns.run_token("arl.run.r-1.requested"), None);
         assert_eq!(ns.run_token("t42.arl.run"), None);

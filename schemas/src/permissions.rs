@@ -133,10 +133,19 @@ impl Namespace {
         ] {
             p.publish(format!("$JS.API.STREAM.CREATE.KV_{}", kv(bucket)));
         }
+        for store in ObjectStore::ALL {
+            p.publish(format!(
+                "$JS.API.STREAM.CREATE.OBJ_{}",
+                self.object_store(store)
+            ));
+        }
         let objects = self.object_store(ObjectStore::Datasets);
-        p.publish(format!("$JS.API.STREAM.CREATE.OBJ_{objects}"));
         // Reading the registered datasets (every role but the CLI, the sandbox and the proxy).
         let read_datasets = |p: &mut Permissions| p.consume(&format!("OBJ_{objects}"));
+        // Policy versions in the object store: the trainer writes and prunes them, engines
+        // read them; no one else touches them.
+        let weights = self.object_store(ObjectStore::Weights);
+        let read_weights = |p: &mut Permissions| p.consume(&format!("OBJ_{weights}"));
         let read_kv =
             |p: &mut Permissions, bucket: Bucket| p.consume(&format!("KV_{}", kv(bucket)));
         let write_kv = |p: &mut Permissions, bucket: Bucket| {
@@ -198,6 +207,7 @@ impl Namespace {
             }
             Role::Inference => {
                 p.consume(&stream(Domain::Weights));
+                read_weights(&mut p);
                 // A run's end: back to the base model for the next run.
                 p.consume(&stream(Domain::Run));
             }
@@ -244,6 +254,9 @@ impl Namespace {
                 read_kv(&mut p, Bucket::Trials);
                 read_kv(&mut p, Bucket::RunState);
                 read_datasets(&mut p);
+                read_weights(&mut p);
+                p.publish(format!("$O.{weights}.>"));
+                p.publish(format!("$JS.API.STREAM.PURGE.OBJ_{weights}"));
             }
             Role::Evaluator => {
                 p.publish(event(Domain::Eval, "completed"));
@@ -320,6 +333,54 @@ mod tests {
                 .any(|s| s == lease)
         );
         assert_eq!(Role::of_binary("arl-rollout"), Some(Role::Rollout));
+    }
+
+    #[test]
+    fn the_trainer_alone_writes_weights_objects_and_engines_read_them() {
+        let ns = Namespace::with_prefix("t1").unwrap();
+        let store = ns.object_store(ObjectStore::Weights);
+        assert_eq!(store, "T1_ARL_WEIGHTS");
+        let writes = format!("$O.{store}.>");
+        let purges = format!("$JS.API.STREAM.PURGE.OBJ_{store}");
+        // An object is read through a consumer on its stream and by direct gets.
+        let reads = [
+            format!("$JS.API.CONSUMER.*.OBJ_{store}"),
+            format!("$JS.API.DIRECT.GET.OBJ_{store}.>"),
+        ];
+        for role in Role::ALL {
+            let p = ns.permissions(role);
+            let may = |subject: &str| p.publish.iter().any(|s| s == subject);
+            assert_eq!(may(&writes), role == Role::Trainer, "{role:?} writes");
+            assert_eq!(may(&purges), role == Role::Trainer, "{role:?} purges");
+            for read in &reads {
+                assert_eq!(
+                    may(read),
+                    matches!(role, Role::Trainer | Role::Inference),
+                    "{role:?} reads {read}"
+                );
+            }
+            // No wildcard grants a write by the back door.
+            assert!(
+                !p.publish
+                    .iter()
+                    .any(|s| s == "$O.>" || s == ">" || s == "$O.*.>"),
+                "{role:?}: {:?}",
+                p.publish
+            );
+            // Provisioning is idempotent and open to all: every service creates what is
+            // missing at start.
+            assert!(
+                may(&format!("$JS.API.STREAM.CREATE.OBJ_{store}")),
+                "{role:?}"
+            );
+        }
+        // The engine writes nothing there; the datasets store is not the weights store.
+        let datasets = ns.object_store(ObjectStore::Datasets);
+        assert!(
+            !ns.permissions(Role::Trainer)
+                .publish
+                .contains(&format!("$O.{datasets}.>"))
+        );
         assert_eq!(Role::of_binary("arl"), Some(Role::Cli));
     }
 }

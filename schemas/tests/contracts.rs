@@ -63,3 +63,33 @@ fn no_schema_or_golden_file_is_orphaned() {
         );
     }
 }
+
+/// A `weights.published` as version 1 went on the wire reads as version 2: its uri is
+/// the folder location, everything else carried over.
+#[test]
+fn golden_weights_published_v1_upgrades_to_v2() {
+    use arl_schemas::events::{WeightsLocation, WeightsPublishedV2};
+    let v1 = std::fs::read(root().join("golden/weights.published.v1.json")).unwrap();
+    let upgraded = WeightsPublishedV2::read(1, &v1).unwrap();
+    assert_eq!(
+        upgraded.location,
+        WeightsLocation::Folder {
+            path: "/home/ada/.cache/arl/runs/run-0193a1b2c3d4/step-1".into()
+        }
+    );
+    assert_eq!(
+        upgraded.uri(),
+        "file:///home/ada/.cache/arl/runs/run-0193a1b2c3d4/step-1"
+    );
+    assert_eq!(
+        (upgraded.policy_version, upgraded.step, upgraded.size_bytes),
+        (1, 1, 538_090_408)
+    );
+    let v2 = std::fs::read(root().join("golden/weights.published.v2.json")).unwrap();
+    let read = WeightsPublishedV2::read(2, &v2).unwrap();
+    assert!(matches!(read.location, WeightsLocation::ObjectStore { .. }));
+    assert_eq!(
+        (read.run_id, read.sha256),
+        (upgraded.run_id, upgraded.sha256)
+    );
+}

@@ -213,10 +213,16 @@ impl Bus {
         self.provision_bucket(Bucket::EvalState).await?;
         self.provision_bucket(Bucket::Trials).await?;
         self.provision_bucket(Bucket::Trainers).await?;
-        self.provision_object_store(ObjectStore::Datasets).await?;
+        for store in ObjectStore::ALL {
+            self.provision_object_store(store).await?;
+        }
         Ok(())
     }
 
+    /// An object store's stream is its own (`OBJ_<bucket>`): objects are split into
+    /// 128 KiB chunks, each one message, so [`MAX_EVENT_BYTES`] and the event streams'
+    /// `max_msg_size` do not apply and a file of any size fits. No age limit: the owner
+    /// deletes what it no longer needs (the trainer prunes old weights versions).
     async fn provision_object_store(&self, store: ObjectStore) -> Result<(), BusError> {
         let name = self.namespace.object_store(store);
         let config = object_store::Config {
@@ -238,7 +244,7 @@ impl Bus {
         Ok(())
     }
 
-    async fn object_store(
+    pub(crate) async fn object_store(
         &self,
         store: ObjectStore,
     ) -> Result<object_store::ObjectStore, BusError> {

@@ -143,22 +143,44 @@ impl Delivery {
     /// headers, as the newest version it parses as.
     pub fn decode_train_step(&self) -> Result<arl_schemas::events::TrainStep, DecodeError> {
         use arl_schemas::events::{TrainStep, TrainStepV2};
+        self.decode_versioned::<TrainStepV2, _>(TrainStep::decode)
+    }
+
+    /// Decodes a `weights.published` of either version as version 2 (version 1 upgraded:
+    /// its `file://` uri becomes a folder location).
+    pub fn decode_weights_published(
+        &self,
+    ) -> Result<arl_schemas::events::WeightsPublishedV2, DecodeError> {
+        use arl_schemas::events::WeightsPublishedV2;
+        self.decode_versioned::<WeightsPublishedV2, _>(WeightsPublishedV2::read)
+    }
+
+    /// Decodes an event published in several versions (`Newest` the newest) with `read`,
+    /// given the version its `Arl-Version` header names; without headers, as the newest
+    /// version it parses as.
+    fn decode_versioned<Newest: Event, T>(
+        &self,
+        read: fn(u32, &[u8]) -> Result<T, DecodeError>,
+    ) -> Result<T, DecodeError> {
         let version = match headers::event_type(self.headers.as_ref()) {
-            Some((found_type, found_version)) if found_type != TrainStepV2::TYPE => {
+            Some((found_type, found_version)) if found_type != Newest::TYPE => {
                 return Err(DecodeError::WrongType {
-                    expected_type: TrainStepV2::TYPE,
-                    expected_version: TrainStepV2::VERSION,
+                    expected_type: Newest::TYPE,
+                    expected_version: Newest::VERSION,
                     found_type,
                     found_version,
                 });
             }
             Some((_, version)) => version,
             None => {
-                return TrainStep::decode(TrainStepV2::VERSION, &self.payload)
-                    .or_else(|newest| TrainStep::decode(1, &self.payload).map_err(|_| newest));
+                return (1..Newest::VERSION)
+                    .rev()
+                    .fold(read(Newest::VERSION, &self.payload), |newest, older| {
+                        newest.or_else(|e| read(older, &self.payload).map_err(|_| e))
+                    });
             }
         };
-        TrainStep::decode(version, &self.payload)
+        read(version, &self.payload)
     }
 
     /// The `Arl-Type` header, if present.

@@ -10,6 +10,8 @@
 //! - one service shape: any [`host::Service`] run with all of the above, alone or with
 //!   others in one process ([`host`]);
 //! - the SHA-256 form digests are exchanged in ([`digest`]);
+//! - files in JetStream object stores, streamed and checked by digest, and the policy
+//!   versions of `ARL_WEIGHTS` ([`objects`]);
 //! - comparing secrets in constant time ([`secret`]).
 
 pub mod args;
@@ -21,6 +23,7 @@ pub mod headers;
 pub mod host;
 pub mod http;
 pub mod metrics;
+pub mod objects;
 pub mod rpc;
 pub mod secret;
 pub mod shutdown;

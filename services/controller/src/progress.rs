@@ -3,7 +3,7 @@
 
 use arl_schemas::events::{
     DatasetRegisteredV1, EvaluationCompletedV1, FailureClass, RunCompletedV1, RunFailedV1,
-    RunPhase, RunProgressV1, Split, TrainStep, TrialFailedV1, WeightsPublishedV1,
+    RunPhase, RunProgressV1, Split, TrainStep, TrialFailedV1, WeightsPublishedV2,
 };
 use arl_schemas::state::{EvaluationSummary, RunStateV1, RunStatus, StepSummary};
 use chrono::Utc;
@@ -85,9 +85,9 @@ pub fn apply_trial_failed(state: &mut RunStateV1, event: &TrialFailedV1) {
     }
 }
 
-pub fn apply_weights(state: &mut RunStateV1, event: &WeightsPublishedV1) {
+pub fn apply_weights(state: &mut RunStateV1, event: &WeightsPublishedV2) {
     state.policy_version = state.policy_version.max(event.policy_version);
-    state.checkpoint_uri = Some(event.uri.clone());
+    state.checkpoint_uri = Some(event.uri());
 }
 
 pub fn apply_run_failed(state: &mut RunStateV1, event: &RunFailedV1) {
@@ -250,6 +250,27 @@ mod tests {
             progress_sequence: 1,
             applied: Default::default(),
         }
+    }
+
+    #[test]
+    fn a_published_version_names_where_it_is_either_way() {
+        use arl_schemas::events::{WeightsPublishedV1, WeightsPublishedV2};
+        let mut state = accepted(2);
+        let folder = WeightsPublishedV2::upgrade(WeightsPublishedV1::example()).unwrap();
+        apply_weights(&mut state, &folder);
+        assert_eq!(state.policy_version, 1);
+        assert_eq!(
+            state.checkpoint_uri,
+            Some(WeightsPublishedV1::example().uri)
+        );
+        let mut objects = WeightsPublishedV2::example();
+        objects.policy_version = 2;
+        apply_weights(&mut state, &objects);
+        assert_eq!(state.policy_version, 2);
+        assert_eq!(
+            state.checkpoint_uri.as_deref(),
+            Some("nats-object-store://ARL_WEIGHTS/run-0193a1b2c3d4/2/")
+        );
     }
 
     #[test]

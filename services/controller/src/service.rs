@@ -8,7 +8,7 @@ use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
     DatasetRegisteredV1, EvaluationCompletedV1, RunAcceptedV1, RunFailedV1, RunPhase,
-    RunRejectedV1, RunRequestedV1, TrainStepV2, TrialFailedV1, TrialFinishedV1, WeightsPublishedV1,
+    RunRejectedV1, RunRequestedV1, TrainStepV2, TrialFailedV1, TrialFinishedV1, WeightsPublishedV2,
 };
 use arl_schemas::state::{RunStateV1, RunStatus};
 use arl_schemas::{Domain, Event, RunId};
@@ -100,7 +100,12 @@ impl Controller {
             progress::apply_train_step,
         );
         self.fold::<EvaluationCompletedV1>(shutdown, progress::apply_evaluation);
-        self.fold::<WeightsPublishedV1>(shutdown, progress::apply_weights);
+        // So does weights.published (version 1 is read as version 2).
+        self.fold_decoded::<WeightsPublishedV2, _>(
+            shutdown,
+            Delivery::decode_weights_published,
+            progress::apply_weights,
+        );
         self.fold::<DatasetRegisteredV1>(shutdown, progress::apply_dataset);
         self.fold::<RunFailedV1>(shutdown, progress::apply_run_failed);
         // Trial outcomes share one ordered consumer so their counts stay exact.

@@ -31,9 +31,10 @@ pub struct Args {
     #[arg(long)]
     run: Option<String>,
 
-    /// The only folder policy versions are loaded from (the trainer's --runs-dir): a
-    /// `weights.published` naming weights elsewhere is refused. Default: $ARL_RUNS_DIR,
-    /// else ~/.cache/arl/runs.
+    /// The only folder policy versions are loaded from: the trainer's --runs-dir for
+    /// versions published as folders (a `weights.published` naming a folder elsewhere is
+    /// refused), and where versions published through the object store are fetched to
+    /// (`<dir>/<run_id>/version-<N>/`). Default: $ARL_RUNS_DIR, else ~/.cache/arl/runs.
     #[arg(long)]
     weights_dir: Option<std::path::PathBuf>,
 

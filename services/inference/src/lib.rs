@@ -7,10 +7,12 @@
 //!   errors, and the per-choice text state (stop strings, incremental detokenization,
 //!   tool-call hold-back);
 //! - [`tools`]: Qwen / SmolLM2 tool-call formats; [`weights`]: follows `weights.published`;
+//!   [`fetch`]: versions in the object store fetched into the weights folder;
 //!   [`metrics`]: vLLM's metric names, request timelines.
 
 pub mod api;
 pub mod engine;
+pub mod fetch;
 pub mod generation;
 pub mod hosted;
 pub mod metrics;

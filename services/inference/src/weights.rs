@@ -1,5 +1,7 @@
-//! Following `weights.published`: each new policy version is checked (sha256), loaded
-//! beside the serving one on a blocking thread, and swapped in between decode steps.
+//! Following `weights.published` (either version; version 1 is read as a folder): each
+//! new policy version is found — a folder under the weights folder, or fetched from the
+//! object store into it (`fetch.rs`) — checked (sha256), loaded beside the serving one on
+//! a blocking thread, and swapped in between decode steps.
 
 use std::path::{Path, PathBuf};
 
@@ -7,13 +9,15 @@ use arl_model::load::LoadedModel;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::digest::sha256_file;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
-use arl_schemas::events::{RunCompletedV1, RunFailedV1, WeightsPublishedV1};
+use arl_schemas::events::{RunCompletedV1, RunFailedV1, WEIGHTS_FILE, WeightsLocation};
 use arl_schemas::{Domain, Event, RunId};
 
 use crate::engine::{EngineHandle, ServedModel};
+use crate::fetch;
 
 /// Consumes weight versions (of one run, or of every run) and swaps them in; only
-/// weights under `weights_dir` are loaded. With a `base` model (the one the engine started
+/// weights under `weights_dir` are loaded, and versions in the object store are fetched
+/// into it (`<weights_dir>/<run_id>/version-<N>/`). With a `base` model (the one the engine started
 /// with), the engine goes back to it when the run whose weights it serves ends, so that
 /// the next run's first trials (version 0) find their policy: a run's version 0 is the
 /// base model, never another run's trained weights.
@@ -37,33 +41,52 @@ pub fn follow(
     let mut spec = ConsumerSpec::new(Domain::Weights, durable, vec![filter]).ordered();
     // Loading a version takes a while; it is not a stuck handler.
     spec.keep_alive = true;
+    let fetcher = bus.clone();
     shutdown.spawn(run_consumer(
         bus.clone(),
         spec,
         move |delivery: Delivery| {
-            let (engine, weights_dir) = (engine.clone(), weights_dir.clone());
-            async move { on_weights(&engine, &weights_dir, &delivery).await }
+            let (bus, engine, weights_dir) = (fetcher.clone(), engine.clone(), weights_dir.clone());
+            async move { on_weights(&bus, &engine, &weights_dir, &delivery).await }
         },
         shutdown.clone(),
     ));
 }
 
 async fn on_weights(
+    bus: &Bus,
     engine: &EngineHandle,
     weights_dir: &Path,
     delivery: &Delivery,
 ) -> Result<(), HandlerError> {
-    let event: WeightsPublishedV1 = delivery.decode()?;
+    let event = delivery.decode_weights_published()?;
     if engine
         .current()
         .is_some_and(|m| m.is_at_least(&event.run_id, event.policy_version))
     {
         return Ok(()); // already serving this run's version or a newer one
     }
-    // A location this engine may never load from is refused for good; a copy still being
-    // written, or one that fails to load, is tried again.
-    let dir = local_path(&event.uri).map_err(HandlerError::dead_letter)?;
-    let dir = confined(&dir, weights_dir).map_err(HandlerError::dead_letter)?;
+    // A location this engine may never load from, or objects that are gone or not what
+    // was published, are refused for good; a copy still being written, a fetch cut short,
+    // or one that fails to load, is tried again.
+    let (dir, fetched) = match &event.location {
+        WeightsLocation::Folder { path } => {
+            let dir = confined(Path::new(path), weights_dir).map_err(HandlerError::dead_letter)?;
+            (dir, false)
+        }
+        WeightsLocation::ObjectStore { bucket, files } => {
+            let dir = fetch::fetch(bus, weights_dir, &event, bucket, files)
+                .await
+                .map_err(|e| {
+                    if e.is_permanent() {
+                        HandlerError::dead_letter(e)
+                    } else {
+                        HandlerError::retry(e)
+                    }
+                })?;
+            (dir, true)
+        }
+    };
     let expected = event.sha256.clone();
     let version = event.policy_version;
     let loaded = tokio::task::spawn_blocking(move || load_checked(&dir, &expected))
@@ -77,7 +100,15 @@ async fn on_weights(
             loaded,
         })
         .map_err(HandlerError::retry)?;
-    tracing::info!(run = %event.run_id, policy_version = version, uri = %event.uri, "serving new weights");
+    tracing::info!(run = %event.run_id, policy_version = version, uri = %event.uri(), "serving new weights");
+    if fetched {
+        let (weights_dir, run) = (weights_dir.to_path_buf(), event.run_id.clone());
+        // Only disk space is at stake: a failure to clean up is logged, never retried.
+        let _ = tokio::task::spawn_blocking(move || {
+            fetch::prune_older(&weights_dir, &run, version);
+        })
+        .await;
+    }
     Ok(())
 }
 
@@ -141,8 +172,6 @@ async fn on_run_end(
 /// Why a `weights.published` could not be served.
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
-    #[error("weights uri {0:?}: only file:// locations can be loaded by this engine")]
-    NotLocal(String),
     #[error("the weights folder {root} cannot be read ({source}); weights cannot be loaded")]
     WeightsDir {
         root: PathBuf,
@@ -165,17 +194,6 @@ pub enum WeightsError {
     },
     #[error(transparent)]
     Load(#[from] arl_model::load::LoadError),
-}
-
-/// `file:///path` (or a plain path) to a path; other schemes are not reachable here.
-fn local_path(uri: &str) -> Result<PathBuf, WeightsError> {
-    if let Some(path) = uri.strip_prefix("file://") {
-        return Ok(PathBuf::from(path));
-    }
-    if uri.starts_with('/') {
-        return Ok(PathBuf::from(uri));
-    }
-    Err(WeightsError::NotLocal(uri.to_owned()))
 }
 
 /// `dir` with links and `..` resolved, when it lies inside `root`: an engine loads only
@@ -203,7 +221,7 @@ fn confined(dir: &Path, root: &Path) -> Result<PathBuf, WeightsError> {
 }
 
 fn load_checked(dir: &Path, sha256: &str) -> Result<LoadedModel, WeightsError> {
-    let file = dir.join("model.safetensors");
+    let file = dir.join(WEIGHTS_FILE);
     let (found, _) = sha256_file(&file).map_err(|source| WeightsError::Unreadable {
         path: file.clone(),
         source,

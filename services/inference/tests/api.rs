@@ -15,8 +15,11 @@ use arl_model::model::Model;
 use arl_model::weights::Weights;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown};
-use arl_schemas::events::{Example, RunCompletedV1, WeightsFormat, WeightsPublishedV1};
-use arl_schemas::{Domain, RunId};
+use arl_schemas::events::{
+    Example, RunCompletedV1, WEIGHTS_FILE, WeightsFormat, WeightsLocation, WeightsPublishedV1,
+    WeightsPublishedV2,
+};
+use arl_schemas::{Domain, ObjectStore, RunId};
 use arl_testkit::{NatsServer, http, test_namespace, wait_for};
 use serde_json::{Value, json};
 
@@ -538,7 +541,8 @@ async fn bad_requests_get_openai_errors() {
     }
 }
 
-/// Saves `loaded` as a published version; returns its event.
+/// Saves `loaded` as a published version; returns its event — version 1, a `file://`
+/// uri, as trainers before the object store published it: engines still read it.
 fn publish_dir(loaded: &LoadedModel, dir: &Path, run: &RunId, version: u64) -> WeightsPublishedV1 {
     loaded.save_hf(dir).unwrap();
     let (sha256, size_bytes) =
@@ -733,6 +737,229 @@ async fn a_weight_swap_under_load_loses_nothing_and_versions_are_right() {
         2,
         "{reasons:?}"
     );
+    server.shutdown.trigger();
+}
+
+/// Saves `loaded` as version `version` in `trainer_dir` and uploads its files to the
+/// `ARL_WEIGHTS` object store as the trainer's `--weights-store object` does; returns the
+/// event that announces it.
+async fn publish_objects(
+    bus: &Bus,
+    loaded: &LoadedModel,
+    trainer_dir: &Path,
+    run: &RunId,
+    version: u64,
+) -> WeightsPublishedV2 {
+    let dir = trainer_dir.join(format!("step-{version:06}"));
+    loaded.save_hf(&dir).unwrap();
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    files.sort();
+    let location = bus.put_weights(run, version, &dir, &files).await.unwrap();
+    let (sha256, size_bytes) = arl_runtime::digest::sha256_file(&dir.join(WEIGHTS_FILE)).unwrap();
+    WeightsPublishedV2 {
+        run_id: run.clone(),
+        policy_version: version,
+        step: version as u32,
+        format: WeightsFormat::HfSafetensors,
+        sha256,
+        size_bytes,
+        location,
+        at: chrono::Utc::now(),
+    }
+}
+
+/// The dead letters' reasons, in order.
+async fn dead_letter_reasons(bus: &Bus) -> Vec<String> {
+    let dlq = bus
+        .jetstream()
+        .get_stream(bus.namespace().stream(Domain::DeadLetter))
+        .await
+        .unwrap();
+    let mut reasons = Vec::new();
+    for seq in 1..=dlq.cached_info().state.last_sequence {
+        let message = dlq.get_raw_message(seq).await.unwrap();
+        let reason = message
+            .headers
+            .get(arl_runtime::headers::DEAD_LETTER_REASON)
+            .map(|v| v.as_str().to_owned())
+            .unwrap_or_default();
+        reasons.push(reason);
+    }
+    reasons
+}
+
+/// An engine on another machine: its weights folder is not the trainer's, and the
+/// trainer's copy is gone by the time it loads. It fetches the version from the object
+/// store into its own folder, serves it (the version in every response), and deletes
+/// the copy of an older version once a newer one is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_serves_a_version_it_fetched_from_the_object_store() {
+    let (v0, v1, v2) = (tiny(10), tiny(11), tiny(12));
+    let prompt = vec![1u32, 510, 2683, 314, 30, 198];
+    let max_tokens = 24;
+    let expected = [
+        greedy(&v0, &prompt, max_tokens),
+        greedy(&v1, &prompt, max_tokens),
+        greedy(&v2, &prompt, max_tokens),
+    ];
+    assert_ne!(expected[0], expected[1]);
+    assert_ne!(expected[1], expected[2]);
+    let tmp = tempfile::tempdir().unwrap();
+    let trainer_dir = tmp.path().join("trainer-node/runs/run-objects");
+    let engine_dir = tmp.path().join("engine-node/weights");
+    let server = Server::start(EngineConfig::default(), served(v0, 0)).await;
+    arl_inference::weights::follow(
+        &server.bus,
+        server.engine.clone(),
+        "inference-objects",
+        None,
+        engine_dir.clone(),
+        None,
+        &server.shutdown,
+    );
+    let run = RunId::new("run-objects").unwrap();
+    let event = publish_objects(&server.bus, &v1, &trainer_dir, &run, 1).await;
+    // Only the object store holds it now.
+    std::fs::remove_dir_all(&trainer_dir).unwrap();
+    server.bus.publish(&event).await.unwrap();
+    wait_for("version 1 served", Duration::from_secs(90), || async {
+        server
+            .engine
+            .current()
+            .filter(|m| m.is_at_least(&run, 1))
+            .map(|_| ())
+    })
+    .await;
+    let request = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    let (status, body) = server.post("/v1/completions", &request).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["policy_version"].as_u64(), Some(1), "{body}");
+    assert_eq!(ids(&body["choices"][0]["token_ids"]), expected[1]);
+    // The copy is the engine's own: every published file, byte for byte.
+    let fetched = arl_inference::fetch::version_dir(&engine_dir, &run, 1);
+    let WeightsLocation::ObjectStore { files, .. } = &event.location else {
+        panic!("published through the object store: {:?}", event.location)
+    };
+    assert!(files.len() >= 4, "{files:?}");
+    for file in files {
+        let (sha256, size) = arl_runtime::digest::sha256_file(&fetched.join(&file.file)).unwrap();
+        assert_eq!(
+            (sha256, size),
+            (file.sha256.clone(), file.size_bytes),
+            "{}",
+            file.file
+        );
+    }
+
+    // The next version replaces it, on disk too.
+    let event = publish_objects(&server.bus, &v2, &trainer_dir, &run, 2).await;
+    server.bus.publish(&event).await.unwrap();
+    wait_for("version 2 served", Duration::from_secs(90), || async {
+        server
+            .engine
+            .current()
+            .filter(|m| m.is_at_least(&run, 2))
+            .map(|_| ())
+    })
+    .await;
+    let (status, body) = server.post("/v1/completions", &request).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["policy_version"].as_u64(), Some(2), "{body}");
+    assert_eq!(ids(&body["choices"][0]["token_ids"]), expected[2]);
+    wait_for(
+        "version 1's copy deleted",
+        Duration::from_secs(10),
+        || async { (!fetched.exists()).then_some(()) },
+    )
+    .await;
+    assert!(arl_inference::fetch::version_dir(&engine_dir, &run, 2).exists());
+    assert_eq!(dead_letter_reasons(&server.bus).await, Vec::<String>::new());
+    server.shutdown.trigger();
+}
+
+/// An object that does not hold what was published (replaced after the event) is refused
+/// at once — dead-lettered with the reason, not retried — and nothing of it is loaded or
+/// left on disk; the next good version is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tampered_object_is_dead_lettered_at_once_and_never_loaded() {
+    let (v1, forged, v2) = (tiny(11), tiny(13), tiny(12));
+    let tmp = tempfile::tempdir().unwrap();
+    let trainer_dir = tmp.path().join("trainer/run-tampered");
+    let engine_dir = tmp.path().join("engine");
+    let server = Server::start(EngineConfig::default(), served(tiny(10), 0)).await;
+    arl_inference::weights::follow(
+        &server.bus,
+        server.engine.clone(),
+        "inference-tampered",
+        None,
+        engine_dir.clone(),
+        None,
+        &server.shutdown,
+    );
+    let run = RunId::new("run-tampered").unwrap();
+    let event = publish_objects(&server.bus, &v1, &trainer_dir, &run, 1).await;
+    // Someone with write access replaces the weights object after the event was written:
+    // same size (same shapes), other bytes.
+    let forged_dir = tmp.path().join("forged");
+    forged.save_hf(&forged_dir).unwrap();
+    server
+        .bus
+        .put_file(
+            ObjectStore::Weights,
+            &ObjectStore::weights_object(&run, 1, WEIGHTS_FILE),
+            &forged_dir.join(WEIGHTS_FILE),
+        )
+        .await
+        .unwrap();
+    server.bus.publish(&event).await.unwrap();
+    wait_for(
+        "the tampered version dead-lettered",
+        Duration::from_secs(60),
+        || async {
+            let reasons = dead_letter_reasons(&server.bus).await;
+            (!reasons.is_empty()).then_some(reasons)
+        },
+    )
+    .await;
+    let reasons = dead_letter_reasons(&server.bus).await;
+    assert_eq!(reasons.len(), 1, "{reasons:?}");
+    let reason = &reasons[0];
+    assert!(
+        reason.contains("run-tampered/1/model.safetensors")
+            && reason.contains("not the file that was published")
+            && reason.contains(&event.sha256),
+        "{reason}"
+    );
+    // Refused on its first delivery, not after retries.
+    assert!(!reason.contains("gave up after"), "{reason}");
+    assert!(
+        server
+            .engine
+            .current()
+            .is_some_and(|m| m.run_id.is_none() && m.version == 0)
+    );
+    // Nothing of it stays in the engine's folder, not even a partial download.
+    let run_dir = engine_dir.join(run.as_str());
+    let left: Vec<_> = std::fs::read_dir(&run_dir)
+        .map(|d| d.map(|e| e.unwrap().file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "{left:?}");
+
+    // The consumer went on: the next version is fetched and served.
+    let event = publish_objects(&server.bus, &v2, &trainer_dir, &run, 2).await;
+    server.bus.publish(&event).await.unwrap();
+    wait_for("version 2 served", Duration::from_secs(90), || async {
+        server
+            .engine
+            .current()
+            .filter(|m| m.is_at_least(&run, 2))
+            .map(|_| ())
+    })
+    .await;
+    assert_eq!(dead_letter_reasons(&server.bus).await.len(), 1);
     server.shutdown.trigger();
 }
 

@@ -4,6 +4,11 @@
 //! checkpoint a restarted trainer resumes from. A folder is written under a temporary name
 //! and renamed into place, so a folder that exists is complete.
 //!
+//! The folder's top-level files (config, weights, tokenizer) are what an engine loads
+//! ([`Saved::files`]); `trainer_state.json` and the `optimizer/` and `master/` folders are
+//! the trainer's own. With `--weights-store object` those files are also uploaded to the
+//! object store, and a pruned version's objects are deleted with its folder ([`Pruned`]).
+//!
 //! A GPU trainer publishes bf16 weights (`model.safetensors`); its checkpoints also keep the
 //! f32 master weights (`master/model.safetensors`), which resume reads instead, so a
 //! restart loses no precision. CPU versions are f32 and need no separate master copy.
@@ -48,6 +53,15 @@ pub struct Saved {
     pub dir: PathBuf,
     pub sha256: String,
     pub size_bytes: u64,
+    /// The files an engine loads (names in `dir`, sorted).
+    pub files: Vec<String>,
+}
+
+/// A version folder [`prune`] deleted, and the files it published.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pruned {
+    pub step: u32,
+    pub files: Vec<String>,
 }
 
 pub fn version_dir(run_dir: &Path, step: u32) -> PathBuf {
@@ -103,6 +117,7 @@ pub fn save(
     std::fs::write(&state_path, json).map_err(io(&state_path))?;
     let weights = tmp.join(WEIGHTS_FILE);
     let (sha256, size_bytes) = sha256_file(&weights).map_err(io(&weights))?;
+    let files = published_files(&tmp).map_err(io(&tmp))?;
     if dir.exists() {
         // A step re-trained after a restart replaces what the crashed run left.
         std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
@@ -112,7 +127,28 @@ pub fn save(
         dir,
         sha256,
         size_bytes,
+        files,
     })
+}
+
+/// The files of version folder `dir` an engine loads: its top-level files but the
+/// trainer's state, sorted.
+pub fn published_files(dir: &Path) -> std::io::Result<Vec<String>> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        if !entry.file_type()?.is_file() {
+            continue;
+        }
+        let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
+            continue;
+        };
+        if name != STATE_FILE {
+            files.push(name);
+        }
+    }
+    files.sort();
+    Ok(files)
 }
 
 /// The newest folder that holds optimizer state, with its state.
@@ -184,15 +220,69 @@ pub fn load_resume(
 }
 
 /// Deletes all but the newest `keep` versions and the newest checkpoint (engines may still
-/// be loading the recent ones; resume needs the checkpoint).
-pub fn prune(run_dir: &Path, keep: usize) -> Result<(), CheckpointError> {
+/// be loading the recent ones; resume needs the checkpoint); returns what it deleted.
+pub fn prune(run_dir: &Path, keep: usize) -> Result<Vec<Pruned>, CheckpointError> {
     let all = versions(run_dir);
     let checkpoint = latest_checkpoint(run_dir).map(|(dir, _)| dir);
     let cutoff = all.len().saturating_sub(keep);
-    for (dir, _) in &all[..cutoff] {
+    let mut pruned = Vec::new();
+    for (dir, state) in &all[..cutoff] {
         if Some(dir) != checkpoint.as_ref() {
+            let files = published_files(dir).map_err(io(dir))?;
             std::fs::remove_dir_all(dir).map_err(io(dir))?;
+            pruned.push(Pruned {
+                step: state.step,
+                files,
+            });
         }
     }
-    Ok(())
+    Ok(pruned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A version folder as `save` leaves it, without real weights.
+    fn version(run_dir: &Path, step: u32, checkpoint: bool) {
+        let dir = version_dir(run_dir, step);
+        std::fs::create_dir_all(dir.join("optimizer/m")).unwrap();
+        for file in [WEIGHTS_FILE, "config.json", "tokenizer.json"] {
+            std::fs::write(dir.join(file), b"{}").unwrap();
+        }
+        let state = TrainerState {
+            step,
+            policy_version: u64::from(step),
+            optimizer_step: checkpoint.then_some(u64::from(step)),
+        };
+        std::fs::write(dir.join(STATE_FILE), serde_json::to_vec(&state).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn an_engine_gets_the_top_level_files_but_the_trainer_state() {
+        let tmp = tempfile::tempdir().unwrap();
+        version(tmp.path(), 1, true);
+        assert_eq!(
+            published_files(&version_dir(tmp.path(), 1)).unwrap(),
+            ["config.json", WEIGHTS_FILE, "tokenizer.json"]
+        );
+    }
+
+    #[test]
+    fn pruning_keeps_the_newest_versions_and_checkpoint_and_names_what_went() {
+        let tmp = tempfile::tempdir().unwrap();
+        for step in 1..=5 {
+            version(tmp.path(), step, step == 2);
+        }
+        let pruned = prune(tmp.path(), 2).unwrap();
+        let steps: Vec<u32> = pruned.iter().map(|p| p.step).collect();
+        assert_eq!(steps, [1, 3]);
+        assert_eq!(
+            pruned[0].files,
+            ["config.json", WEIGHTS_FILE, "tokenizer.json"]
+        );
+        let left: Vec<u32> = versions(tmp.path()).iter().map(|(_, s)| s.step).collect();
+        assert_eq!(left, [2, 4, 5]);
+        assert!(prune(tmp.path(), 2).unwrap().is_empty());
+    }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use arl_runtime::host::{Context, Ops, Service, StartError};
 use arl_runtime::http::Readiness;
 
-use crate::service::{Trainer as TrainerService, TrainerConfig};
+use crate::service::{Trainer as TrainerService, TrainerConfig, WeightsStore};
 
 /// `arl-trainer`'s own flags (beside the common ones).
 #[derive(Debug, clap::Args)]
@@ -19,6 +19,13 @@ pub struct Args {
     /// Policy versions kept on disk besides the newest checkpoint.
     #[arg(long, default_value_t = 2)]
     keep_versions: usize,
+
+    /// Where engines fetch published versions: `file`, the version folder under
+    /// --runs-dir (engines on this machine, or a volume every node mounts); `object`, its
+    /// files uploaded to the ARL_WEIGHTS JetStream object store (engines on any machine of
+    /// the bus), deleted again when the version is pruned.
+    #[arg(long, env = "ARL_WEIGHTS_STORE", value_enum, default_value_t = WeightsStore::File)]
+    weights_store: WeightsStore,
 
     /// Trajectories held at once while their steps are trained (all runs).
     #[arg(long, default_value_t = 4096)]
@@ -63,6 +70,7 @@ impl Service for Trainer {
         let mut config = TrainerConfig {
             gpu,
             keep_versions: args.keep_versions,
+            weights_store: args.weights_store,
             capacity: args.capacity,
             ack_wait: Duration::from_secs(args.ack_wait_s.max(1)),
             ..TrainerConfig::default()
@@ -72,6 +80,7 @@ impl Service for Trainer {
         }
         std::fs::create_dir_all(&config.runs_dir)
             .map_err(|e| format!("creating {}: {e}", config.runs_dir.display()))?;
+        tracing::info!(weights_store = ?config.weights_store, "versions published from");
         // Ready once this returns: the GPU is probed and the trajectory consumer runs.
         TrainerService::new(ctx.bus, config).start(&ctx.shutdown);
         Ok(Ops::Host(Readiness::always()))

@@ -2,6 +2,12 @@
 //! (`train_batch_size` tasks × `n` trials), trains, writes the new policy version, and
 //! publishes `weights.published` and `train.step`.
 //!
+//! Where engines find a version is the trainer's `--weights-store`: `file` names the
+//! version folder (engines share the filesystem); `object` uploads the folder's files to
+//! the `ARL_WEIGHTS` object store first, each checked by digest, and names them — a
+//! version whose upload failed is never announced. Pruned versions' objects are deleted
+//! with their folders.
+//!
 //! Delivery contract: a trajectory's message is held (kept alive, not acked) until the
 //! step that used it is committed — written as a checkpoint with optimizer state. A crash
 //! before that makes JetStream redeliver it, and the restarted trainer resumes from its
@@ -17,10 +23,11 @@ use arl_model::backend::{BackendError, BackendErrorKind};
 use arl_model::cuda::Cuda;
 use arl_runtime::args::default_runs_dir;
 use arl_runtime::consumer::run_consumer;
+use arl_runtime::objects::ObjectError;
 use arl_runtime::{Bus, BusError, ConsumerSpec, Delivery, HandlerError, RunContext, Shutdown};
 use arl_schemas::events::{
     BatchCounts, RunFailedV1, Split, StepTiming, TaskBatchV1, TrainMetrics, TrainStepV2,
-    TrajectoryV1, WeightsFormat, WeightsPublishedV1,
+    TrajectoryV1, WEIGHTS_FILE, WeightsFormat, WeightsLocation, WeightsPublishedV2,
 };
 use arl_schemas::spec::{Device, KlLossType, LossAggMode, LrScheduler, OldLogprobSource, RunSpec};
 use arl_schemas::state::{GpuDeviceV1, TRAINER_TTL_SECONDS, TrainerAnnouncementV1};
@@ -46,6 +53,8 @@ pub struct TrainerConfig {
     pub ack_wait: Duration,
     /// The GPU `cuda` runs train on; None = this trainer offers none.
     pub gpu: Option<usize>,
+    /// Where engines fetch published versions from.
+    pub weights_store: WeightsStore,
 }
 
 impl Default for TrainerConfig {
@@ -56,8 +65,20 @@ impl Default for TrainerConfig {
             capacity: 4096,
             ack_wait: Duration::from_secs(30),
             gpu: Some(0),
+            weights_store: WeightsStore::File,
         }
     }
+}
+
+/// Where a published version's files are for engines (`--weights-store`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum WeightsStore {
+    /// The version folder under `--runs-dir`: engines on this machine, or on a volume
+    /// mounted on every node.
+    #[default]
+    File,
+    /// The `ARL_WEIGHTS` JetStream object store: engines on any machine of the bus.
+    Object,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -96,13 +117,23 @@ pub enum StepError {
         #[source]
         source: crate::policy::PolicyError,
     },
-    /// The version is on disk; its events are published again when the step's
-    /// trajectories come back after the retry.
+    /// The version is discarded; the step is trained again from the last checkpoint when
+    /// its trajectories come back, and published then.
     #[error("cannot publish step {step}: {source}")]
     Publish {
         step: u32,
         #[source]
         source: arl_runtime::BusError,
+    },
+    /// The version is not in the object store: it is not announced (engines could not
+    /// fetch it) and is discarded; the step is trained and uploaded again on the retry.
+    #[error(
+        "cannot upload step {step}'s weights to the object store, so they are not published: {source}"
+    )]
+    Upload {
+        step: u32,
+        #[source]
+        source: ObjectError,
     },
 }
 
@@ -414,15 +445,25 @@ impl Trainer {
         };
         run.trained = step;
         run.uncommitted.extend(pending.waiters);
+        let upload_started = Instant::now();
+        let location = match self.locate(&run.run_id, step, &saved).await {
+            Ok(location) => location,
+            Err(source) => {
+                discard(&saved.dir).await;
+                return Err(Arc::new(StepError::Upload { step, source }));
+            }
+        };
+        // Writing the version where engines find it: the upload counts as saving.
+        let save_seconds = save_seconds + upload_started.elapsed().as_secs_f64();
         let at = chrono::Utc::now();
-        let weights = WeightsPublishedV1 {
+        let weights = WeightsPublishedV2 {
             run_id: run.run_id.clone(),
             policy_version: u64::from(step),
             step,
-            uri: format!("file://{}", saved.dir.display()),
-            sha256: saved.sha256.clone(),
             format: WeightsFormat::HfSafetensors,
+            sha256: saved.sha256.clone(),
             size_bytes: saved.size_bytes,
+            location,
             at,
         };
         let total = started.elapsed().as_secs_f64();
@@ -468,9 +509,11 @@ impl Trainer {
             self.bus.publish(&train_step_event).await.map(|_| ()),
         ] {
             if let Err(source) = published {
+                discard(&saved.dir).await;
                 return Err(Arc::new(StepError::Publish { step, source }));
             }
         }
+        self.prune(&run.run_id, &run.dir).await;
         self.metrics.step(&train_step_event);
         tracing::info!(
             run = %run.run_id, step, pg_loss = step_metrics.pg_loss, grad_norm = step_metrics.grad_norm,
@@ -497,6 +540,83 @@ impl Trainer {
         Ok(())
     }
 
+    /// Where engines find a saved version: its folder, or (`--weights-store object`) its
+    /// files uploaded to `ARL_WEIGHTS`, the weights file's digest the one the save computed.
+    async fn locate(
+        &self,
+        run_id: &RunId,
+        step: u32,
+        saved: &checkpoint::Saved,
+    ) -> Result<WeightsLocation, ObjectError> {
+        match self.config.weights_store {
+            WeightsStore::File => Ok(WeightsLocation::Folder {
+                path: saved.dir.display().to_string(),
+            }),
+            WeightsStore::Object => {
+                let version = u64::from(step);
+                let location = self
+                    .bus
+                    .put_weights(run_id, version, &saved.dir, &saved.files)
+                    .await?;
+                if let WeightsLocation::ObjectStore { bucket, files } = &location {
+                    let uploaded = files.iter().find(|f| f.file == WEIGHTS_FILE);
+                    if uploaded.map(|f| &f.sha256) != Some(&saved.sha256) {
+                        // The file changed on disk between the save and the upload.
+                        return Err(ObjectError::WrongDigest {
+                            store: bucket.clone(),
+                            name: arl_schemas::ObjectStore::weights_object(
+                                run_id,
+                                version,
+                                WEIGHTS_FILE,
+                            ),
+                            found: uploaded.map(|f| f.sha256.clone()).unwrap_or_default(),
+                            expected: saved.sha256.clone(),
+                        });
+                    }
+                }
+                tracing::info!(run = %run_id, step, files = saved.files.len(), "weights uploaded to the object store");
+                Ok(location)
+            }
+        }
+    }
+
+    /// Once a version is announced: deletes the run's old versions (`keep_versions`
+    /// besides the newest checkpoint) and, with the object store, their objects. A failure
+    /// leaves garbage, not a wrong result: it is logged, and the step goes on.
+    async fn prune(&self, run_id: &RunId, run_dir: &std::path::Path) {
+        let (dir, keep) = (run_dir.to_path_buf(), self.config.keep_versions);
+        let pruned = match tokio::task::spawn_blocking(move || checkpoint::prune(&dir, keep)).await
+        {
+            Ok(Ok(pruned)) => pruned,
+            Ok(Err(error)) => {
+                tracing::warn!(run = %run_id, %error, "cannot prune old versions");
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(run = %run_id, %error, "pruning old versions panicked");
+                return;
+            }
+        };
+        if self.config.weights_store != WeightsStore::Object {
+            return;
+        }
+        for version in &pruned {
+            let policy_version = u64::from(version.step);
+            match self
+                .bus
+                .delete_weights(run_id, policy_version, &version.files)
+                .await
+            {
+                Ok(deleted) => {
+                    tracing::debug!(run = %run_id, policy_version, deleted, "pruned version's objects deleted")
+                }
+                Err(error) => {
+                    tracing::warn!(run = %run_id, policy_version, %error, "cannot delete a pruned version's objects; they stay in the object store")
+                }
+            }
+        }
+    }
+
     /// Runs the step on a blocking thread and writes the version.
     async fn train_and_save(
         &self,
@@ -520,7 +640,6 @@ impl Trainer {
         let is_checkpoint =
             step.is_multiple_of(spec.trainer.save_every) || step >= spec.trainer.total_steps;
         let dir = run.dir.clone();
-        let keep = self.config.keep_versions;
         let samples = assembled.samples.clone();
         let joined = tokio::task::spawn_blocking(move || {
             let config = step_config(&spec);
@@ -556,11 +675,7 @@ impl Trainer {
                 policy_version: u64::from(step),
                 optimizer_step: None,
             };
-            let saved = policy.save(&dir, &state, is_checkpoint).and_then(|saved| {
-                checkpoint::prune(&dir, keep)
-                    .map(|()| saved)
-                    .map_err(crate::policy::PolicyError::from)
-            });
+            let saved = policy.save(&dir, &state, is_checkpoint);
             let save_seconds = save_started.elapsed().as_secs_f64();
             Ok((policy, saved, outcome, save_seconds))
         })
@@ -736,6 +851,16 @@ struct StepOutcome {
     zero_advantage_groups: usize,
     samples_trained: usize,
     old_logprob_seconds: f64,
+}
+
+/// Deletes the version folder of a step that could not be announced, so that the run,
+/// reopened, resumes from the last announced checkpoint and trains the step again; left in
+/// place, a checkpoint folder would count as committed and the step would never be
+/// announced.
+async fn discard(dir: &std::path::Path) {
+    if let Err(error) = tokio::fs::remove_dir_all(dir).await {
+        tracing::error!(path = %dir.display(), %error, "cannot discard a version that was not announced");
+    }
 }
 
 fn count(n: usize) -> u32 {

@@ -11,14 +11,15 @@ use arl_model::load::LoadedModel;
 use arl_model::model::Model;
 use arl_model::weights::Weights;
 use arl_runtime::bus::BusConfig;
+use arl_runtime::objects::{ObjectError, StoredFile};
 use arl_runtime::{Bus, Metrics, Shutdown};
 use arl_schemas::events::{
     CallSpan, Example, SampleStatus, Split, TaskBatchV1, TaskRef, TrainStepV2, TrajectoryBranch,
-    TrajectoryV1, WeightsPublishedV1,
+    TrajectoryV1, WEIGHTS_FILE, WeightsLocation, WeightsPublishedV2,
 };
 use arl_schemas::spec::RunSpec;
 use arl_schemas::state::{RunStateV1, RunStatus, TrialRecordV1};
-use arl_schemas::{Bucket, Domain, Event, Namespace, RunId, TaskId, TrialId};
+use arl_schemas::{Bucket, Domain, Event, Namespace, ObjectStore, RunId, TaskId, TrialId};
 use arl_testkit::{NatsServer, test_namespace, wait_for};
 
 /// Waits until `condition` holds.
@@ -34,7 +35,7 @@ where
     .await;
 }
 use arl_trainer::checkpoint;
-use arl_trainer::service::{Trainer, TrainerConfig};
+use arl_trainer::service::{Trainer, TrainerConfig, WeightsStore};
 
 fn smollm2() -> PathBuf {
     let dir = std::env::var_os("ARL_MODEL_DIR")
@@ -209,6 +210,10 @@ async fn connect(server: &NatsServer, ns: &Namespace) -> Bus {
 }
 
 fn start_trainer(bus: &Bus, runs_dir: &Path) -> Shutdown {
+    start_trainer_with(bus, runs_dir, WeightsStore::File)
+}
+
+fn start_trainer_with(bus: &Bus, runs_dir: &Path, weights_store: WeightsStore) -> Shutdown {
     let shutdown = Shutdown::new();
     let config = TrainerConfig {
         runs_dir: runs_dir.to_path_buf(),
@@ -216,9 +221,18 @@ fn start_trainer(bus: &Bus, runs_dir: &Path) -> Shutdown {
         capacity: 64,
         ack_wait: Duration::from_secs(2),
         gpu: Some(0),
+        weights_store,
     };
     Trainer::new(bus.clone(), config).start(&shutdown);
     shutdown
+}
+
+/// The version folder a `weights.published` of the `file` store names.
+fn folder(event: &WeightsPublishedV2) -> PathBuf {
+    match &event.location {
+        WeightsLocation::Folder { path } => PathBuf::from(path),
+        other => panic!("not a folder: {other:?}"),
+    }
 }
 
 async fn events<E: Event>(bus: &Bus, run: &RunId) -> Vec<E> {
@@ -285,7 +299,7 @@ async fn trains_steps_publishes_versions_and_resumes_after_a_restart() {
     // The fourth completes the batch: the step trains and every message is acked.
     offer(&bus, &batch[3]).await;
     until("step 1 published", 120, || async {
-        events::<WeightsPublishedV1>(&bus, &run).await.len() == 1
+        events::<WeightsPublishedV2>(&bus, &run).await.len() == 1
     })
     .await;
     let steps = events::<TrainStepV2>(&bus, &run).await;
@@ -299,9 +313,9 @@ async fn trains_steps_publishes_versions_and_resumes_after_a_restart() {
     until("step 1 acked", 30, || async { held(&bus).await == 0 }).await;
 
     // The version is a loadable Hugging Face folder whose checksum is the one published.
-    let v1 = &events::<WeightsPublishedV1>(&bus, &run).await[0];
+    let v1 = &events::<WeightsPublishedV2>(&bus, &run).await[0];
     assert_eq!((v1.policy_version, v1.step), (1, 1));
-    let dir = PathBuf::from(v1.uri.strip_prefix("file://").unwrap());
+    let dir = folder(v1);
     let (sha, size) = arl_runtime::digest::sha256_file(&dir.join("model.safetensors")).unwrap();
     assert_eq!((sha.as_str(), size), (v1.sha256.as_str(), v1.size_bytes));
     let trained = LoadedModel::open(&dir).unwrap();
@@ -346,7 +360,7 @@ async fn trains_steps_publishes_versions_and_resumes_after_a_restart() {
         offer(&bus, t).await;
     }
     until("step 2 published", 120, || async {
-        events::<WeightsPublishedV1>(&bus, &run).await.len() == 2
+        events::<WeightsPublishedV2>(&bus, &run).await.len() == 2
     })
     .await;
     let steps = events::<TrainStepV2>(&bus, &run).await;
@@ -417,6 +431,161 @@ async fn bad_trajectories_are_dead_lettered_and_untrainable_runs_fail() {
     trainer.wait().await;
 }
 
+/// The object store's files of a published version, fetched into `dir`.
+async fn fetch_all(bus: &Bus, event: &WeightsPublishedV2, dir: &Path) -> Vec<String> {
+    let WeightsLocation::ObjectStore { bucket, files } = &event.location else {
+        panic!("not in the object store: {:?}", event.location)
+    };
+    assert_eq!(bucket, &bus.namespace().object_store(ObjectStore::Weights));
+    std::fs::create_dir_all(dir).unwrap();
+    for file in files {
+        let expected = StoredFile {
+            sha256: file.sha256.clone(),
+            size_bytes: file.size_bytes,
+        };
+        bus.get_file(
+            ObjectStore::Weights,
+            &file.object,
+            &dir.join(&file.file),
+            &expected,
+        )
+        .await
+        .unwrap();
+    }
+    files.iter().map(|f| f.file.clone()).collect()
+}
+
+/// With `--weights-store object` every version's files go to `ARL_WEIGHTS` before it is
+/// announced, and come back byte for byte; a pruned version's objects go with its folder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn object_store_versions_are_uploaded_before_they_are_announced_and_pruned_after() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tiny_model(tmp.path());
+    let runs_dir = tmp.path().join("runs");
+    let run = RunId::new("run-trainer-objects").unwrap();
+    put_run_state(&bus, &run, spec(), &base).await;
+    publish_batches(&bus, &run, &spec()).await;
+    let trainer = start_trainer_with(&bus, &runs_dir, WeightsStore::Object);
+    for step in 1..=3 {
+        for t in step_batch(&run, step) {
+            offer(&bus, &t).await;
+        }
+    }
+    until("three versions published", 180, || async {
+        events::<WeightsPublishedV2>(&bus, &run).await.len() == 3
+    })
+    .await;
+    let published = events::<WeightsPublishedV2>(&bus, &run).await;
+    let newest = &published[2];
+    let fetched = tmp.path().join("fetched");
+    let files = fetch_all(&bus, newest, &fetched).await;
+    assert_eq!(
+        files,
+        [
+            "config.json",
+            "generation_config.json",
+            WEIGHTS_FILE,
+            "tokenizer.json",
+            "tokenizer_config.json"
+        ]
+    );
+    let folder = checkpoint::version_dir(&runs_dir.join(run.as_str()), 3);
+    for file in &files {
+        assert_eq!(
+            std::fs::read(fetched.join(file)).unwrap(),
+            std::fs::read(folder.join(file)).unwrap(),
+            "{file}"
+        );
+    }
+    let (sha, size) = arl_runtime::digest::sha256_file(&fetched.join(WEIGHTS_FILE)).unwrap();
+    assert_eq!((sha, size), (newest.sha256.clone(), newest.size_bytes));
+    LoadedModel::open(&fetched).unwrap();
+    // Three versions, two kept (each step is a checkpoint): once step 3 is announced,
+    // version 1's folder is pruned, and its objects with it.
+    let version_1 = &published[0];
+    let WeightsLocation::ObjectStore { files, .. } = &version_1.location else {
+        panic!("{:?}", version_1.location)
+    };
+    until("version 1 pruned, folder and objects", 30, || async {
+        let mut gone = !checkpoint::version_dir(&runs_dir.join(run.as_str()), 1).exists();
+        for file in files {
+            let fetched = bus
+                .get_file(
+                    ObjectStore::Weights,
+                    &file.object,
+                    &tmp.path().join("gone"),
+                    &StoredFile {
+                        sha256: file.sha256.clone(),
+                        size_bytes: file.size_bytes,
+                    },
+                )
+                .await;
+            gone &= matches!(fetched, Err(ObjectError::Missing { .. }));
+        }
+        gone
+    })
+    .await;
+    fetch_all(&bus, &published[1], &tmp.path().join("version-2")).await;
+    trainer.trigger();
+    trainer.wait().await;
+}
+
+/// A version whose upload fails is not announced: the step fails, its trajectories go back
+/// to the stream, and once the store takes writes again the step is trained, uploaded and
+/// published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_upload_publishes_nothing_until_the_store_takes_it() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tiny_model(tmp.path());
+    let runs_dir = tmp.path().join("runs");
+    let run = RunId::new("run-trainer-upload").unwrap();
+    let mut spec = spec();
+    spec.trainer.total_steps = 1;
+    put_run_state(&bus, &run, spec.clone(), &base).await;
+    publish_batches(&bus, &run, &spec).await;
+    // A sealed store refuses every write.
+    let name = ns.object_store(ObjectStore::Weights);
+    let mut store = bus.jetstream().get_object_store(&name).await.unwrap();
+    store.seal().await.unwrap();
+    let trainer = start_trainer_with(&bus, &runs_dir, WeightsStore::Object);
+    for t in step_batch(&run, 1) {
+        offer(&bus, &t).await;
+    }
+    // The step trains and saves, its upload fails, the version is discarded (else its
+    // checkpoint would pass for committed), and its trajectories come back.
+    until("the step's trajectories redelivered", 120, || async {
+        let stream = bus
+            .jetstream()
+            .get_stream(ns.stream(Domain::Trajectory))
+            .await
+            .unwrap();
+        let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+            stream.get_consumer("trainer").await.unwrap();
+        let info = consumer.info().await.unwrap();
+        info.delivered.stream_sequence > 0 && info.delivered.consumer_sequence > 4
+    })
+    .await;
+    assert!(events::<WeightsPublishedV2>(&bus, &run).await.is_empty());
+    assert!(events::<TrainStepV2>(&bus, &run).await.is_empty());
+    // The store is replaced by a writable one: the retried step goes through.
+    bus.jetstream().delete_object_store(&name).await.unwrap();
+    bus.provision().await.unwrap();
+    until("the step published", 180, || async {
+        events::<WeightsPublishedV2>(&bus, &run).await.len() == 1
+    })
+    .await;
+    let published = &events::<WeightsPublishedV2>(&bus, &run).await[0];
+    fetch_all(&bus, published, &tmp.path().join("fetched")).await;
+    trainer.trigger();
+    trainer.wait().await;
+}
+
 /// A training split that is not a multiple of `train_batch_size` ends each epoch with a
 /// short batch: the trainer trains it with the trajectories its own `task.batch` asked for.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -444,7 +613,7 @@ async fn the_short_last_batch_of_an_epoch_trains_with_what_its_batch_asked_for()
         offer(&bus, &t).await;
     }
     until("both steps published", 120, || async {
-        events::<WeightsPublishedV1>(&bus, &run).await.len() == 2
+        events::<WeightsPublishedV2>(&bus, &run).await.len() == 2
     })
     .await;
     let steps = events::<TrainStepV2>(&bus, &run).await;
@@ -573,14 +742,14 @@ async fn a_gpu_trainer_trains_real_smollm2_trajectories() {
         offer(&bus, t).await;
     }
     until("the GPU step published", 300, || async {
-        events::<WeightsPublishedV1>(&bus, &run).await.len() == 1
+        events::<WeightsPublishedV2>(&bus, &run).await.len() == 1
     })
     .await;
     let step = &events::<TrainStepV2>(&bus, &run).await[0];
     eprintln!("GPU step metrics: {:?}", step.metrics);
     assert!(step.metrics.grad_norm > 0.0 && step.metrics.pg_loss.is_finite());
-    let published = &events::<WeightsPublishedV1>(&bus, &run).await[0];
-    let dir = PathBuf::from(published.uri.strip_prefix("file://").unwrap());
+    let published = &events::<WeightsPublishedV2>(&bus, &run).await[0];
+    let dir = folder(published);
     // bf16 on disk, f32 master copy in the checkpoint.
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let header = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -633,7 +802,7 @@ async fn a_gpu_trainer_trains_real_smollm2_trajectories() {
         offer(&bus, &next).await;
     }
     until("the resumed GPU step published", 300, || async {
-        events::<WeightsPublishedV1>(&bus, &run).await.len() == 2
+        events::<WeightsPublishedV2>(&bus, &run).await.len() == 2
     })
     .await;
     let (dir, state) = checkpoint::latest_checkpoint(&runs_dir.join(run.as_str())).unwrap();

@@ -4,7 +4,9 @@
 mod reward;
 mod sandbox;
 mod train;
+mod weights;
 
 pub use reward::*;
 pub use sandbox::*;
 pub use train::*;
+pub use weights::*;
