@@ -23,6 +23,11 @@ pub struct CommonArgs {
     #[arg(long, env = "ARL_HTTP_ADDR", default_value = "127.0.0.1:0")]
     pub http_addr: SocketAddr,
 
+    /// Copies JetStream keeps of each stream, bucket and object store this service
+    /// creates: 3 on a cluster of three NATS servers, 1 on one.
+    #[arg(long, env = "ARL_STREAM_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub stream_replicas: u8,
+
     #[command(flatten)]
     pub nats: NatsAuth,
 }
@@ -36,6 +41,7 @@ impl CommonArgs {
     pub fn bus_config(&self, client_name: &str) -> Result<BusConfig, NamespaceError> {
         let mut config = BusConfig::new(&self.nats_url, self.namespace()?, client_name);
         config.auth = self.nats.clone();
+        config.stream_replicas = usize::from(self.stream_replicas);
         Ok(config)
     }
 }
@@ -73,5 +79,28 @@ pub fn model_path_or_name(path: &str) -> PathBuf {
     {
         Some((_, file)) => default_model_dir().join(file),
         None => PathBuf::from(path),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        common: CommonArgs,
+    }
+
+    #[test]
+    fn stream_replicas_reach_the_bus_config_and_zero_is_refused() {
+        let cli = Cli::try_parse_from(["svc"]).unwrap();
+        assert_eq!(cli.common.bus_config("svc").unwrap().stream_replicas, 1);
+        let cli = Cli::try_parse_from(["svc", "--stream-replicas", "3"]).unwrap();
+        assert_eq!(cli.common.bus_config("svc").unwrap().stream_replicas, 3);
+        let err = Cli::try_parse_from(["svc", "--stream-replicas", "0"]).unwrap_err();
+        assert!(err.to_string().contains("--stream-replicas"), "{err}");
     }
 }

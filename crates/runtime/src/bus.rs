@@ -84,6 +84,9 @@ pub struct BusConfig {
     pub publish_timeout: Duration,
     /// Credentials and TLS.
     pub auth: crate::auth::NatsAuth,
+    /// Copies JetStream keeps of every stream, bucket and object store (3 in a cluster
+    /// of three NATS servers, 1 on one server).
+    pub stream_replicas: usize,
 }
 
 impl BusConfig {
@@ -99,6 +102,7 @@ impl BusConfig {
             wait_for_server: true,
             publish_timeout: Duration::from_secs(60),
             auth: crate::auth::NatsAuth::default(),
+            stream_replicas: 1,
         }
     }
 }
@@ -111,6 +115,8 @@ pub struct Bus {
     namespace: Namespace,
     metrics: Metrics,
     publish_timeout: Duration,
+    /// Copies of each stream, bucket and object store it provisions.
+    stream_replicas: usize,
     /// The client name given at connect ("arl-rollout"): who speaks in `run.failed`.
     client_name: std::sync::Arc<str>,
     /// Registered datasets read so far, by digest: immutable, so never stale; a few
@@ -173,6 +179,7 @@ impl Bus {
             namespace: config.namespace,
             metrics,
             publish_timeout: config.publish_timeout,
+            stream_replicas: config.stream_replicas.max(1),
             client_name: config.client_name.as_str().into(),
             manifests: Default::default(),
         })
@@ -228,6 +235,7 @@ impl Bus {
         let config = object_store::Config {
             bucket: name.clone(),
             storage: stream::StorageType::File,
+            num_replicas: self.stream_replicas,
             ..Default::default()
         };
         retry_provision(&name, || async {
@@ -311,6 +319,7 @@ impl Bus {
             name: name.clone(),
             subjects: vec![self.namespace.stream_subjects(domain)],
             storage: stream::StorageType::File,
+            num_replicas: self.stream_replicas,
             retention: stream::RetentionPolicy::Limits,
             max_age: STREAM_MAX_AGE,
             duplicate_window: DUPLICATE_WINDOW,
@@ -336,6 +345,7 @@ impl Bus {
                 && current.max_age == config.max_age
                 && current.duplicate_window == config.duplicate_window
                 && current.max_message_size == config.max_message_size
+                && current.num_replicas == config.num_replicas
             {
                 return Ok(());
             }
@@ -355,6 +365,7 @@ impl Bus {
             bucket: name.clone(),
             history: 16,
             storage: stream::StorageType::File,
+            num_replicas: self.stream_replicas,
             // Announcements are alive only while refreshed.
             max_age: if bucket == Bucket::Trainers {
                 Duration::from_secs(arl_schemas::state::TRAINER_TTL_SECONDS)
