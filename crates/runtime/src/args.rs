@@ -28,6 +28,12 @@ pub struct CommonArgs {
     #[arg(long, env = "ARL_STREAM_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=5))]
     pub stream_replicas: u8,
 
+    /// Bytes each event stream may hold (a full stream refuses new events rather than
+    /// dropping unread ones). JetStream reserves them on disk when the stream is made.
+    /// Unset: streams are bounded by age (14 days) only.
+    #[arg(long, env = "ARL_STREAM_MAX_BYTES", value_parser = clap::value_parser!(u64).range(1..))]
+    pub stream_max_bytes: Option<u64>,
+
     #[command(flatten)]
     pub nats: NatsAuth,
 }
@@ -42,6 +48,7 @@ impl CommonArgs {
         let mut config = BusConfig::new(&self.nats_url, self.namespace()?, client_name);
         config.auth = self.nats.clone();
         config.stream_replicas = usize::from(self.stream_replicas);
+        config.stream_max_bytes = self.stream_max_bytes;
         Ok(config)
     }
 }

@@ -50,6 +50,11 @@ pub enum BusError {
         bytes: usize,
         limit: usize,
     },
+    #[error(
+        "publish to {subject} refused: its stream is full ({reason}); consumers must catch up \
+         or the operator must raise --stream-max-bytes (ARL_STREAM_MAX_BYTES)"
+    )]
+    StreamFull { subject: String, reason: String },
     #[error("reading back {filter}: {reason}")]
     Replay { filter: String, reason: String },
     #[error("key-value {bucket}: {reason}")]
@@ -87,6 +92,9 @@ pub struct BusConfig {
     /// Copies JetStream keeps of every stream, bucket and object store (3 in a cluster
     /// of three NATS servers, 1 on one server).
     pub stream_replicas: usize,
+    /// Bytes each event stream may hold; a full stream refuses new events
+    /// ([`BusError::StreamFull`]) rather than dropping old ones. None: only the age limit.
+    pub stream_max_bytes: Option<u64>,
 }
 
 impl BusConfig {
@@ -103,6 +111,7 @@ impl BusConfig {
             publish_timeout: Duration::from_secs(60),
             auth: crate::auth::NatsAuth::default(),
             stream_replicas: 1,
+            stream_max_bytes: None,
         }
     }
 }
@@ -117,6 +126,8 @@ pub struct Bus {
     publish_timeout: Duration,
     /// Copies of each stream, bucket and object store it provisions.
     stream_replicas: usize,
+    /// Bytes each event stream may hold (None: no limit but age).
+    stream_max_bytes: Option<u64>,
     /// The client name given at connect ("arl-rollout"): who speaks in `run.failed`.
     client_name: std::sync::Arc<str>,
     /// Registered datasets read so far, by digest: immutable, so never stale; a few
@@ -180,6 +191,7 @@ impl Bus {
             metrics,
             publish_timeout: config.publish_timeout,
             stream_replicas: config.stream_replicas.max(1),
+            stream_max_bytes: config.stream_max_bytes,
             client_name: config.client_name.as_str().into(),
             manifests: Default::default(),
         })
@@ -324,6 +336,13 @@ impl Bus {
             max_age: STREAM_MAX_AGE,
             duplicate_window: DUPLICATE_WINDOW,
             max_message_size: MAX_EVENT_BYTES as i32,
+            // Full: refuse new events (publishers back off and retry) rather than drop
+            // old ones a consumer has not read yet. JetStream reserves the bytes on disk
+            // when the stream is made, so a limit the server cannot hold fails here.
+            max_bytes: self
+                .stream_max_bytes
+                .map_or(-1, |bytes| i64::try_from(bytes).unwrap_or(i64::MAX)),
+            discard: stream::DiscardPolicy::New,
             ..Default::default()
         };
         retry_provision(&name, || async {
@@ -346,6 +365,8 @@ impl Bus {
                 && current.duplicate_window == config.duplicate_window
                 && current.max_message_size == config.max_message_size
                 && current.num_replicas == config.num_replicas
+                && current.max_bytes == config.max_bytes
+                && current.discard == config.discard
             {
                 return Ok(());
             }
@@ -821,6 +842,9 @@ impl Bus {
                 }
                 Err((jetstream::context::PublishErrorKind::MaxPayloadExceeded, reason)) => {
                     return Err(BusError::PublishRefused { subject, reason });
+                }
+                Err((_, reason)) if reason.contains("maximum bytes exceeded") => {
+                    return Err(BusError::StreamFull { subject, reason });
                 }
                 Err((_, reason)) => reason,
             };

@@ -582,3 +582,63 @@ async fn a_panic_and_an_oversized_event_are_dead_lettered_at_once() {
     shutdown.trigger();
     shutdown.wait().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_stream_refuses_new_events_at_once_and_keeps_the_old_ones() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let mut config = BusConfig::new(server.url(), ns.clone(), "test");
+    config.stream_max_bytes = Some(64 * 1024);
+    let bus = Bus::connect(config, Metrics::new()).await.unwrap();
+    bus.provision().await.unwrap();
+    let run_stream = ns.stream(RunFailedV1::DOMAIN);
+    let info = bus
+        .jetstream()
+        .get_stream(&run_stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .clone();
+    assert_eq!(info.max_bytes, 64 * 1024);
+
+    let started = std::time::Instant::now();
+    let mut refused = None;
+    for n in 0..64 {
+        let event = RunFailedV1 {
+            run_id: RunId::new(format!("run-full-{n}")).unwrap(),
+            reason: "x".repeat(8 * 1024),
+            ..RunFailedV1::example()
+        };
+        if let Err(err) = bus.publish(&event).await {
+            refused = Some((n, err));
+            break;
+        }
+    }
+    let (n, err) = refused.expect("a 64 KiB stream takes no 64 events of 8 KiB");
+    assert!(
+        matches!(err, arl_runtime::BusError::StreamFull { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("ARL_STREAM_MAX_BYTES"), "{err}");
+    assert!(n >= 4, "refused after only {n} events");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "refused at once, not after the publish timeout: {:?}",
+        started.elapsed()
+    );
+    let state = bus
+        .jetstream()
+        .get_stream(&run_stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .clone();
+    assert_eq!(state.first_sequence, 1, "the oldest event is kept");
+    assert_eq!(state.messages, n as u64);
+}

@@ -137,6 +137,10 @@ ops address, stream replicas, logs, traces, and the pod's own name and address.
   value: "0.0.0.0:9090"
 - name: ARL_STREAM_REPLICAS
   value: {{ $root.Values.nats.jetstream.replicas | quote }}
+{{- with $root.Values.nats.jetstream.maxBytesPerStream }}
+- name: ARL_STREAM_MAX_BYTES
+  value: {{ int64 . | toString | quote }}
+{{- end }}
 - name: RUST_LOG
   value: {{ $root.Values.logLevel | quote }}
 - name: ARL_LOG_FORMAT
