@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use arl_runtime::Bus;
+use arl_runtime::{Bus, BusError};
 use arl_schemas::RunId;
 use arl_schemas::events::{CallTiming, FinishReason, LlmCallV1};
 use axum::Router;
@@ -604,12 +604,30 @@ struct Recorder {
     _in_flight: (InFlight<RunLoad>, InFlight<crate::backends::Backend>),
 }
 
+/// Why a call's record was not stored.
+enum Unrecorded {
+    /// Over the bus's event limit: the trial's context grew too large to record (413).
+    TooLarge(String),
+    /// The bus or the backend's answer is at fault (503).
+    Unavailable(String),
+}
+
+impl Unrecorded {
+    fn reason(&self) -> &str {
+        match self {
+            Unrecorded::TooLarge(reason) | Unrecorded::Unavailable(reason) => reason,
+        }
+    }
+}
+
 impl Recorder {
-    /// Stores the call's record; the reason when it cannot be.
-    async fn store(&mut self) -> Result<(), String> {
+    /// Stores the call's record; why not when it cannot be.
+    async fn store(&mut self) -> Result<(), Unrecorded> {
         let r = &self.record;
         if r.completion_token_ids.is_empty() && r.prompt_token_ids.is_empty() {
-            return Err("the backend returned no token ids (is it asked in its dialect?)".into());
+            return Err(Unrecorded::Unavailable(
+                "the backend returned no token ids (is it asked in its dialect?)".into(),
+            ));
         }
         let version = r.policy_version.unwrap_or(self.call.trial.policy_version);
         self.call
@@ -679,7 +697,13 @@ impl Recorder {
             .publish(&event)
             .instrument(self.span.clone())
             .await
-            .map_err(|e| format!("the call could not be recorded: {e}"))?;
+            .map_err(|e| {
+                let reason = format!("the call could not be recorded: {e}");
+                match e {
+                    BusError::TooLarge { .. } => Unrecorded::TooLarge(reason),
+                    _ => Unrecorded::Unavailable(reason),
+                }
+            })?;
         self.call.trial.recorded.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
@@ -706,7 +730,10 @@ impl Recorder {
                 bytes,
             )
                 .into_response(),
-            Err(reason) => error(
+            Err(Unrecorded::TooLarge(reason)) => {
+                error(StatusCode::PAYLOAD_TOO_LARGE, "record_too_large", reason)
+            }
+            Err(Unrecorded::Unavailable(reason)) => error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",
                 reason,
@@ -732,7 +759,7 @@ impl Recorder {
                         if data.as_deref() == Some("[DONE]") {
                             let tail = match rec.store().await {
                                 Ok(()) => event,
-                                Err(reason) => sse_error(&reason),
+                                Err(unrecorded) => sse_error(unrecorded.reason()),
                             };
                             return Some((
                                 Ok::<_, std::io::Error>(Bytes::from(tail)),
@@ -760,7 +787,7 @@ impl Recorder {
                             // Ended without [DONE]: record what came, then say it was cut short.
                             let reason = match rec.store().await {
                                 Ok(()) => "the backend ended the stream early".to_owned(),
-                                Err(reason) => reason,
+                                Err(unrecorded) => unrecorded.reason().to_owned(),
                             };
                             return Some((
                                 Ok(Bytes::from(sse_error(&reason))),

@@ -377,6 +377,29 @@ async fn bad_input_overload_and_an_unrecordable_call_are_refused() {
     s.shutdown.trigger();
 }
 
+/// A conversation whose record would pass the bus's event limit is refused as the agent's
+/// context (413, `record_too_large`): a classed failure, not a 503 the agent retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_too_large_to_record_is_refused_as_its_context() {
+    let s = setup(
+        ProxyConfig {
+            max_body_bytes: 4 << 20,
+            ..ProxyConfig::default()
+        },
+        false,
+    )
+    .await;
+    let grant = s.key("trial-huge", None).await;
+    let url = format!("{}/chat/completions", grant.base_url);
+    let (status, body, _) = s.post(&url, &[], &chat(&"x".repeat(1_200_000))).await;
+    assert_eq!(status, 413, "{body}");
+    assert!(body.contains("record_too_large"), "{body}");
+    assert!(body.contains("could not be recorded"), "{body}");
+    // The trial's next, ordinary call is recorded as usual.
+    assert_eq!(s.post(&url, &[], &chat("small")).await.0, 200);
+    s.shutdown.trigger();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trial_past_its_staleness_limit_is_held_back() {
     let s = setup(ProxyConfig::default(), false).await;

@@ -163,6 +163,9 @@ impl LlmClient {
                     );
                     tokio::time::sleep(wait).await;
                 }
+                // The conversation outgrew what one `llm.call` record may hold: the
+                // agent's context, like a prompt past the model's window.
+                413 => return Err(TrialError::new(FailureClass::ContextOverflow, message)),
                 400 => return Err(TrialError::new(FailureClass::AgentError, message)),
                 code => {
                     return Err(infrastructure(format!(
