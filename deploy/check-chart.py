@@ -55,17 +55,17 @@ SCALABLE = {"rollout", "proxy", "reward", "sandbox"}
 # The API access each service may have, as (apiGroup, resource, verb) triples; a service
 # not named here gets none (no RoleBinding, no token mounted).
 SANDBOX_RULES = {
-    *(("", "pods", v) for v in ["get", "list", "watch", "create", "delete", "patch"]),
+    *(("", "pods", v) for v in ["get", "list", "create", "delete", "patch"]),
     *(("", "pods/exec", v) for v in ["create", "get"]),
 }
 KRUISE_RULES = {
-    *(("agents.kruise.io", "sandboxclaims", v) for v in ["get", "list", "watch", "create", "delete"]),
-    *(("agents.kruise.io", "sandboxsets", v) for v in ["get", "list", "watch"]),
-    *(("agents.kruise.io", "sandboxes", v) for v in ["get", "list", "delete"]),
+    *(("agents.kruise.io", "sandboxclaims", v) for v in ["get", "create", "delete"]),
+    *(("agents.kruise.io", "sandboxes", v) for v in ["list", "patch", "delete"]),
 }
 IMAGEBUILDER_RULES = {
-    *(("batch", "jobs", v) for v in ["get", "list", "watch", "create", "delete"]),
-    *(("", r, v) for r in ["pods", "pods/log"] for v in ["get", "list"]),
+    *(("batch", "jobs", v) for v in ["get", "create", "delete"]),
+    ("", "pods", "list"),
+    ("", "pods/log", "get"),
 }
 
 
