@@ -171,9 +171,7 @@ fn submitter() -> String {
                 .filter(|u| !u.is_empty())
         })
         .unwrap_or_else(|| "unknown".into());
-    let host = std::fs::read_to_string("/etc/hostname")
-        .map(|h| h.trim().to_owned())
-        .unwrap_or_else(|_| "localhost".into());
+    let host = arl_runtime::host::host_name();
     format!("{user}@{host}")
 }
 

@@ -218,3 +218,17 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
             ExitCode::FAILURE
         })
 }
+
+/// This machine's name as `hostname` prints it (the kernel's UTS name: in a Pod, the
+/// Pod's name), else `/etc/hostname`, else `localhost`.
+pub fn host_name() -> String {
+    ["/proc/sys/kernel/hostname", "/etc/hostname"]
+        .iter()
+        .find_map(|file| {
+            std::fs::read_to_string(file)
+                .ok()
+                .map(|name| name.trim().to_owned())
+                .filter(|name| !name.is_empty())
+        })
+        .unwrap_or_else(|| "localhost".to_owned())
+}

@@ -119,9 +119,7 @@ impl EventFile {
     pub fn create(dir: &Path) -> std::io::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let now = wall_time();
-        let host = std::fs::read_to_string("/etc/hostname")
-            .map(|h| h.trim().to_owned())
-            .unwrap_or_else(|_| "localhost".to_owned());
+        let host = arl_runtime::host::host_name();
         let path = dir.join(format!(
             "events.out.tfevents.{}.{host}.{}.{}",
             now as u64,

@@ -228,7 +228,7 @@ impl Trainer {
         };
         TrainerAnnouncementV1 {
             instance: self.instance.clone(),
-            host: hostname(),
+            host: arl_runtime::host::host_name(),
             devices,
             gpu_unavailable,
             runs: self.runs.lock().await.keys().cloned().collect(),
@@ -865,12 +865,6 @@ async fn discard(dir: &std::path::Path) {
 
 fn count(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_owned())
-        .unwrap_or_else(|_| "unknown".into())
 }
 
 /// The step's settings from the run spec.
