@@ -545,12 +545,5 @@ async fn settle(message: &jetstream::Message, kind: AckKind) {
 
 fn truncate(text: &str, max: usize) -> String {
     let single_line = text.replace(['\r', '\n'], " ");
-    if single_line.len() <= max {
-        return single_line;
-    }
-    let mut end = max;
-    while !single_line.is_char_boundary(end) {
-        end -= 1;
-    }
-    single_line[..end].to_owned()
+    crate::text::head(&single_line, max).to_owned()
 }

@@ -28,6 +28,7 @@ pub mod rpc;
 pub mod secret;
 pub mod shutdown;
 pub mod telemetry;
+pub mod text;
 
 pub use args::CommonArgs;
 pub use bus::{Bus, BusError, Published};

@@ -124,7 +124,7 @@ impl Lease {
             openinference.span.kind = "TOOL",
             otel.kind = "client",
             lease = %self.grant.lease_id,
-            command = %head(&request.command, 200),
+            command = %arl_runtime::text::head(&request.command, 200),
             exit_code = tracing::field::Empty,
             timed_out = tracing::field::Empty,
         );
@@ -243,15 +243,6 @@ impl Lease {
 }
 
 /// Percent-encodes a query value (RFC 3986 unreserved characters and `/` stay).
-/// At most `max` bytes of `text`, cut at a character boundary (span attributes stay small).
-fn head(text: &str, max: usize) -> &str {
-    let mut end = text.len().min(max);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
-}
-
 fn encode_query(value: &str) -> String {
     let mut out = String::with_capacity(value.len());
     for byte in value.bytes() {

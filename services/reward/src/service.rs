@@ -356,11 +356,7 @@ fn grading_failure(error: GradingError, log: &str) -> Failure {
 }
 
 fn tail(log: &str) -> &str {
-    let start = log.len().saturating_sub(2000);
-    let start = (start..log.len())
-        .find(|i| log.is_char_boundary(*i))
-        .unwrap_or(log.len());
-    &log[start..]
+    arl_runtime::text::tail(log, 2000)
 }
 
 /// Lines a patch adds or removes.

@@ -266,7 +266,10 @@ pub async fn run_mini_swe_agent(
     };
     let left = ctx.deadline.saturating_duration_since(Instant::now());
     let env = [
-        ("OPENAI_BASE_URL", agent_base_url(proxy, ctx.base_url, trial_key)),
+        (
+            "OPENAI_BASE_URL",
+            agent_base_url(proxy, ctx.base_url, trial_key),
+        ),
         ("OPENAI_API_KEY", trial_key.to_owned()),
         ("AGENT_TASK", ctx.instruction.to_owned()),
         ("AGENT_STEP_LIMIT", ctx.max_turns.to_string()),
@@ -458,18 +461,13 @@ pub fn truncate(text: &str, max: usize) -> String {
         return text.to_owned();
     }
     let half = max / 2;
-    let head_end = (0..=half)
-        .rev()
-        .find(|i| text.is_char_boundary(*i))
-        .unwrap_or(0);
-    let tail_start = (text.len() - half..text.len())
-        .find(|i| text.is_char_boundary(*i))
-        .unwrap_or(text.len());
+    let (head, tail) = (
+        arl_runtime::text::head(text, half),
+        arl_runtime::text::tail(text, half),
+    );
     format!(
-        "{}\n[… {} characters left out …]\n{}",
-        &text[..head_end],
-        tail_start - head_end,
-        &text[tail_start..]
+        "{head}\n[… {} characters left out …]\n{tail}",
+        text.len() - head.len() - tail.len()
     )
 }
 
@@ -480,7 +478,11 @@ mod tests {
     #[test]
     fn agents_use_the_relay_on_one_machine_and_the_issuing_replica_in_a_cluster() {
         assert_eq!(
-            agent_base_url("http://127.0.0.1:8000/v1", "http://10.0.0.5:8000/tk-1/v1", "tk-1"),
+            agent_base_url(
+                "http://127.0.0.1:8000/v1",
+                "http://10.0.0.5:8000/tk-1/v1",
+                "tk-1"
+            ),
             "http://127.0.0.1:8000/tk-1/v1"
         );
         assert_eq!(
