@@ -68,6 +68,7 @@ help:
 	@echo "make chart    lint, render and validate the Helm chart deploy/helm/arl (helm, kubernetes-validate; deploy/check-chart.py)"
 	@echo "make image-check  build the Dockerfile's image (buildah, debootstrap root), push it to a local registry, start it until /health answers"
 	@echo "make image  the image of release binaries, left in buildah's store $(ARL_CACHE)/image/storage as localhost/arl:latest"
+	@echo "make chaos    every service and nats-server SIGKILLed in turn during a run under arl up --supervise (tests/tests/chaos.rs; make test runs a reduced form)"
 	@echo "make lint | fmt | bench | clean-cache"
 
 deps: $(TOOLS_STAMP) $(AGENTS_STAMP) system-deps
@@ -192,6 +193,13 @@ chart: $(CHART_STAMP)
 
 test: deps models data vllm observability lint chart build image-check
 	cargo test --workspace --no-fail-fast
+
+# One reduced run per victim (each service, nats-server), one at a time: each starts its own
+# `arl up --supervise` with every service. The reduced form (three victims in one run) is in
+# `make test`.
+.PHONY: chaos
+chaos: deps models build
+	cargo test -p arl-e2e --test chaos -- --ignored --test-threads=1
 
 # The one image (Dockerfile) without a Docker daemon or a pullable base: buildah builds it on
 # a debootstrap root of this host's Debian, from the binaries `build` made; scripts/image-check.sh.

@@ -68,7 +68,12 @@ pub enum ImageCommand {
         namespace: String,
         #[arg(long, env = "ARL_REGISTRY_USER", requires = "password")]
         user: Option<String>,
-        #[arg(long, env = "ARL_REGISTRY_PASSWORD", hide_env_values = true, requires = "user")]
+        #[arg(
+            long,
+            env = "ARL_REGISTRY_PASSWORD",
+            hide_env_values = true,
+            requires = "user"
+        )]
         password: Option<String>,
         /// The image's name under the namespace (a task's instance id).
         name: String,
@@ -118,6 +123,14 @@ pub struct UpArgs {
     /// printed. The `phoenix` program is ARL_PHOENIX, else `phoenix` on PATH.
     #[arg(long)]
     pub traces: bool,
+    /// Restart a service, or the private nats-server, that exits — however it exits,
+    /// SIGKILL included — with the same arguments, after a backoff (1 s, doubling to 10 s;
+    /// back to 1 s once it stayed up 60 s); each restart is printed with the exit status.
+    /// The nats-server keeps its port and store and syncs every JetStream write before
+    /// acknowledging it (`sync_interval: always`). Without it, a service that exits stops
+    /// everything. Either way `<state>/pids/<name>` holds each running child's pid.
+    #[arg(long)]
+    pub supervise: bool,
 }
 
 #[derive(Debug, Subcommand)]

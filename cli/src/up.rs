@@ -2,7 +2,13 @@
 //! private `nats-server` when NATS_URL is not given. The state (JetStream store,
 //! environments, sandboxes, checkpoints, logs) lives under one folder. Ctrl-C stops
 //! everything; a service that exits on its own stops everything too, with its log's tail
-//! — `arl up` never restarts one behind your back.
+//! — `arl up` never restarts one behind your back. With `--supervise` it does, in the open:
+//! a child that exits (any exit, SIGKILL included) is started again with the same
+//! arguments after a backoff, and the restart is printed with the exit status; the private
+//! nats-server keeps its port and store and syncs every JetStream write before it
+//! acknowledges it, so its restart loses nothing. Each child's pid is in
+//! `<state>/pids/<name>` while it runs (the chaos tests, `tests/tests/chaos.rs`, kill them
+//! by it).
 //!
 //! "Up" means ready: each service's `/ready` answers 200 (the engine has its weights, the
 //! proxy a backend that passed a health check, the trainer has probed its GPU …). Only
@@ -15,7 +21,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arl_schemas::permissions::Role;
 
@@ -179,41 +185,214 @@ fn io(err: std::io::Error) -> CliError {
     CliError::Usage(err.to_string())
 }
 
-struct Children(Vec<(String, Child, PathBuf)>);
+/// The first wait before a supervised child is started again; it doubles with each exit
+/// up to [`MAX_BACKOFF`], and is back to this once the child stayed up [`STABLE_AFTER`].
+const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+const STABLE_AFTER: Duration = Duration::from_secs(60);
+
+/// After a child that ran for `up_for` exits with the backoff at `current`: how long to
+/// wait before starting it again, and the backoff for its next exit.
+fn backoff(current: Duration, up_for: Duration) -> (Duration, Duration) {
+    let delay = if up_for >= STABLE_AFTER {
+        FIRST_BACKOFF
+    } else {
+        current
+    };
+    (delay, (delay * 2).min(MAX_BACKOFF))
+}
+
+/// One child of `arl up` and what it takes to start it again.
+struct Supervised {
+    name: String,
+    program: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    log: PathBuf,
+    /// None while it waits to be started again.
+    process: Option<Child>,
+    started: Instant,
+    /// The wait before the next restart.
+    backoff: Duration,
+    restart_at: Option<Instant>,
+    restarts: u32,
+}
+
+/// Every child of `arl up`, in start order; stopped (last first) when dropped.
+struct Children {
+    list: Vec<Supervised>,
+    logs: PathBuf,
+    /// `<state>/pids`: one file per running child, named like its log, holding its pid.
+    pids: PathBuf,
+    /// Restart a child that exits instead of stopping everything.
+    supervise: bool,
+}
 
 impl Drop for Children {
     fn drop(&mut self) {
-        for (_, child, _) in self.0.iter_mut().rev() {
-            let _ = child.kill();
-            let _ = child.wait();
+        for child in self.list.iter_mut().rev() {
+            if let Some(process) = child.process.as_mut() {
+                let _ = process.kill();
+                let _ = process.wait();
+            }
+            let _ = std::fs::remove_file(self.pids.join(&child.name));
         }
     }
 }
 
-fn spawn(
-    bin: &Path,
-    name: &str,
-    args: &[String],
-    env: &[(&str, String)],
-    logs: &Path,
-) -> Result<(Child, PathBuf), CliError> {
-    let log = logs.join(format!("{name}.log"));
-    let file = std::fs::File::create(&log).map_err(io)?;
-    // Third-party programs are given whole; ARL's services are found beside `arl`.
-    let program = if name.starts_with("arl-") {
-        bin.join(name)
+impl Children {
+    fn new(state: &Path, logs: &Path, supervise: bool) -> Result<Self, CliError> {
+        let pids = state.join("pids");
+        std::fs::create_dir_all(&pids).map_err(io)?;
+        Ok(Self {
+            list: Vec::new(),
+            logs: logs.to_path_buf(),
+            pids,
+            supervise,
+        })
+    }
+
+    /// Starts `program` as the child `name` (its log `<logs>/<name>.log`); returns the log.
+    fn start(
+        &mut self,
+        name: &str,
+        program: PathBuf,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+    ) -> Result<PathBuf, CliError> {
+        let log = self.logs.join(format!("{name}.log"));
+        let mut child = Supervised {
+            name: name.to_owned(),
+            program,
+            args,
+            env,
+            log: log.clone(),
+            process: None,
+            started: Instant::now(),
+            backoff: FIRST_BACKOFF,
+            restart_at: None,
+            restarts: 0,
+        };
+        let process = spawn(&child, false)?;
+        write_pid(&self.pids, name, process.id()).map_err(io)?;
+        child.process = Some(process);
+        self.list.push(child);
+        Ok(log)
+    }
+
+    /// Looks at every child: without `--supervise`, the first that exited stops `arl up`
+    /// (exit code 1, after printing its log's tail); with it, one that exited is started
+    /// again once its backoff has passed.
+    fn check(&mut self) -> Option<std::process::ExitCode> {
+        let now = Instant::now();
+        for index in 0..self.list.len() {
+            let child = &mut self.list[index];
+            let Some(process) = child.process.as_mut() else {
+                if child.restart_at.is_some_and(|at| at <= now) {
+                    self.restart(index);
+                }
+                continue;
+            };
+            let Ok(Some(status)) = process.try_wait() else {
+                continue;
+            };
+            child.process = None;
+            let _ = std::fs::remove_file(self.pids.join(&child.name));
+            if !self.supervise {
+                eprintln!(
+                    "{} exited ({status}); stopping ARL. Its log ends:\n{}",
+                    child.name,
+                    tail(&child.log)
+                );
+                return Some(std::process::ExitCode::from(1));
+            }
+            let up_for = child.started.elapsed();
+            let (delay, next) = backoff(child.backoff, up_for);
+            child.backoff = next;
+            child.restart_at = Some(now + delay);
+            eprintln!(
+                "{} exited ({status}) after {:.1} s; restarting it in {} s (--supervise). \
+                 Its log ends:\n{}",
+                child.name,
+                up_for.as_secs_f64(),
+                delay.as_secs(),
+                tail(&child.log)
+            );
+        }
+        None
+    }
+
+    /// Starts the `index`-th child again, with the same program, arguments and environment;
+    /// a start that fails is tried again after the next backoff.
+    fn restart(&mut self, index: usize) {
+        let child = &mut self.list[index];
+        child.restart_at = None;
+        child.restarts += 1;
+        child.started = Instant::now();
+        match spawn(child, true) {
+            Ok(process) => {
+                let _ = write_pid(&self.pids, &child.name, process.id());
+                eprintln!(
+                    "{} restarted (pid {}, restart {})",
+                    child.name,
+                    process.id(),
+                    child.restarts
+                );
+                child.process = Some(process);
+            }
+            Err(err) => {
+                let (delay, next) = backoff(child.backoff, Duration::ZERO);
+                child.backoff = next;
+                child.restart_at = Some(Instant::now() + delay);
+                eprintln!("{err}; trying again in {} s", delay.as_secs());
+            }
+        }
+    }
+}
+
+/// `<pids>/<name>` ← `pid`, replaced whole (written aside, then renamed), so a reader
+/// never sees half a number.
+fn write_pid(pids: &Path, name: &str, pid: u32) -> std::io::Result<()> {
+    let aside = pids.join(format!(".{name}.new"));
+    std::fs::write(&aside, format!("{pid}\n"))?;
+    std::fs::rename(aside, pids.join(name))
+}
+
+/// Starts `child`'s program; a restart appends to its log (after a line saying so)
+/// instead of starting a new one.
+fn spawn(child: &Supervised, again: bool) -> Result<Child, CliError> {
+    let file = if again {
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(&child.log)
+            .map_err(io)?;
+        let _ = writeln!(
+            file,
+            "--- arl up --supervise: started again ({})",
+            chrono::Utc::now().to_rfc3339()
+        );
+        file
     } else {
-        PathBuf::from(bin)
+        std::fs::File::create(&child.log).map_err(io)?
     };
     // Through setpriv, each child gets SIGTERM when `arl up` dies, however it dies (even
     // SIGKILL): nothing is left running. The trace UI holds nothing that needs draining
-    // (and its Python server can take long to stop): it is killed outright.
-    let signal = if name == "phoenix" { "KILL" } else { "TERM" };
+    // (and its Python server can take long to stop): it is killed outright. setpriv
+    // execs the program, so the child's pid is the program's.
+    let signal = if child.name == "phoenix" {
+        "KILL"
+    } else {
+        "TERM"
+    };
     let mut command = Command::new("setpriv");
-    command.args(["--pdeathsig", signal, "--"]).arg(&program);
-    let child = command
-        .args(args)
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+    command
+        .args(["--pdeathsig", signal, "--"])
+        .arg(&child.program);
+    command
+        .args(&child.args)
+        .envs(child.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .stdout(Stdio::null())
         .stderr(file)
         .spawn()
@@ -221,10 +400,9 @@ fn spawn(
             CliError::Usage(format!(
                 "cannot start {} through setpriv: {e} (build the services first: cargo build \
                  --workspace --bins; setpriv comes with util-linux)",
-                program.display()
+                child.program.display()
             ))
-        })?;
-    Ok((child, log))
+        })
 }
 
 fn tail(log: &Path) -> String {
@@ -262,7 +440,7 @@ pub async fn execute(
         .parent()
         .map(Path::to_path_buf)
         .ok_or_else(|| CliError::Usage("cannot tell where arl is installed".into()))?;
-    let mut children = Children(Vec::new());
+    let mut children = Children::new(&state, &logs, args.supervise)?;
     if args.least_privilege && nats_url_given {
         return Err(CliError::Usage(
             "--least-privilege configures arl up's own nats-server; unset NATS_URL".into(),
@@ -291,11 +469,13 @@ pub async fn execute(
             "-sd".into(),
             state.join("jetstream").display().to_string(),
         ];
-        if let Some(written) = &least_privilege {
+        if args.supervise {
+            let config = supervised_server_config(&state, least_privilege.as_ref())?;
+            server_args.extend(["-c".into(), config.display().to_string()]);
+        } else if let Some(written) = &least_privilege {
             server_args.extend(["-c".into(), written.config.display().to_string()]);
         }
-        let (child, log) = spawn(&server, "nats-server", &server_args, &[], &logs)?;
-        children.0.push(("nats-server".into(), child, log));
+        children.start("nats-server", server, server_args, Vec::new())?;
         let url = format!("nats://127.0.0.1:{port}");
         for _ in 0..100 {
             if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
@@ -306,31 +486,42 @@ pub async fn execute(
         url
     };
     let traces = if args.traces {
-        Some(start_phoenix(&state, &logs, &mut children).await?)
+        Some(start_phoenix(&state, &mut children).await?)
     } else {
         None
     };
     let (engine, proxy) = (free_port()?, free_port()?);
     let mut env = vec![
-        ("NATS_URL", url.clone()),
-        ("ARL_PREFIX", bus.prefix.clone()),
+        ("NATS_URL".to_owned(), url.clone()),
+        ("ARL_PREFIX".to_owned(), bus.prefix.clone()),
     ];
     if let Some(ui) = &traces {
-        env.push(("OTEL_EXPORTER_OTLP_ENDPOINT", ui.clone()));
+        env.push(("OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(), ui.clone()));
     }
     let specs = services(&args, &state, engine, proxy)?;
     for service in &specs {
         let mut env = env.to_vec();
-        env.push(("ARL_HTTP_ADDR", format!("127.0.0.1:{}", service.ops_port)));
+        env.push((
+            "ARL_HTTP_ADDR".to_owned(),
+            format!("127.0.0.1:{}", service.ops_port),
+        ));
         if let Some(written) = &least_privilege {
             let role = Role::of_binary(service.name).ok_or_else(|| {
                 CliError::Usage(format!("{} has no role on the bus", service.name))
             })?;
-            env.push(("NATS_NKEY", written.seed(role).display().to_string()));
-            env.push(("NATS_INBOX_PREFIX", role.inbox_prefix()));
+            env.push((
+                "NATS_NKEY".to_owned(),
+                written.seed(role).display().to_string(),
+            ));
+            env.push(("NATS_INBOX_PREFIX".to_owned(), role.inbox_prefix()));
         }
-        let (child, log) = spawn(&bin, service.name, &service.args, &env, &logs)?;
-        children.0.push((service.name.into(), child, log));
+        // ARL's services are found beside `arl`.
+        children.start(
+            service.name,
+            bin.join(service.name),
+            service.args.clone(),
+            env,
+        )?;
     }
     println!(
         "starting ARL: NATS at {url}; state and logs in {}",
@@ -342,7 +533,7 @@ pub async fn execute(
     let started = std::time::Instant::now();
     let mut last_report = started;
     loop {
-        if let Some(code) = exited(&mut children) {
+        if let Some(code) = children.check() {
             return Ok(code);
         }
         let mut waiting = Vec::new();
@@ -420,7 +611,7 @@ pub async fn execute(
             _ = terminate.recv() => break,
             _ = tokio::time::sleep(Duration::from_millis(500)) => {}
         }
-        if let Some(code) = exited(&mut children) {
+        if let Some(code) = children.check() {
             return Ok(code);
         }
     }
@@ -457,11 +648,7 @@ fn write_scrape_targets(state: &Path, specs: &[ServiceSpec]) -> std::io::Result<
 
 /// Starts Phoenix with its store under `<state>/phoenix`; returns its base URL (the UI,
 /// and OTLP/HTTP at `/v1/traces`) once it answers.
-async fn start_phoenix(
-    state: &Path,
-    logs: &Path,
-    children: &mut Children,
-) -> Result<String, CliError> {
+async fn start_phoenix(state: &Path, children: &mut Children) -> Result<String, CliError> {
     let program = std::env::var_os("ARL_PHOENIX")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("phoenix"));
@@ -475,15 +662,16 @@ async fn start_phoenix(
         ("PHOENIX_WORKING_DIR", dir.display().to_string()),
         // No telemetry home from a machine that may have no network.
         ("PHOENIX_TELEMETRY_ENABLED", "false".to_owned()),
-    ];
-    let (child, log) =
-        spawn(&program, "phoenix", &["serve".to_owned()], &env, logs).map_err(|e| {
+    ]
+    .map(|(k, v)| (k.to_owned(), v));
+    let log = children
+        .start("phoenix", program, vec!["serve".to_owned()], env.to_vec())
+        .map_err(|e| {
             CliError::Usage(format!(
                 "--traces needs Arize Phoenix: {e}; install it with `make observability` and set \
                  ARL_PHOENIX to its `phoenix` program (or put it on PATH)"
             ))
         })?;
-    children.0.push(("phoenix".into(), child, log.clone()));
     let started = std::time::Instant::now();
     while probe(http, "/healthz").await.is_err() {
         if started.elapsed() > Duration::from_secs(120) {
@@ -492,8 +680,8 @@ async fn start_phoenix(
                 tail(&log)
             )));
         }
-        // `exited` prints the log's tail of whatever stopped.
-        if exited(children).is_some() {
+        // `check` prints the log's tail of whatever stopped.
+        if children.check().is_some() {
             return Err(CliError::Usage(
                 "Phoenix exited at start (see above)".into(),
             ));
@@ -503,24 +691,144 @@ async fn start_phoenix(
     Ok(format!("http://127.0.0.1:{http}"))
 }
 
-/// Exit code 1 (after printing the log's tail) when a service has exited.
-fn exited(children: &mut Children) -> Option<std::process::ExitCode> {
-    for (name, child, log) in children.0.iter_mut() {
-        if let Ok(Some(status)) = child.try_wait() {
-            eprintln!(
-                "{name} exited ({status}); stopping ARL. Its log ends:\n{}",
-                tail(log)
-            );
-            return Some(std::process::ExitCode::from(1));
-        }
+/// `<state>/nats-server.conf` for `--supervise`: every JetStream write flushed and synced
+/// before the server acknowledges it (`sync_interval: always`; the default syncs every
+/// 2 min, so a server killed outright may lose events it acknowledged — then a trial or a
+/// step would simply vanish), and the least-privilege users when asked for. A few
+/// milliseconds per stored event, which ARL's event rates (tens a second) never notice.
+fn supervised_server_config(
+    state: &Path,
+    least_privilege: Option<&crate::natsconf::Written>,
+) -> Result<PathBuf, CliError> {
+    let mut config = String::from(
+        "# Written by `arl up --supervise`: nothing acknowledged is lost when the server is \
+         killed.\njetstream {\n  sync_interval: always\n}\n",
+    );
+    if let Some(written) = least_privilege {
+        config.push_str(&std::fs::read_to_string(&written.config).map_err(io)?);
     }
-    None
+    let path = state.join("nats-server.conf");
+    std::fs::write(&path, config).map_err(io)?;
+    Ok(path)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn the_backoff_doubles_to_ten_seconds_and_resets_after_a_stable_minute() {
+        let short = Duration::from_secs(2);
+        let mut wait = FIRST_BACKOFF;
+        let mut delays = Vec::new();
+        for _ in 0..6 {
+            let (delay, next) = backoff(wait, short);
+            delays.push(delay.as_secs());
+            wait = next;
+        }
+        assert_eq!(delays, vec![1, 2, 4, 8, 10, 10]);
+        let (delay, next) = backoff(wait, STABLE_AFTER);
+        assert_eq!((delay, next), (FIRST_BACKOFF, FIRST_BACKOFF * 2));
+    }
+
+    fn pid_in(pids: &Path, name: &str) -> Option<u32> {
+        std::fs::read_to_string(pids.join(name))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    /// Polls `children.check()` until `done` holds (10 s at most).
+    fn check_until(children: &mut Children, mut done: impl FnMut(&mut Children) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done(children) {
+            assert!(
+                children.check().is_none(),
+                "a supervised child stopped arl up"
+            );
+            assert!(Instant::now() < deadline, "timed out");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    #[test]
+    fn a_supervised_child_killed_outright_is_started_again_with_its_pid_file_current() {
+        let tmp = tempfile::tempdir().unwrap();
+        let logs = tmp.path().join("logs");
+        std::fs::create_dir_all(&logs).unwrap();
+        let mut children = Children::new(tmp.path(), &logs, true).unwrap();
+        let args = vec![
+            "-c".to_owned(),
+            "echo sleeping >&2; exec sleep 60".to_owned(),
+        ];
+        children
+            .start("sleeper", PathBuf::from("/bin/sh"), args, Vec::new())
+            .unwrap();
+        let pids = tmp.path().join("pids");
+        let first = pid_in(&pids, "sleeper").unwrap();
+        assert_eq!(
+            children.list[0].process.as_ref().map(Child::id),
+            Some(first)
+        );
+        let sleeping = |n: usize| {
+            let log = logs.join("sleeper.log");
+            move |_: &mut Children| {
+                std::fs::read_to_string(&log).is_ok_and(|l| l.matches("sleeping").count() == n)
+            }
+        };
+        check_until(&mut children, sleeping(1));
+        let killed = Command::new("kill")
+            .args(["-KILL", &first.to_string()])
+            .status();
+        assert!(killed.unwrap().success());
+        check_until(&mut children, |c| {
+            c.list[0].restarts == 1 && c.list[0].process.is_some()
+        });
+        let second = pid_in(&pids, "sleeper").unwrap();
+        assert_ne!(first, second);
+        assert_eq!(children.list[0].restarts, 1);
+        assert_eq!(children.list[0].backoff, FIRST_BACKOFF * 2);
+        // The log of every start is kept, the restart marked between them.
+        check_until(&mut children, sleeping(2));
+        let log = std::fs::read_to_string(logs.join("sleeper.log")).unwrap();
+        assert!(log.contains("arl up --supervise: started again"), "{log}");
+        drop(children);
+        assert!(
+            pid_in(&pids, "sleeper").is_none(),
+            "a pid file outlived arl up"
+        );
+    }
+
+    #[test]
+    fn without_supervise_a_child_that_exits_stops_everything() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut children = Children::new(tmp.path(), tmp.path(), false).unwrap();
+        let args = vec!["-c".to_owned(), "exit 3".to_owned()];
+        children
+            .start("quitter", PathBuf::from("/bin/sh"), args, Vec::new())
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while children.check().is_none() {
+            assert!(Instant::now() < deadline, "the exit was not seen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(children.list[0].process.is_none());
+        assert!(pid_in(&tmp.path().join("pids"), "quitter").is_none());
+    }
+
+    #[test]
+    fn the_supervised_server_syncs_every_write_and_keeps_least_privilege_users() {
+        let tmp = tempfile::tempdir().unwrap();
+        let written =
+            crate::natsconf::write(&tmp.path().join("nats"), &arl_schemas::Namespace::default())
+                .unwrap();
+        let path = supervised_server_config(tmp.path(), Some(&written)).unwrap();
+        let config = std::fs::read_to_string(path).unwrap();
+        assert!(config.contains("sync_interval: always"), "{config}");
+        assert!(config.contains("authorization {"), "{config}");
+    }
 
     #[test]
     fn a_state_dir_the_sandbox_user_cannot_reach_is_named_with_the_blocking_folder() {

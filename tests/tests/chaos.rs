@@ -1,0 +1,588 @@
+//! Chaos (issue 26): `arl up --supervise` runs smoke.rs's reduced training run while a
+//! service — or nats-server itself — is SIGKILLed mid-run and started again by `arl up`.
+//! The run must still end, and its streams, replayed afterwards, must show every guarantee
+//! held: one `train.step` per step, one `weights.published` per policy version, one
+//! `trajectory.ready` per training slot, and every requested trial attempt ending in
+//! exactly one outcome (finished and graded, or failed; a failure that retries followed by
+//! its next attempt's request).
+//!
+//! `make test` runs the reduced form: one run, three victims in turn (the rollout while
+//! the first training trial runs, nats-server while its grade is due, the trainer while it
+//! holds the step's batch). `make chaos` adds one run per victim (`--ignored`), each
+//! service and nats-server. Real binaries (`cargo build --workspace --bins` first), a real
+//! nats-server (`make deps`), SmolLM2 (`make models`).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, Metrics};
+use arl_schemas::state::{RunStateV1, RunStatus};
+use arl_schemas::{Domain, Namespace, RunId, TrialId};
+use arl_testkit::{Children, built_binary, wait_for};
+use serde_json::Value;
+
+/// Where in the run a victim is killed: once the first event of this kind of the run's
+/// training split is stored.
+#[derive(Clone, Copy, Debug)]
+enum Moment {
+    /// A training trial runs: the first step is in flight.
+    TrialStarted,
+    /// A training trial handed off to the grader: its grade is due.
+    TrialFinished,
+    /// The trainer holds part of the step's batch.
+    TrajectoryReady,
+}
+
+impl Moment {
+    fn subject(self) -> (Domain, &'static str) {
+        match self {
+            Moment::TrialStarted => (Domain::Trial, "started"),
+            Moment::TrialFinished => (Domain::Trial, "finished"),
+            Moment::TrajectoryReady => (Domain::Trajectory, "ready"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_survives_the_rollout_nats_server_and_trainer_killed_in_turn() {
+    chaos(&[
+        ("arl-rollout", Moment::TrialStarted),
+        ("nats-server", Moment::TrialFinished),
+        ("arl-trainer", Moment::TrajectoryReady),
+    ])
+    .await;
+}
+
+macro_rules! victim {
+    ($test:ident, $victim:literal, $moment:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        #[ignore = "the full chaos suite, one run per victim: make chaos"]
+        async fn $test() {
+            chaos(&[($victim, $moment)]).await;
+        }
+    };
+}
+
+victim!(a_killed_controller, "arl-controller", Moment::TrialStarted);
+victim!(a_killed_dataset, "arl-dataset", Moment::TrialStarted);
+victim!(a_killed_rollout, "arl-rollout", Moment::TrialStarted);
+victim!(a_killed_proxy, "arl-proxy", Moment::TrialStarted);
+victim!(a_killed_inference, "arl-inference", Moment::TrialStarted);
+victim!(a_killed_reward, "arl-reward", Moment::TrialFinished);
+victim!(a_killed_trainer, "arl-trainer", Moment::TrajectoryReady);
+victim!(a_killed_evaluator, "arl-evaluator", Moment::TrialStarted);
+victim!(a_killed_sandbox, "arl-sandbox", Moment::TrialStarted);
+victim!(
+    a_killed_imagebuilder,
+    "arl-imagebuilder",
+    Moment::TrialStarted
+);
+victim!(a_killed_nats_server, "nats-server", Moment::TrialFinished);
+
+/// `arl up --supervise`, the reduced run, each victim SIGKILLed at its moment and seen
+/// started again; then the run's end and its streams are checked.
+async fn chaos(victims: &[(&str, Moment)]) {
+    let started = Instant::now();
+    let up = Supervised::start().await;
+    let run = up.submit();
+    println!("{run} submitted ({:.0} s)", started.elapsed().as_secs_f64());
+    for &(victim, moment) in victims {
+        up.wait_for_moment(&run, moment).await;
+        up.kill(victim).await;
+        println!(
+            "{victim} killed at {moment:?} and started again ({:.0} s)",
+            started.elapsed().as_secs_f64()
+        );
+    }
+    let state = up.finish(&run).await;
+    println!(
+        "{run} ended {:?} ({:.0} s)",
+        state.status,
+        started.elapsed().as_secs_f64()
+    );
+    audit(&up.bus, &state).await;
+}
+
+/// `arl up --supervise` on a fresh state folder, and a bus client of it.
+struct Supervised {
+    state: tempfile::TempDir,
+    url: String,
+    up: Children,
+    bus: Bus,
+}
+
+impl Supervised {
+    async fn start() -> Self {
+        let state = tempfile::Builder::new()
+            .prefix("arl-chaos-")
+            .tempdir()
+            .unwrap();
+        let up = Children(vec![
+            Command::new(built_binary("arl"))
+                .args(["up", "--supervise", "--state-dir"])
+                .arg(state.path())
+                .env_remove("NATS_URL")
+                .env_remove("ARL_PREFIX")
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap(),
+        ]);
+        // Written only once every service reports ready.
+        let url_file = state.path().join("nats-url");
+        let url = wait_for("arl up", Duration::from_secs(300), || async {
+            std::fs::read_to_string(&url_file)
+                .ok()
+                .filter(|u| !u.is_empty())
+        })
+        .await;
+        let mut config = BusConfig::new(&url, Namespace::default(), "chaos");
+        config.publish_timeout = Duration::from_secs(5);
+        let bus = Bus::connect(config, Metrics::new()).await.unwrap();
+        Self {
+            state,
+            url,
+            up,
+            bus,
+        }
+    }
+
+    fn arl(&self, args: &[&str]) -> std::process::Output {
+        Command::new(built_binary("arl"))
+            .args(args)
+            .env("NATS_URL", &self.url)
+            .env_remove("ARL_PREFIX")
+            .output()
+            .unwrap()
+    }
+
+    /// smoke.rs's reduced run: the bundled Harbor tasks, n = 2, one step, an evaluation
+    /// before and after it.
+    fn submit(&self) -> RunId {
+        let tasks = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tasks");
+        let spec = self.state.path().join("reduced.toml");
+        std::fs::write(
+            &spec,
+            format!(
+                "name = \"chaos\"\n[data]\ndataset = \"{}\"\nval_size = 1\ntrain_batch_size = 1\n\
+                 [rollout]\nn = 2\nmax_turns = 2\nmax_response_tokens = 64\ntimeout_s = 120\n\
+                 [trainer]\ntotal_steps = 1\n",
+                tasks.display()
+            ),
+        )
+        .unwrap();
+        let submitted = self.arl(&["run", "submit", spec.to_str().unwrap()]);
+        assert!(
+            submitted.status.success(),
+            "{}",
+            String::from_utf8_lossy(&submitted.stderr)
+        );
+        RunId::new(String::from_utf8(submitted.stdout).unwrap().trim()).unwrap()
+    }
+
+    fn pid_file(&self, victim: &str) -> PathBuf {
+        self.state.path().join("pids").join(victim)
+    }
+
+    /// The victim's pid while it runs (`arl up` keeps `<state>/pids/<name>` current).
+    fn pid(&self, victim: &str) -> Option<u32> {
+        let pid: u32 = std::fs::read_to_string(self.pid_file(victim))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        running(pid).then_some(pid)
+    }
+
+    async fn wait_for_moment(&self, run: &RunId, moment: Moment) {
+        let (domain, event) = moment.subject();
+        let subject = Namespace::default().event_subject(domain, run, event);
+        wait_for(
+            &format!("{moment:?} in {run}"),
+            Duration::from_secs(600),
+            || async {
+                self.assert_up();
+                let stored = stored(&self.bus, domain, subject.clone()).await;
+                if stored.iter().any(|e| e.body["slot"]["split"] == "train") {
+                    Some(())
+                } else {
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    None
+                }
+            },
+        )
+        .await;
+    }
+
+    /// SIGKILL, then wait until `arl up` has started the victim again (a new pid, running).
+    async fn kill(&self, victim: &str) {
+        let pid = self
+            .pid(victim)
+            .unwrap_or_else(|| panic!("{victim} is not running"));
+        let killed = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(killed.success(), "kill -KILL {pid} ({victim})");
+        wait_for(
+            &format!("{victim} started again"),
+            Duration::from_secs(60),
+            || async {
+                self.assert_up();
+                let again = self.pid(victim).filter(|p| *p != pid);
+                if again.is_none() {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                again
+            },
+        )
+        .await;
+    }
+
+    /// `arl up --supervise` never stops on its own.
+    fn assert_up(&self) {
+        // Read through /proc (try_wait needs &mut): an exited, unreaped child is a zombie.
+        assert!(running(self.up.0[0].id()), "arl up --supervise exited");
+    }
+
+    /// Follows the run to its end (`arl run watch`); its final state. The run must end
+    /// as smoke.rs's does: completed, or failed only because its step trained nothing
+    /// (SmolLM2 rarely solves a task: two equal rewards train nothing).
+    async fn finish(&self, run: &RunId) -> RunStateV1 {
+        let watched = self.arl(&["run", "watch", run.as_str(), "--timeout-s", "900"]);
+        self.assert_up();
+        let shown = format!(
+            "{}\n{}",
+            String::from_utf8_lossy(&watched.stdout),
+            String::from_utf8_lossy(&watched.stderr)
+        );
+        let state = self.bus.run_state(run).await.unwrap().unwrap();
+        assert!(state.status.is_terminal(), "{run} did not end: {shown}");
+        let trained = state
+            .steps
+            .iter()
+            .any(|s| s.batch.as_ref().is_some_and(|b| b.samples_trained > 0));
+        if trained {
+            assert_eq!(state.status, RunStatus::Completed, "{shown}");
+            assert!(watched.status.success(), "{shown}");
+            let evaluated: Vec<u32> = state.evaluations.iter().map(|e| e.step).collect();
+            assert_eq!(
+                evaluated,
+                vec![0, 1],
+                "evaluations before and after the step"
+            );
+        } else {
+            assert_eq!(state.status, RunStatus::Failed, "{shown}");
+            let reason = state.failure_reason.clone().unwrap_or_default();
+            assert!(reason.contains("every step trained nothing"), "{reason}");
+        }
+        state
+    }
+}
+
+/// Whether process `pid` exists and is not a zombie.
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            stat.rsplit_once(") ")
+                .map(|(_, rest)| !rest.starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+/// One stored message, whatever its version: its `Arl-Type`, `Arl-Version` and body.
+#[derive(Debug)]
+struct Stored {
+    kind: String,
+    version: String,
+    body: Value,
+}
+
+/// Every message stored on `filter` in `domain`'s stream, oldest first — read raw, so
+/// that nothing is skipped for failing to decode as one version.
+async fn stored(bus: &Bus, domain: Domain, filter: String) -> Vec<Stored> {
+    use async_nats::jetstream::consumer::{self, pull};
+    use futures::StreamExt;
+    let config = pull::Config {
+        filter_subject: filter.clone(),
+        ack_policy: consumer::AckPolicy::None,
+        deliver_policy: consumer::DeliverPolicy::All,
+        inactive_threshold: Duration::from_secs(30),
+        ..Default::default()
+    };
+    let mut consumer: consumer::Consumer<pull::Config> = bus
+        .jetstream()
+        .create_consumer_on_stream(config, bus.namespace().stream(domain))
+        .await
+        .unwrap_or_else(|e| panic!("a consumer on {filter}: {e}"));
+    let mut messages = Vec::new();
+    loop {
+        let mut batch = consumer
+            .fetch()
+            .max_messages(512)
+            .expires(Duration::from_millis(250))
+            .messages()
+            .await
+            .unwrap();
+        let mut received = 0;
+        while let Some(message) = batch.next().await {
+            let message = message.unwrap();
+            received += 1;
+            let header = |name: &str| {
+                message
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get(name))
+                    .map(|v| v.as_str().to_owned())
+                    .unwrap_or_default()
+            };
+            messages.push(Stored {
+                kind: header("Arl-Type"),
+                version: header("Arl-Version"),
+                body: serde_json::from_slice(&message.payload).unwrap_or_else(|e| {
+                    panic!("a message on {} is not JSON: {e}", message.subject)
+                }),
+            });
+        }
+        // An empty fetch ends the read only when the server says nothing is pending.
+        if received == 0 && consumer.info().await.unwrap().num_pending == 0 {
+            return messages;
+        }
+    }
+}
+
+/// A trial attempt: (trial id, attempt).
+type Attempt = (String, u64);
+/// A trial's slot: (split, step, task, sample index).
+type Slot = (String, u64, String, u64);
+
+fn attempt(event: &Value) -> Attempt {
+    (
+        event["trial_id"].as_str().unwrap().to_owned(),
+        event["slot"]["attempt"].as_u64().unwrap(),
+    )
+}
+
+fn slot(event: &Value) -> Slot {
+    let slot = &event["slot"];
+    (
+        slot["split"].as_str().unwrap().to_owned(),
+        slot["step"].as_u64().unwrap(),
+        slot["task_id"].as_str().unwrap().to_owned(),
+        slot["sample_index"].as_u64().unwrap(),
+    )
+}
+
+/// How many events share each key.
+fn counted<K: Ord>(keys: impl Iterator<Item = K>) -> BTreeMap<K, usize> {
+    let mut counts = BTreeMap::new();
+    for key in keys {
+        *counts.entry(key).or_default() += 1;
+    }
+    counts
+}
+
+/// Waits until every requested attempt of the run has settled: failed, or finished and
+/// graded, or — taken up once the run was over — marked done in `ARL_TRIALS` without
+/// running (the rollout publishes nothing for those, not even `trial.started`). Returns
+/// the last kind, which only a run that has ended may have. An attempt that started and
+/// then neither failed nor was graded is lost: this waits for it until it times out.
+async fn settled(bus: &Bus, run: &RunId) -> BTreeSet<Attempt> {
+    let ns = Namespace::default();
+    let read = |domain: Domain, event: &'static str| {
+        stored(bus, domain, ns.event_subject(domain, run, event))
+    };
+    wait_for(
+        "every requested attempt to settle",
+        Duration::from_secs(300),
+        || async {
+            let attempts = |events: Vec<Stored>| -> BTreeSet<Attempt> {
+                events.iter().map(|e| attempt(&e.body)).collect()
+            };
+            let finished = attempts(read(Domain::Trial, "finished").await);
+            let failed = attempts(read(Domain::Trial, "failed").await);
+            let scored = attempts(read(Domain::Reward, "scored").await);
+            let started = attempts(read(Domain::Trial, "started").await);
+            let mut not_run = BTreeSet::new();
+            for request in attempts(read(Domain::Trial, "requested").await) {
+                // Failed (before or after a hand-off), or graded.
+                if failed.contains(&request) || scored.contains(&request) {
+                    continue;
+                }
+                let trial = TrialId::new(request.0.clone()).unwrap();
+                let record = bus.trial_record(&trial).await.unwrap();
+                let skipped = record.is_some_and(|r| {
+                    r.done && r.finished.is_none() && u64::from(r.attempt) == request.1
+                });
+                // One that started and ended without an outcome would be a lost trial.
+                if !skipped || finished.contains(&request) || started.contains(&request) {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    return None;
+                }
+                not_run.insert(request);
+            }
+            Some(not_run)
+        },
+    )
+    .await
+}
+
+/// The run's streams, replayed: every guarantee the chaos must not break.
+async fn audit(bus: &Bus, state: &RunStateV1) {
+    let ns = Namespace::default();
+    let run = &state.run_id;
+    let read = |domain: Domain, event: &'static str| {
+        stored(bus, domain, ns.event_subject(domain, run, event))
+    };
+    let mut problems = Vec::new();
+
+    // One train.step per step, the run's steps exactly.
+    let steps = read(Domain::Train, "step").await;
+    let per_step = counted(steps.iter().map(|e| e.body["step"].as_u64().unwrap()));
+    let expected: BTreeMap<u64, usize> =
+        (1..=u64::from(state.total_steps)).map(|s| (s, 1)).collect();
+    if per_step != expected {
+        problems.push(format!(
+            "train.step per step: {per_step:?}, expected {expected:?}"
+        ));
+    }
+    // One weights.published per (run, policy version).
+    let weights = read(Domain::Weights, "published").await;
+    let per_version = counted(
+        weights
+            .iter()
+            .map(|e| e.body["policy_version"].as_u64().unwrap()),
+    );
+    if per_version != expected {
+        problems.push(format!(
+            "weights.published per policy version: {per_version:?}, expected {expected:?}"
+        ));
+    }
+
+    let not_run = settled(bus, run).await;
+    let requested = read(Domain::Trial, "requested").await;
+    let finished = read(Domain::Trial, "finished").await;
+    let failed = read(Domain::Trial, "failed").await;
+    let scored = read(Domain::Reward, "scored").await;
+    let trajectories = read(Domain::Trajectory, "ready").await;
+    // Each attempt requested once.
+    let requests = counted(requested.iter().map(|e| attempt(&e.body)));
+    for (attempt, count) in &requests {
+        if *count != 1 {
+            problems.push(format!("{attempt:?} requested {count} times"));
+        }
+    }
+    // Each requested attempt has exactly one outcome: finished and then graded once
+    // (reward.scored or the grader's trial.failed), or failed before any hand-off.
+    let finishes = counted(finished.iter().map(|e| attempt(&e.body)));
+    let failures = counted(failed.iter().map(|e| attempt(&e.body)));
+    let grades = counted(scored.iter().map(|e| attempt(&e.body)));
+    let count = |map: &BTreeMap<Attempt, usize>, key: &Attempt| map.get(key).copied().unwrap_or(0);
+    for attempt in requests.keys().filter(|a| !not_run.contains(a)) {
+        let outcome = (
+            count(&finishes, attempt),
+            count(&grades, attempt),
+            count(&failures, attempt),
+        );
+        if !matches!(outcome, (1, 1, 0) | (1, 0, 1) | (0, 0, 1)) {
+            problems.push(format!(
+                "{attempt:?}: {} finished, {} scored, {} failed — not exactly one outcome",
+                outcome.0, outcome.1, outcome.2
+            ));
+        }
+    }
+    for attempt in finishes.keys().chain(failures.keys()).chain(grades.keys()) {
+        if !requests.contains_key(attempt) {
+            problems.push(format!(
+                "{attempt:?} has an outcome but was never requested"
+            ));
+        }
+    }
+    // A failure that retries is followed by the next attempt's request.
+    for failure in &failed {
+        if failure.body["will_retry"] == true {
+            let (trial, n) = attempt(&failure.body);
+            if !requests.contains_key(&(trial.clone(), n + 1)) {
+                problems.push(format!(
+                    "{trial} attempt {n} will retry, but {} was never requested",
+                    n + 1
+                ));
+            }
+        }
+    }
+    // Exactly one trajectory per training slot, from its last attempt.
+    let last_attempt: BTreeMap<Slot, u64> =
+        requested.iter().fold(BTreeMap::new(), |mut last, e| {
+            let n = e.body["slot"]["attempt"].as_u64().unwrap();
+            let entry = last.entry(slot(&e.body)).or_insert(n);
+            *entry = (*entry).max(n);
+            last
+        });
+    let per_slot = counted(trajectories.iter().map(|e| slot(&e.body)));
+    for (slot, last) in last_attempt.iter().filter(|(s, _)| s.0 == "train") {
+        let count = per_slot.get(slot).copied().unwrap_or(0);
+        if count != 1 {
+            problems.push(format!("training slot {slot:?}: {count} trajectories"));
+        }
+        let from = trajectories
+            .iter()
+            .find(|t| &self::slot(&t.body) == slot)
+            .map(|t| t.body["slot"]["attempt"].as_u64().unwrap());
+        if from.is_some_and(|n| n != *last) {
+            problems.push(format!(
+                "training slot {slot:?}: trajectory of attempt {from:?}, the last attempt is {last}"
+            ));
+        }
+    }
+    for slot in per_slot.keys() {
+        if !last_attempt.contains_key(slot) {
+            problems.push(format!(
+                "a trajectory for {slot:?}, which was never requested"
+            ));
+        }
+    }
+    // What the trainer counted agrees with the stream.
+    for step in &state.steps {
+        let in_stream = per_slot
+            .keys()
+            .filter(|s| s.0 == "train" && s.1 == u64::from(step.step))
+            .count();
+        let counted = step.batch.as_ref().map(|b| b.trajectories as usize);
+        if counted != Some(in_stream) {
+            problems.push(format!(
+                "step {}: the trainer counted {counted:?} trajectories, the stream holds {in_stream}",
+                step.step
+            ));
+        }
+    }
+    let versions: BTreeMap<String, usize> = counted(
+        steps
+            .iter()
+            .chain(&weights)
+            .map(|e| format!("{} v{}", e.kind, e.version)),
+    );
+    println!(
+        "audit of {run}: {} attempts requested ({} retried, {} not run: requested once the run \
+         was over), {} finished, {} failed, {} scored, {} trajectories; {versions:?}",
+        requests.len(),
+        failed
+            .iter()
+            .filter(|f| f.body["will_retry"] == true)
+            .count(),
+        not_run.len(),
+        finished.len(),
+        failed.len(),
+        scored.len(),
+        trajectories.len()
+    );
+    assert!(
+        last_attempt.keys().any(|s| s.0 == "train"),
+        "no training trial was requested"
+    );
+    assert!(problems.is_empty(), "{run}:\n{}", problems.join("\n"));
+}
