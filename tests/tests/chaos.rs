@@ -207,7 +207,7 @@ impl Supervised {
             || async {
                 self.assert_up();
                 let stored = stored(&self.bus, domain, subject.clone()).await;
-                if stored.iter().any(|e| e.body["slot"]["split"] == "train") {
+                if stored.iter().any(|e| e["slot"]["split"] == "train") {
                     Some(())
                 } else {
                     tokio::time::sleep(Duration::from_millis(250)).await;
@@ -241,6 +241,20 @@ impl Supervised {
             },
         )
         .await;
+        // The CLI (`arl run watch`) does not wait for a server: the restarted one must be
+        // taking connections first (and this bus back on it).
+        if victim == "nats-server" {
+            let address = self.url.trim_start_matches("nats://").to_owned();
+            wait_for("nats-server back", Duration::from_secs(60), || async {
+                let back =
+                    std::net::TcpStream::connect(&address).is_ok() && self.bus.is_connected();
+                if !back {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                back.then_some(())
+            })
+            .await;
+        }
     }
 
     /// `arl up --supervise` never stops on its own.
@@ -295,17 +309,9 @@ fn running(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
-/// One stored message, whatever its version: its `Arl-Type`, `Arl-Version` and body.
-#[derive(Debug)]
-struct Stored {
-    kind: String,
-    version: String,
-    body: Value,
-}
-
 /// Every message stored on `filter` in `domain`'s stream, oldest first — read raw, so
 /// that nothing is skipped for failing to decode as one version.
-async fn stored(bus: &Bus, domain: Domain, filter: String) -> Vec<Stored> {
+async fn stored(bus: &Bus, domain: Domain, filter: String) -> Vec<Value> {
     use async_nats::jetstream::consumer::{self, pull};
     use futures::StreamExt;
     let config = pull::Config {
@@ -333,21 +339,11 @@ async fn stored(bus: &Bus, domain: Domain, filter: String) -> Vec<Stored> {
         while let Some(message) = batch.next().await {
             let message = message.unwrap();
             received += 1;
-            let header = |name: &str| {
-                message
-                    .headers
-                    .as_ref()
-                    .and_then(|h| h.get(name))
-                    .map(|v| v.as_str().to_owned())
-                    .unwrap_or_default()
-            };
-            messages.push(Stored {
-                kind: header("Arl-Type"),
-                version: header("Arl-Version"),
-                body: serde_json::from_slice(&message.payload).unwrap_or_else(|e| {
+            messages.push(
+                serde_json::from_slice(&message.payload).unwrap_or_else(|e| {
                     panic!("a message on {} is not JSON: {e}", message.subject)
                 }),
-            });
+            );
         }
         // An empty fetch ends the read only when the server says nothing is pending.
         if received == 0 && consumer.info().await.unwrap().num_pending == 0 {
@@ -401,9 +397,8 @@ async fn settled(bus: &Bus, run: &RunId) -> BTreeSet<Attempt> {
         "every requested attempt to settle",
         Duration::from_secs(300),
         || async {
-            let attempts = |events: Vec<Stored>| -> BTreeSet<Attempt> {
-                events.iter().map(|e| attempt(&e.body)).collect()
-            };
+            let attempts =
+                |events: Vec<Value>| -> BTreeSet<Attempt> { events.iter().map(attempt).collect() };
             let finished = attempts(read(Domain::Trial, "finished").await);
             let failed = attempts(read(Domain::Trial, "failed").await);
             let scored = attempts(read(Domain::Reward, "scored").await);
@@ -432,46 +427,109 @@ async fn settled(bus: &Bus, run: &RunId) -> BTreeSet<Attempt> {
     .await
 }
 
-/// The run's streams, replayed: every guarantee the chaos must not break.
+/// A run's events, as stored (bodies only).
+#[derive(Default)]
+struct Streams {
+    steps: Vec<Value>,
+    weights: Vec<Value>,
+    requested: Vec<Value>,
+    finished: Vec<Value>,
+    failed: Vec<Value>,
+    scored: Vec<Value>,
+    trajectories: Vec<Value>,
+    /// Attempts taken up once the run was over, marked done without running.
+    not_run: BTreeSet<Attempt>,
+}
+
+/// The run's streams, replayed once every attempt has settled; every guarantee the chaos
+/// must not break is checked against them.
 async fn audit(bus: &Bus, state: &RunStateV1) {
     let ns = Namespace::default();
     let run = &state.run_id;
+    let not_run = settled(bus, run).await;
     let read = |domain: Domain, event: &'static str| {
         stored(bus, domain, ns.event_subject(domain, run, event))
     };
+    let streams = Streams {
+        steps: read(Domain::Train, "step").await,
+        weights: read(Domain::Weights, "published").await,
+        requested: read(Domain::Trial, "requested").await,
+        finished: read(Domain::Trial, "finished").await,
+        failed: read(Domain::Trial, "failed").await,
+        scored: read(Domain::Reward, "scored").await,
+        trajectories: read(Domain::Trajectory, "ready").await,
+        not_run,
+    };
+    let trained: BTreeMap<u64, Option<usize>> = state
+        .steps
+        .iter()
+        .map(|s| {
+            let counted = s.batch.as_ref().map(|b| b.trajectories as usize);
+            (u64::from(s.step), counted)
+        })
+        .collect();
+    println!(
+        "audit of {run}: {} attempts requested ({} retried, {} not run: requested once the run \
+         was over), {} finished, {} failed, {} scored, {} trajectories, {} train.step, {} \
+         weights.published",
+        streams.requested.len(),
+        streams
+            .failed
+            .iter()
+            .filter(|f| f["will_retry"] == true)
+            .count(),
+        streams.not_run.len(),
+        streams.finished.len(),
+        streams.failed.len(),
+        streams.scored.len(),
+        streams.trajectories.len(),
+        streams.steps.len(),
+        streams.weights.len(),
+    );
+    let problems = problems(&streams, state.total_steps, &trained);
+    assert!(problems.is_empty(), "{run}:\n{}", problems.join("\n"));
+}
+
+/// What breaks a guarantee in a run's events: `total_steps` steps, and per step the
+/// trajectories its trainer counted.
+fn problems(
+    streams: &Streams,
+    total_steps: u32,
+    trained: &BTreeMap<u64, Option<usize>>,
+) -> Vec<String> {
+    let Streams {
+        steps,
+        weights,
+        requested,
+        finished,
+        failed,
+        scored,
+        trajectories,
+        not_run,
+    } = streams;
     let mut problems = Vec::new();
 
     // One train.step per step, the run's steps exactly.
-    let steps = read(Domain::Train, "step").await;
-    let per_step = counted(steps.iter().map(|e| e.body["step"].as_u64().unwrap()));
-    let expected: BTreeMap<u64, usize> =
-        (1..=u64::from(state.total_steps)).map(|s| (s, 1)).collect();
+    let per_step = counted(steps.iter().map(|e| e["step"].as_u64().unwrap()));
+    let expected: BTreeMap<u64, usize> = (1..=u64::from(total_steps)).map(|s| (s, 1)).collect();
     if per_step != expected {
         problems.push(format!(
             "train.step per step: {per_step:?}, expected {expected:?}"
         ));
     }
     // One weights.published per (run, policy version).
-    let weights = read(Domain::Weights, "published").await;
     let per_version = counted(
         weights
             .iter()
-            .map(|e| e.body["policy_version"].as_u64().unwrap()),
+            .map(|e| e["policy_version"].as_u64().unwrap()),
     );
     if per_version != expected {
         problems.push(format!(
             "weights.published per policy version: {per_version:?}, expected {expected:?}"
         ));
     }
-
-    let not_run = settled(bus, run).await;
-    let requested = read(Domain::Trial, "requested").await;
-    let finished = read(Domain::Trial, "finished").await;
-    let failed = read(Domain::Trial, "failed").await;
-    let scored = read(Domain::Reward, "scored").await;
-    let trajectories = read(Domain::Trajectory, "ready").await;
     // Each attempt requested once.
-    let requests = counted(requested.iter().map(|e| attempt(&e.body)));
+    let requests = counted(requested.iter().map(attempt));
     for (attempt, count) in &requests {
         if *count != 1 {
             problems.push(format!("{attempt:?} requested {count} times"));
@@ -479,9 +537,9 @@ async fn audit(bus: &Bus, state: &RunStateV1) {
     }
     // Each requested attempt has exactly one outcome: finished and then graded once
     // (reward.scored or the grader's trial.failed), or failed before any hand-off.
-    let finishes = counted(finished.iter().map(|e| attempt(&e.body)));
-    let failures = counted(failed.iter().map(|e| attempt(&e.body)));
-    let grades = counted(scored.iter().map(|e| attempt(&e.body)));
+    let finishes = counted(finished.iter().map(attempt));
+    let failures = counted(failed.iter().map(attempt));
+    let grades = counted(scored.iter().map(attempt));
     let count = |map: &BTreeMap<Attempt, usize>, key: &Attempt| map.get(key).copied().unwrap_or(0);
     for attempt in requests.keys().filter(|a| !not_run.contains(a)) {
         let outcome = (
@@ -504,9 +562,9 @@ async fn audit(bus: &Bus, state: &RunStateV1) {
         }
     }
     // A failure that retries is followed by the next attempt's request.
-    for failure in &failed {
-        if failure.body["will_retry"] == true {
-            let (trial, n) = attempt(&failure.body);
+    for failure in failed {
+        if failure["will_retry"] == true {
+            let (trial, n) = attempt(failure);
             if !requests.contains_key(&(trial.clone(), n + 1)) {
                 problems.push(format!(
                     "{trial} attempt {n} will retry, but {} was never requested",
@@ -518,12 +576,12 @@ async fn audit(bus: &Bus, state: &RunStateV1) {
     // Exactly one trajectory per training slot, from its last attempt.
     let last_attempt: BTreeMap<Slot, u64> =
         requested.iter().fold(BTreeMap::new(), |mut last, e| {
-            let n = e.body["slot"]["attempt"].as_u64().unwrap();
-            let entry = last.entry(slot(&e.body)).or_insert(n);
+            let n = e["slot"]["attempt"].as_u64().unwrap();
+            let entry = last.entry(slot(e)).or_insert(n);
             *entry = (*entry).max(n);
             last
         });
-    let per_slot = counted(trajectories.iter().map(|e| slot(&e.body)));
+    let per_slot = counted(trajectories.iter().map(slot));
     for (slot, last) in last_attempt.iter().filter(|(s, _)| s.0 == "train") {
         let count = per_slot.get(slot).copied().unwrap_or(0);
         if count != 1 {
@@ -531,8 +589,8 @@ async fn audit(bus: &Bus, state: &RunStateV1) {
         }
         let from = trajectories
             .iter()
-            .find(|t| &self::slot(&t.body) == slot)
-            .map(|t| t.body["slot"]["attempt"].as_u64().unwrap());
+            .find(|t| &self::slot(t) == slot)
+            .map(|t| t["slot"]["attempt"].as_u64().unwrap());
         if from.is_some_and(|n| n != *last) {
             problems.push(format!(
                 "training slot {slot:?}: trajectory of attempt {from:?}, the last attempt is {last}"
@@ -547,42 +605,109 @@ async fn audit(bus: &Bus, state: &RunStateV1) {
         }
     }
     // What the trainer counted agrees with the stream.
-    for step in &state.steps {
+    for (step, counted) in trained {
         let in_stream = per_slot
             .keys()
-            .filter(|s| s.0 == "train" && s.1 == u64::from(step.step))
+            .filter(|s| s.0 == "train" && s.1 == *step)
             .count();
-        let counted = step.batch.as_ref().map(|b| b.trajectories as usize);
-        if counted != Some(in_stream) {
+        if *counted != Some(in_stream) {
             problems.push(format!(
-                "step {}: the trainer counted {counted:?} trajectories, the stream holds {in_stream}",
-                step.step
+                "step {step}: the trainer counted {counted:?} trajectories, the stream holds \
+                 {in_stream}"
             ));
         }
     }
-    let versions: BTreeMap<String, usize> = counted(
-        steps
-            .iter()
-            .chain(&weights)
-            .map(|e| format!("{} v{}", e.kind, e.version)),
-    );
-    println!(
-        "audit of {run}: {} attempts requested ({} retried, {} not run: requested once the run \
-         was over), {} finished, {} failed, {} scored, {} trajectories; {versions:?}",
-        requests.len(),
-        failed
-            .iter()
-            .filter(|f| f.body["will_retry"] == true)
-            .count(),
-        not_run.len(),
-        finished.len(),
-        failed.len(),
-        scored.len(),
-        trajectories.len()
-    );
+    if !last_attempt.keys().any(|s| s.0 == "train") {
+        problems.push("no training trial was requested".into());
+    }
+    problems
+}
+
+/// The audit has teeth: a clean run's events pass, and each broken guarantee — a step
+/// trained twice, weights published twice, a lost trial, an attempt with two outcomes, a
+/// retry never requested, a slot trained twice — is named.
+#[test]
+fn the_audit_names_each_broken_guarantee() {
+    let slot = |split: &str, sample: u64, attempt: u64| {
+        serde_json::json!({"split": split, "step": 1, "task_id": "fix-mean",
+                           "sample_index": sample, "attempt": attempt})
+    };
+    let trial = |split: &str, sample: u64, attempt: u64| {
+        serde_json::json!({"trial_id": format!("t-{split}-{sample}"),
+                           "slot": slot(split, sample, attempt)})
+    };
+    let with = |mut event: Value, key: &str, value: Value| {
+        event[key] = value;
+        event
+    };
+    // Sample 0 fails once (its replica lost) and is retried; sample 1 and the validation
+    // trial run once; every finished attempt is graded.
+    let clean = || Streams {
+        steps: vec![serde_json::json!({"step": 1})],
+        weights: vec![serde_json::json!({"policy_version": 1})],
+        requested: vec![
+            trial("train", 0, 0),
+            trial("train", 0, 1),
+            trial("train", 1, 0),
+            trial("validation", 0, 0),
+        ],
+        finished: vec![
+            trial("train", 0, 1),
+            trial("train", 1, 0),
+            trial("validation", 0, 0),
+        ],
+        failed: vec![with(trial("train", 0, 0), "will_retry", true.into())],
+        scored: vec![
+            trial("train", 0, 1),
+            trial("train", 1, 0),
+            trial("validation", 0, 0),
+        ],
+        trajectories: vec![trial("train", 0, 1), trial("train", 1, 0)],
+        not_run: BTreeSet::new(),
+    };
+    let trained = BTreeMap::from([(1, Some(2))]);
+    assert_eq!(problems(&clean(), 1, &trained), Vec::<String>::new());
+
+    type Breaks = fn(&mut Streams);
+    let broken: [(&str, Breaks); 7] = [
+        ("train.step per step", |s| {
+            s.steps.push(serde_json::json!({"step": 1}))
+        }),
+        ("weights.published per policy version", |s| {
+            s.weights.push(serde_json::json!({"policy_version": 1}))
+        }),
+        ("not exactly one outcome", |s| {
+            s.finished.retain(|e| e["slot"]["split"] != "validation");
+            s.scored.retain(|e| e["slot"]["split"] != "validation");
+        }),
+        ("not exactly one outcome", |s| {
+            let grade = s.scored[1].clone();
+            s.failed.push(grade);
+        }),
+        ("was never requested", |s| {
+            s.requested.retain(|e| e["slot"]["attempt"] != 1);
+        }),
+        ("2 trajectories", |s| {
+            let again = s.trajectories[1].clone();
+            s.trajectories.push(again);
+        }),
+        ("trajectory of attempt", |s| {
+            s.trajectories[0]["slot"]["attempt"] = 0.into();
+        }),
+    ];
+    for (named, breaks) in broken {
+        let mut streams = clean();
+        breaks(&mut streams);
+        let found = problems(&streams, 1, &trained);
+        assert!(
+            found.iter().any(|p| p.contains(named)),
+            "expected a problem naming {named:?}: {found:?}"
+        );
+    }
+    // The trainer's count disagreeing with the stream is named too.
+    let found = problems(&clean(), 1, &BTreeMap::from([(1, Some(1))]));
     assert!(
-        last_attempt.keys().any(|s| s.0 == "train"),
-        "no training trial was requested"
+        found.iter().any(|p| p.contains("the trainer counted")),
+        "{found:?}"
     );
-    assert!(problems.is_empty(), "{run}:\n{}", problems.join("\n"));
 }
