@@ -62,7 +62,8 @@ help:
 	@echo "make observability  install Arize Phoenix (trace UI), TensorBoard and prometheus_client into $(OBSERVABILITY)"
 	@echo "make run TRACES=1   the same run with every trial's trace in Phoenix (kept up after the run until Ctrl-C)"
 	@echo "make gen      regenerate schemas/json from the Rust types"
-	@echo "make loadtest admission throughput/latency against a JetStream baseline"
+	@echo "make loadtest admission throughput/latency against a JetStream baseline; thousands of concurrent trials through every service as a process"
+	@echo "make soak     trials through every service for SOAK_SECONDS (600), failing on RSS that keeps growing"
 	@echo "make fuzz     coverage-guided fuzzing (cargo-fuzz) of every parser of outside input, FUZZ_SECONDS (60) each"
 	@echo "make gpu-test-bundle  the GPU test binaries, stripped, into .device/bin (for a GPU machine without Rust; README: GPU)"
 	@echo "make chart    lint, render and validate the Helm chart deploy/helm/arl (helm, kubernetes-validate; deploy/check-chart.py)"
@@ -230,8 +231,24 @@ bench: deps models loadtest
 	$(CARGO_TARGET_DIR)/release/arl-bench-images
 	$(CARGO_TARGET_DIR)/release/arl-bench-sandbox
 
-loadtest: deps
-	cargo run --release --quiet -p arl-loadtest --bin arl-loadtest -- --runs 2000 --concurrency 64
+# Admission (arl-loadtest), then thousands of concurrent trials through every service as
+# its own process of the release `arl` (arl-loadtest-trials: math at 2,000 trials a step,
+# 2,000 held in flight, sandboxed Harbor trials on bubblewrap warm pools next to the
+# sandbox's own lease rate). It exits 1 when a trial is lost or duplicated. `make soak`
+# keeps trials flowing SOAK_SECONDS (600) and fails on RSS that keeps growing.
+LOADTEST_BUILD := cargo build --release --quiet -p arl-cli --bin arl -p arl-sandbox --bin arl-sandbox-init \
+	-p arl-loadtest --bin arl-loadtest --bin arl-loadtest-trials
+SOAK_SECONDS ?= 600
+
+loadtest: deps $(SMOLLM2)
+	$(LOADTEST_BUILD)
+	$(CARGO_TARGET_DIR)/release/arl-loadtest --runs 2000 --concurrency 64
+	$(CARGO_TARGET_DIR)/release/arl-loadtest-trials
+
+.PHONY: soak
+soak: deps $(SMOLLM2)
+	$(LOADTEST_BUILD)
+	$(CARGO_TARGET_DIR)/release/arl-loadtest-trials --hold-ms 0 --sandbox-tasks 0 --soak-seconds $(SOAK_SECONDS)
 
 # Coverage-guided fuzzing: cargo-fuzz (libFuzzer; stable Rust with --sanitizer none) over
 # every target of crates/fuzz, FUZZ_SECONDS each, from the seeds and the corpus kept in

@@ -194,7 +194,12 @@ async fn main() -> anyhow::Result<()> {
         for _ in 0..40 {
             // Let the pool refill, so each lease is the fast path being measured.
             let deadline = Instant::now() + Duration::from_secs(60);
-            while service.idle_trees().get(environment).copied().unwrap_or(0) < 1
+            while service
+                .idle_sandboxes()
+                .get(environment)
+                .copied()
+                .unwrap_or(0)
+                < 1
                 && Instant::now() < deadline
             {
                 tokio::time::sleep(Duration::from_millis(5)).await;

@@ -1,0 +1,930 @@
+//! `arl-loadtest-trials` (`make loadtest`, `make soak`): thousands of concurrent trials
+//! through the real services, each a separate process of the one `arl` executable
+//! (`arl serve …` with the flags `arl up` gives it) on a private `nats-server -js`:
+//! controller, dataset, two or more rollout replicas, proxy, reward, trainer (a tiny
+//! random model, CPU) and evaluator. The agent is the built-in math agent (one LLM call)
+//! and the engine behind the proxy a stand-in that answers at once (`standin.rs`), so what
+//! is measured is the orchestration.
+//!
+//! After each scenario the streams are replayed (`ledger.rs`): every trial attempt must
+//! have exactly one outcome and every graded training slot exactly one trajectory, or the
+//! program exits 1 with the list. It prints one table: trials/s sustained, p50/p99 per
+//! stage, JetStream bytes per trial, RSS per service per 1,000 trials in flight, CPU per
+//! process, and the first limit hit — each target with pass/fail.
+
+mod fleet;
+mod ledger;
+mod sandboxed;
+mod standin;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use arl_runtime::bus::BusConfig;
+use arl_runtime::{Bus, Metrics, Shutdown};
+use arl_schemas::events::{Example, RunRequestedV1};
+use arl_schemas::spec::{AgentKind, DataSource, RunSpec};
+use arl_schemas::{Domain, RunId};
+use clap::Parser;
+use fleet::{Fleet, Measured};
+use futures::StreamExt;
+
+#[derive(Debug, Parser)]
+#[command(about = "Thousands of concurrent trials through the real services as processes")]
+struct Args {
+    /// Tasks per training step (`data.train_batch_size`).
+    #[arg(long, default_value_t = 1000)]
+    tasks_per_step: u32,
+    /// Samples per task (`rollout.n`): a step has tasks × samples trials.
+    #[arg(long, default_value_t = 2)]
+    samples: u32,
+    /// Training steps of a run.
+    #[arg(long, default_value_t = 3)]
+    steps: u32,
+    /// Validation tasks (graded by the evaluator at the last step).
+    #[arg(long, default_value_t = 100)]
+    val_tasks: u32,
+    /// Rollout replicas (processes).
+    #[arg(long, default_value_t = 2)]
+    replicas: usize,
+    /// Trials each replica runs at once (`arl-rollout --concurrency`). The replicas share
+    /// one durable consumer of trial requests whose `max_ack_pending` is this same number
+    /// (the last replica to start sets it), so it bounds the trials in flight of all
+    /// replicas together: it is the in-flight target, not a share of it.
+    #[arg(long, default_value_t = 2000)]
+    concurrency: usize,
+    /// Keep submitting runs for this long, sampling RSS and stream bytes every 30 s; fails
+    /// when a service's memory keeps growing (see `soak_verdict`). 0: one run.
+    #[arg(long, default_value_t = 0)]
+    soak_seconds: u64,
+    /// The `arl` executable (default: beside this one).
+    #[arg(long)]
+    arl: Option<PathBuf>,
+    /// The in-flight scenario: one step whose every LLM call the stand-in holds this long,
+    /// so that all its trials are in flight at once (0: skip it).
+    #[arg(long, default_value_t = 30_000)]
+    hold_ms: u64,
+    /// Harbor tasks of the sandboxed scenario (one step; 0: skip it).
+    #[arg(long, default_value_t = 20)]
+    sandbox_tasks: u32,
+    /// Samples per Harbor task.
+    #[arg(long, default_value_t = 4)]
+    sandbox_samples: u32,
+    /// Prepared trees the sandbox service keeps per environment (`--pool-min-idle`).
+    #[arg(long, default_value_t = 2)]
+    pool_min_idle: usize,
+    /// Leases of the sandbox's own lease-rate baseline, and how many at once.
+    #[arg(long, default_value_t = 200)]
+    baseline_leases: usize,
+    #[arg(long, default_value_t = 16)]
+    baseline_concurrency: usize,
+    /// Keep the state folder (service logs, JetStream store is the server's) after the end.
+    #[arg(long)]
+    keep_state: bool,
+    /// Give up on a run that has not ended after this long.
+    #[arg(long, default_value_t = 900)]
+    run_timeout_s: u64,
+}
+
+/// The targets of issue 26 on a 2-core machine.
+const TARGET_IN_FLIGHT: usize = 2000;
+const TARGET_MATH_TRIALS_PER_S: f64 = 50.0;
+
+/// One scenario: runs of one spec against the stand-in engine held at one delay.
+struct Scenario {
+    name: &'static str,
+    /// How long the stand-in holds each answer (ms).
+    delay_ms: u64,
+    steps: u32,
+    runs: Vec<RunId>,
+    wall: f64,
+    /// RSS (MiB) of each measured process just before the scenario, and its peak during it.
+    idle_rss: Vec<f64>,
+    peak_rss: Vec<f64>,
+    /// CPU seconds of each measured process during the scenario.
+    cpu: Vec<f64>,
+    /// CPU seconds the whole machine was busy during the scenario.
+    machine_cpu: f64,
+}
+
+/// Everything a scenario needs from the session.
+struct Session<'a> {
+    args: &'a Args,
+    bus: &'a Bus,
+    fleet: &'a mut Fleet,
+    measured: &'a [Measured],
+    sampler: &'a Sampler,
+    delay_ms: &'a AtomicU64,
+}
+
+impl Session<'_> {
+    /// Runs `steps`-step runs with the engine held `delay_ms` — one run, or back to back
+    /// for `soak_seconds` — measuring every process while they go.
+    async fn scenario(
+        &mut self,
+        name: &'static str,
+        delay_ms: u64,
+        spec: RunSpec,
+        soak_seconds: u64,
+    ) -> anyhow::Result<Scenario> {
+        let steps = spec.trainer.total_steps;
+        println!("scenario {name}: engine answers after {delay_ms} ms, {steps} steps");
+        self.delay_ms.store(delay_ms, Ordering::Relaxed);
+        let idle_rss: Vec<f64> = self
+            .measured
+            .iter()
+            .map(|m| fleet::rss_mib(m.pid).unwrap_or(0.0))
+            .collect();
+        self.sampler.reset_peaks();
+        let cpu_before: Vec<f64> = self
+            .measured
+            .iter()
+            .map(|m| fleet::cpu_seconds(m.pid).unwrap_or(0.0))
+            .collect();
+        let machine_before = fleet::machine_busy_seconds().unwrap_or(0.0);
+        let began = Instant::now();
+        let mut runs = Vec::new();
+        loop {
+            runs.push(submit_and_wait(self.bus, self.fleet, spec.clone(), self.args).await?);
+            if began.elapsed().as_secs() >= soak_seconds {
+                break;
+            }
+        }
+        let cpu = self
+            .measured
+            .iter()
+            .zip(&cpu_before)
+            .map(|(m, before)| fleet::cpu_seconds(m.pid).unwrap_or(*before) - before)
+            .collect();
+        Ok(Scenario {
+            name,
+            delay_ms,
+            steps,
+            runs,
+            wall: began.elapsed().as_secs_f64(),
+            idle_rss,
+            peak_rss: self.sampler.peaks(),
+            cpu,
+            machine_cpu: fleet::machine_busy_seconds().unwrap_or(0.0) - machine_before,
+        })
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<std::process::ExitCode> {
+    let args = Args::parse();
+    let arl = match &args.arl {
+        Some(path) => path.clone(),
+        None => std::env::current_exe()?.with_file_name("arl"),
+    };
+    anyhow::ensure!(
+        arl.exists(),
+        "{} is missing; build it with `cargo build --release -p arl-cli --bin arl`",
+        arl.display()
+    );
+    let server = arl_testkit::NatsServer::start()?;
+    let ns = arl_testkit::test_namespace();
+    let prefix = ns.prefix().unwrap_or_default().to_owned();
+    let state = tempfile::Builder::new().prefix("arl-loadtest-").tempdir()?;
+    // Sandboxes run as an unprivileged user, which must reach their trees.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(state.path(), std::fs::Permissions::from_mode(0o755))?;
+    }
+    let environments = state.path().join("environments");
+    std::fs::create_dir_all(&environments)?;
+    let harbor_tasks = sandboxed::write_tasks(state.path(), &environments, args.sandbox_tasks)?;
+    let model = tiny_model(state.path())?;
+    let shutdown = Shutdown::new();
+    let delay_ms = Arc::new(AtomicU64::new(0));
+    let engine = standin::serve(&shutdown, delay_ms.clone()).await?;
+
+    let env = vec![
+        ("NATS_URL".to_owned(), server.url()),
+        ("ARL_PREFIX".to_owned(), prefix),
+        ("RUST_LOG".to_owned(), "warn".to_owned()),
+    ];
+    let mut fleet = Fleet::new(arl, &state.path().join("logs"), env)?;
+    start_services(&mut fleet, &args, state.path(), engine)?;
+    let started = Instant::now();
+    fleet.ready(Duration::from_secs(300)).await?;
+    println!(
+        "every service ready in {:.1} s (logs in {})",
+        started.elapsed().as_secs_f64(),
+        state.path().join("logs").display()
+    );
+
+    let bus = Bus::connect(
+        BusConfig::new(server.url(), ns.clone(), "loadtest"),
+        Metrics::new(),
+    )
+    .await?;
+    bus.provision().await?;
+
+    let mut measured = fleet.measured();
+    if let Some(pid) = server.pid() {
+        measured.push(Measured {
+            name: "nats-server".into(),
+            pid,
+        });
+    }
+    measured.push(Measured {
+        name: "loadtest (stand-in engine, measurement)".into(),
+        pid: std::process::id(),
+    });
+    let sampler = Sampler::start(measured.clone(), &bus);
+    let dataset = write_dataset(state.path(), args.tasks_per_step + args.val_tasks)?;
+
+    let mut session = Session {
+        args: &args,
+        bus: &bus,
+        fleet: &mut fleet,
+        measured: &measured,
+        sampler: &sampler,
+        delay_ms: &delay_ms,
+    };
+    let math = run_spec(&args, &dataset, &model);
+    let mut scenarios = Vec::new();
+    scenarios.push(session.scenario("throughput", 0, math.clone(), 0).await?);
+    if args.hold_ms > 0 {
+        let mut one_step = math.clone();
+        one_step.trainer.total_steps = 1;
+        scenarios.push(
+            session
+                .scenario("in flight", args.hold_ms, one_step, 0)
+                .await?,
+        );
+    }
+    let mut lease_baseline = None;
+    if args.sandbox_tasks > 0 {
+        let mut harbor = RunSpec {
+            name: "loadtest-sandboxed".into(),
+            ..RunSpec::default()
+        };
+        harbor.model.path = model.display().to_string();
+        harbor.data.source = DataSource::Harbor;
+        harbor.data.dataset = harbor_tasks.display().to_string();
+        harbor.data.val_size = 0;
+        harbor.data.train_batch_size = args.sandbox_tasks;
+        harbor.rollout.n = args.sandbox_samples;
+        harbor.rollout.agent = AgentKind::SweText;
+        harbor.trainer.total_steps = 1;
+        scenarios.push(session.scenario("sandboxed", 0, harbor, 0).await?);
+        println!(
+            "sandbox lease-rate baseline: {} leases, {} at once",
+            args.baseline_leases, args.baseline_concurrency
+        );
+        lease_baseline = Some(
+            sandboxed::lease_rate(
+                &bus,
+                args.sandbox_tasks,
+                args.baseline_leases,
+                args.baseline_concurrency,
+            )
+            .await?,
+        );
+    }
+    if args.soak_seconds > 0 {
+        scenarios.push(
+            session
+                .scenario("soak", 0, math.clone(), args.soak_seconds)
+                .await?,
+        );
+    }
+    let samples = sampler.stop();
+    let proxy_429s = proxy_status_count(&fleet, "429").await;
+
+    let trials = ledger::read_stream(&bus, Domain::Trial).await?;
+    let rewards = ledger::read_stream(&bus, Domain::Reward).await?;
+    let trajectories = ledger::read_stream(&bus, Domain::Trajectory).await?;
+    let calls = ledger::read_stream(&bus, Domain::Llm).await?;
+    let stream_bytes = stream_bytes(&bus).await?;
+    let all_runs: Vec<String> = scenarios
+        .iter()
+        .flat_map(|s| s.runs.iter().map(|r| r.to_string()))
+        .collect();
+    let whole = ledger::account(&all_runs, &trials, &rewards, &trajectories, &calls);
+    let ledgers: Vec<ledger::Ledger> = scenarios
+        .iter()
+        .map(|s| {
+            let runs: Vec<String> = s.runs.iter().map(|r| r.to_string()).collect();
+            ledger::account(&runs, &trials, &rewards, &trajectories, &calls)
+        })
+        .collect();
+
+    let sandbox_events = ledger::read_stream(&bus, Domain::Sandbox).await?;
+    let sandboxed_runs: Vec<String> = scenarios
+        .iter()
+        .filter(|s| s.name == "sandboxed")
+        .flat_map(|s| s.runs.iter().map(|r| r.to_string()))
+        .collect();
+    let trial_leases = ledger::rate_of(&sandboxed_runs, &sandbox_events, "leased");
+    let report = Report {
+        args: &args,
+        lease_baseline,
+        trial_leases,
+        scenarios: &scenarios,
+        ledgers: &ledgers,
+        whole: &whole,
+        measured: &measured,
+        samples: &samples,
+        stream_bytes,
+        proxy_429s,
+    };
+    let soak_ok = report.print();
+    shutdown.trigger();
+    shutdown.wait().await;
+    drop(fleet);
+    if args.keep_state {
+        println!("state and logs kept in {}", state.keep().display());
+    }
+    if !whole.problems.is_empty() {
+        eprintln!(
+            "\n{} trial attempts lost or duplicated:",
+            whole.problems.len()
+        );
+        for problem in whole.problems.iter().take(50) {
+            eprintln!("  {problem}");
+        }
+        return Ok(std::process::ExitCode::from(1));
+    }
+    if !soak_ok {
+        return Ok(std::process::ExitCode::from(1));
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// Every service as its own process, with the flags `arl up` gives it (cli/src/up.rs),
+/// except where a load test must differ (said at each).
+fn start_services(
+    fleet: &mut Fleet,
+    args: &Args,
+    state: &Path,
+    engine: std::net::SocketAddr,
+) -> anyhow::Result<()> {
+    let s = |p: PathBuf| p.display().to_string();
+    let port = || arl_testkit::free_port();
+    let socket = state.join("proxy.sock");
+    let sandbox_api = port()?;
+    fleet.start(
+        "sandbox",
+        "sandbox",
+        &[
+            "--api-addr".into(),
+            format!("127.0.0.1:{sandbox_api}"),
+            "--state-dir".into(),
+            s(state.join("sandbox")),
+            "--environments-dir".into(),
+            s(state.join("environments")),
+            "--proxy-socket".into(),
+            s(socket.clone()),
+            // `arl up` keeps no warm trees (0); the issue asks for leases from warm pools.
+            "--pool-min-idle".into(),
+            args.pool_min_idle.to_string(),
+            "--max-leases".into(),
+            "4096".into(),
+        ],
+        sandbox_api,
+    )?;
+    fleet.start(
+        "controller",
+        "controller",
+        &[
+            "--tensorboard-dir".into(),
+            s(state.join("tensorboard")),
+            "--model-dir".into(),
+            s(state.join("models")),
+        ],
+        port()?,
+    )?;
+    fleet.start("dataset", "dataset", &[], port()?)?;
+    let proxy = port()?;
+    fleet.start(
+        "proxy",
+        "proxy",
+        &[
+            "--backend".into(),
+            format!("arl=http://{engine}"),
+            "--listen".into(),
+            format!("127.0.0.1:{proxy}"),
+            "--listen-unix".into(),
+            s(socket),
+            // `arl up` keeps the default (256 LLM calls of one run at once); thousands of
+            // trials of one run in flight need more, or the proxy's 429s are the limit.
+            "--max-in-flight-per-run".into(),
+            (args.replicas * args.concurrency).to_string(),
+        ],
+        proxy,
+    )?;
+    // Math grades in microseconds; `arl up`'s 4 at once is sized for test runs in
+    // sandboxes (SWE-bench, Harbor).
+    fleet.start(
+        "reward",
+        "reward",
+        &["--concurrency".into(), "64".into()],
+        port()?,
+    )?;
+    for replica in 0..args.replicas {
+        fleet.start(
+            &format!("rollout-{replica}"),
+            "rollout",
+            &["--concurrency".into(), args.concurrency.to_string()],
+            port()?,
+        )?;
+    }
+    fleet.start(
+        "trainer",
+        "trainer",
+        &[
+            "--runs-dir".into(),
+            s(state.join("runs")),
+            "--gpu".into(),
+            "none".into(),
+            "--capacity".into(),
+            (4 * args.tasks_per_step * args.samples)
+                .max(4096)
+                .to_string(),
+        ],
+        port()?,
+    )?;
+    fleet.start("evaluator", "evaluator", &[], port()?)?;
+    Ok(())
+}
+
+/// A tiny llama (hidden 32, 2 layers) with random weights and SmolLM2's tokenizer, in
+/// Hugging Face layout: the trainer's steps cost milliseconds, so the orchestration is
+/// what is measured (the trainer's speed is `arl-bench-model`'s).
+fn tiny_model(dir: &Path) -> anyhow::Result<PathBuf> {
+    use arl_model::config::ModelConfig;
+    use arl_model::load::LoadedModel;
+    use arl_model::model::Model;
+    use arl_model::weights::Weights;
+    let models = std::env::var_os("ARL_MODEL_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/arl/models")))
+        .ok_or_else(|| anyhow::anyhow!("set ARL_MODEL_DIR"))?;
+    let smollm2 = models.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    anyhow::ensure!(
+        smollm2.exists(),
+        "{} is missing (its tokenizer seeds the tiny model); run `make models`",
+        smollm2.display()
+    );
+    let mut loaded = LoadedModel::open(&smollm2)?;
+    let config = ModelConfig {
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        ..loaded.model.config.clone()
+    };
+    loaded.model = Model::new(config.clone(), Weights::random(&config, 5, 0.05));
+    let path = dir.join("models/tiny");
+    loaded.save_hf(&path)?;
+    Ok(path)
+}
+
+fn write_dataset(dir: &Path, tasks: u32) -> anyhow::Result<PathBuf> {
+    let rows: Vec<String> = (0..tasks)
+        .map(|i| {
+            serde_json::json!({"id": format!("q{i}"), "question": "What is 2 + 2?", "answer": "#### 4"})
+                .to_string()
+        })
+        .collect();
+    let path = dir.join("math.jsonl");
+    std::fs::write(&path, rows.join("\n"))?;
+    Ok(path)
+}
+
+fn run_spec(args: &Args, dataset: &Path, model: &Path) -> RunSpec {
+    let mut spec = RunSpec {
+        name: "loadtest".into(),
+        ..RunSpec::default()
+    };
+    spec.model.path = model.display().to_string();
+    spec.data.source = DataSource::Gsm8k;
+    spec.data.dataset = dataset.display().to_string();
+    spec.data.val_size = args.val_tasks;
+    spec.data.train_batch_size = args.tasks_per_step;
+    spec.rollout.n = args.samples;
+    spec.trainer.total_steps = args.steps;
+    spec
+}
+
+/// Submits one run and waits for it to end; fails when a service exits or it takes
+/// longer than `--run-timeout-s`. Prints progress every 10 s.
+async fn submit_and_wait(
+    bus: &Bus,
+    fleet: &mut Fleet,
+    spec: RunSpec,
+    args: &Args,
+) -> anyhow::Result<RunId> {
+    let run = RunId::generate();
+    let ns = bus.namespace();
+    let mut ended = bus
+        .client()
+        .subscribe(ns.event_subject(Domain::Run, &run, "*"))
+        .await?;
+    let mut ready = bus
+        .client()
+        .subscribe(ns.event_subject(Domain::Trajectory, &run, "ready"))
+        .await?;
+    bus.publish(&RunRequestedV1 {
+        run_id: run.clone(),
+        spec,
+        ..RunRequestedV1::example()
+    })
+    .await?;
+    let started = Instant::now();
+    let mut trajectories = 0usize;
+    let mut report = tokio::time::interval(Duration::from_secs(10));
+    loop {
+        tokio::select! {
+            Some(message) = ended.next() => {
+                let event = message.subject.rsplit('.').next().unwrap_or_default().to_owned();
+                match event.as_str() {
+                    "completed" => break,
+                    "failed" | "rejected" => {
+                        let body = String::from_utf8_lossy(&message.payload);
+                        println!("run {run} ended {event}: {body}");
+                        break;
+                    }
+                    _ => {}
+                }
+            }
+            Some(_) = ready.next() => trajectories += 1,
+            _ = report.tick() => {
+                println!(
+                    "  run {run}: {:.0} s, {trajectories} trajectories",
+                    started.elapsed().as_secs_f64()
+                );
+                if let Some(exited) = fleet.exited() {
+                    anyhow::bail!("{exited}");
+                }
+                anyhow::ensure!(
+                    started.elapsed() < Duration::from_secs(args.run_timeout_s),
+                    "run {run} did not end within {} s ({trajectories} trajectories)",
+                    args.run_timeout_s
+                );
+            }
+        }
+    }
+    // Trajectories of the last step may still be on their way to the trainer's stream.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    Ok(run)
+}
+
+/// RSS of each measured process sampled every second (its peak since the last
+/// [`Sampler::reset_peaks`]), and every 30 s a point of the soak's series.
+struct Sampler {
+    samples: Arc<Mutex<Samples>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Clone, Default)]
+struct Samples {
+    /// Peak RSS (MiB) per measured process.
+    peak_rss: Vec<f64>,
+    /// Every 30 s: (seconds since start, RSS per process, stream bytes).
+    series: Vec<(f64, Vec<f64>, u64)>,
+}
+
+impl Sampler {
+    fn start(measured: Vec<Measured>, bus: &Bus) -> Self {
+        let samples = Arc::new(Mutex::new(Samples {
+            peak_rss: vec![0.0; measured.len()],
+            series: Vec::new(),
+        }));
+        let (shared, bus) = (samples.clone(), bus.clone());
+        // Aborted by `stop`: it holds nothing that needs an orderly end.
+        let task = tokio::spawn(async move {
+            let started = Instant::now();
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            for n in 0u64.. {
+                tick.tick().await;
+                let rss: Vec<f64> = measured
+                    .iter()
+                    .map(|m| fleet::rss_mib(m.pid).unwrap_or(0.0))
+                    .collect();
+                let bytes = if n % 30 == 0 {
+                    stream_bytes(&bus).await.ok()
+                } else {
+                    None
+                };
+                let mut s = shared.lock().unwrap_or_else(|e| e.into_inner());
+                for (peak, now) in s.peak_rss.iter_mut().zip(&rss) {
+                    *peak = peak.max(*now);
+                }
+                if let Some(bytes) = bytes {
+                    s.series.push((started.elapsed().as_secs_f64(), rss, bytes));
+                }
+            }
+        });
+        Self { samples, task }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Samples> {
+        self.samples.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn reset_peaks(&self) {
+        self.lock().peak_rss.iter_mut().for_each(|p| *p = 0.0);
+    }
+
+    fn peaks(&self) -> Vec<f64> {
+        self.lock().peak_rss.clone()
+    }
+
+    fn stop(self) -> Samples {
+        self.task.abort();
+        self.lock().clone()
+    }
+}
+
+/// Bytes stored in every event stream of the namespace.
+async fn stream_bytes(bus: &Bus) -> anyhow::Result<u64> {
+    let mut total = 0;
+    for domain in Domain::ALL {
+        let name = bus.namespace().stream(domain);
+        if let Ok(mut stream) = bus.jetstream().get_stream(&name).await {
+            total += stream.info().await.map(|i| i.state.bytes).unwrap_or(0);
+        }
+    }
+    Ok(total)
+}
+
+/// LLM calls the proxy answered with `status`, from its `/metrics`.
+async fn proxy_status_count(fleet: &Fleet, status: &str) -> Option<f64> {
+    let port = fleet.ops_port("proxy")?;
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let text = arl_testkit::http(&url, "GET", &[], b"").await.ok()?.text();
+    let label = format!("status=\"{status}\"");
+    Some(
+        text.lines()
+            .filter(|l| l.contains("proxy_calls") && l.contains(&label) && !l.starts_with('#'))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .fold(0.0, |sum, n| sum + n),
+    )
+}
+
+struct Report<'a> {
+    args: &'a Args,
+    /// The sandbox service's own lease rate (per s) and lease latencies (ms).
+    lease_baseline: Option<(f64, Vec<f64>)>,
+    /// Leases the sandboxed trials took (agent and grading): (count, per s).
+    trial_leases: (usize, f64),
+    scenarios: &'a [Scenario],
+    ledgers: &'a [ledger::Ledger],
+    /// The accounting of every run together.
+    whole: &'a ledger::Ledger,
+    measured: &'a [Measured],
+    samples: &'a Samples,
+    stream_bytes: u64,
+    proxy_429s: Option<f64>,
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok { "pass" } else { "FAIL" }
+}
+
+impl Report<'_> {
+    /// Prints the tables; returns whether the soak (when there was one) passed.
+    fn print(&self) -> bool {
+        let a = self.args;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        println!(
+            "\n## Trials through the real services as processes ({} rollout replicas × {} concurrency, {} tasks × {} samples a step + {} validation tasks; {cores} cores, load average {})",
+            a.replicas,
+            a.concurrency,
+            a.tasks_per_step,
+            a.samples,
+            a.val_tasks,
+            load_average()
+        );
+        let throughput = &self.ledgers[0];
+        let in_flight = self
+            .scenarios
+            .iter()
+            .zip(self.ledgers)
+            .map(|(_, l)| l.peak_in_flight)
+            .max()
+            .unwrap_or(0);
+        let w = self.whole;
+        println!("\n| target | value | target | verdict |");
+        println!("|---|---|---|---|");
+        println!(
+            "| trial attempts lost or duplicated (of {} attempts: {} graded, {} failed) | {} | 0 | {} |",
+            w.attempts,
+            w.scored,
+            w.failed,
+            w.problems.len(),
+            verdict(w.problems.is_empty())
+        );
+        println!(
+            "| trials in flight (peak, any scenario) | {in_flight} | ≥ {TARGET_IN_FLIGHT} | {} |",
+            verdict(in_flight >= TARGET_IN_FLIGHT)
+        );
+        println!(
+            "| math trials/s sustained (throughput scenario: graded ÷ first start → last grade) | {:.1} | ≥ {TARGET_MATH_TRIALS_PER_S} | {} |",
+            throughput.trials_per_second,
+            verdict(throughput.trials_per_second >= TARGET_MATH_TRIALS_PER_S)
+        );
+        self.print_sandboxed();
+        let soak = self.scenarios.iter().any(|s| s.name == "soak");
+        let soak_ok = !soak || self.soak_verdict();
+        println!(
+            "| no unbounded RSS growth over the soak | {} | slope after warm-up ≤ max(2 MiB, 1% of mean)/min | {} |",
+            if soak {
+                "see the soak table"
+            } else {
+                "no soak (--soak-seconds 0)"
+            },
+            if soak { verdict(soak_ok) } else { "not run" }
+        );
+        println!(
+            "| JetStream bytes per trial attempt (every stream ÷ attempts) | {:.0} | — | — |",
+            self.stream_bytes as f64 / w.attempts.max(1) as f64
+        );
+        println!(
+            "| proxy 429s | {} | — | — |",
+            self.proxy_429s
+                .map_or("unknown".into(), |n| format!("{n:.0}"))
+        );
+
+        for (scenario, l) in self.scenarios.iter().zip(self.ledgers) {
+            self.print_scenario(scenario, l, cores);
+        }
+        if soak {
+            self.print_soak();
+        }
+        soak_ok
+    }
+
+    fn print_sandboxed(&self) {
+        let sandboxed = self
+            .scenarios
+            .iter()
+            .zip(self.ledgers)
+            .find(|(s, _)| s.name == "sandboxed");
+        let (Some((rate, latencies)), Some((_, l))) = (&self.lease_baseline, sandboxed) else {
+            println!(
+                "| sandboxed: leases/s taken by trials ÷ the sandbox's own lease rate | — | ≥ 0.8 | not run (--sandbox-tasks 0) |"
+            );
+            return;
+        };
+        let (count, trial_rate) = self.trial_leases;
+        let ratio = trial_rate / rate.max(1e-9);
+        println!(
+            "| sandboxed: leases/s taken by trials ({count} leases, agent + grading: {trial_rate:.1}/s; {:.1} trials/s) ÷ the sandbox's own lease rate in this run ({rate:.1}/s) | {ratio:.2} | ≥ 0.8 | {} |",
+            l.trials_per_second,
+            verdict(ratio >= 0.8)
+        );
+        let mut stage = ledger::Stage::default();
+        latencies.iter().for_each(|ms| stage.push(*ms));
+        if let Some((p50, p99)) = stage.quantiles() {
+            println!(
+                "| sandbox lease latency, own baseline (warm pools, {} at once) p50 / p99 ms | {p50:.1} / {p99:.1} | — | — |",
+                self.args.baseline_concurrency
+            );
+        }
+    }
+
+    fn print_scenario(&self, s: &Scenario, l: &ledger::Ledger, cores: f64) {
+        println!(
+            "\n### {}: {} run(s) of {} steps, engine holds each call {} ms; {:.0} s",
+            s.name,
+            s.runs.len(),
+            s.steps,
+            s.delay_ms,
+            s.wall
+        );
+        println!(
+            "attempts {} (graded {}, failed {}), peak in flight {}, graded trials/s {:.1}, first request → last trajectory {:.1} s",
+            l.attempts, l.scored, l.failed, l.peak_in_flight, l.trials_per_second, l.span_s
+        );
+        for (class, (count, message)) in &l.failures {
+            println!("failed attempts, {class}: {count} (e.g. \"{message}\")");
+        }
+        println!("\n| stage | p50 ms | p99 ms | samples |");
+        println!("|---|---|---|---|");
+        for (name, stage) in &l.stages {
+            match stage.quantiles() {
+                Some((p50, p99)) => {
+                    println!("| {name} | {p50:.1} | {p99:.1} | {} |", stage.samples.len())
+                }
+                None => println!("| {name} | — | — | 0 |"),
+            }
+        }
+        let per_thousand = (l.peak_in_flight as f64 / 1000.0).max(1e-9);
+        println!(
+            "\n| process | RSS before MiB | RSS peak MiB | (peak − before) per 1,000 in flight MiB | CPU s | cores |"
+        );
+        println!("|---|---|---|---|---|---|");
+        let wall = s.wall.max(1e-9);
+        let mut busiest = (String::new(), 0.0_f64);
+        for (i, m) in self.measured.iter().enumerate() {
+            let (before, peak) = (s.idle_rss[i], s.peak_rss[i]);
+            let used = s.cpu[i] / wall;
+            if used > busiest.1 {
+                busiest = (m.name.clone(), used);
+            }
+            println!(
+                "| {} | {before:.1} | {peak:.1} | {:.1} | {:.1} | {used:.2} |",
+                m.name,
+                (peak - before).max(0.0) / per_thousand,
+                s.cpu[i],
+            );
+        }
+        let ours = s.cpu.iter().sum::<f64>() / wall;
+        let machine = s.machine_cpu / wall;
+        println!(
+            "\nCPU: these processes used {ours:.2} of {cores} cores; the machine was busy {machine:.2} (other work on it: {:.2})",
+            (machine - ours).max(0.0)
+        );
+        let failed = l.failures.iter().max_by_key(|(_, (count, _))| *count);
+        let limit = if let Some((class, (count, message))) = failed {
+            format!(
+                "{count} of {} attempts failed as {class} (retried by the run's policy), e.g. \"{message}\"",
+                l.attempts
+            )
+        } else if self.proxy_429s.is_some_and(|n| n > 0.0) {
+            "the proxy's per-run in-flight limit (it answered 429)".to_owned()
+        } else if machine >= 0.9 * cores {
+            format!(
+                "CPU: the machine's {cores} cores were saturated ({machine:.2} busy, {:.2} of it others' work); the busiest process here: {} ({:.2} cores)",
+                (machine - ours).max(0.0),
+                busiest.0,
+                busiest.1
+            )
+        } else if busiest.1 >= 0.9 {
+            format!("CPU of {} ({:.2} cores)", busiest.0, busiest.1)
+        } else if l.peak_in_flight >= self.args.replicas * self.args.concurrency {
+            "the rollout replicas' concurrency (every slot busy)".into()
+        } else {
+            format!(
+                "none saturated (machine {machine:.2} of {cores} cores, busiest {} at {:.2}): trials waited on hand-offs and on the trainer's steps (max_staleness)",
+                busiest.0, busiest.1
+            )
+        };
+        println!("first limit hit: {limit}");
+    }
+
+    fn print_soak(&self) {
+        let series = &self.samples.series;
+        println!(
+            "\n### soak: {} samples every 30 s; stream bytes {} → {}",
+            series.len(),
+            series.first().map_or(0, |s| s.2),
+            series.last().map_or(0, |s| s.2)
+        );
+        println!("\n| process | mean RSS MiB after warm-up | slope MiB/min | limit | verdict |");
+        println!("|---|---|---|---|---|");
+        for (name, (mean, slope, limit)) in self.growth() {
+            println!(
+                "| {name} | {mean:.1} | {slope:.2} | {limit:.2} | {} |",
+                verdict(slope <= limit)
+            );
+        }
+    }
+
+    /// Per process: (mean RSS, least-squares slope in MiB/min, allowed slope) over the
+    /// samples after the warm-up (the first third).
+    fn growth(&self) -> BTreeMap<String, (f64, f64, f64)> {
+        let series = &self.samples.series;
+        let warm = &series[series.len() / 3..];
+        let mut rows = BTreeMap::new();
+        for (i, m) in self.measured.iter().enumerate() {
+            let points: Vec<(f64, f64)> = warm.iter().map(|s| (s.0 / 60.0, s.1[i])).collect();
+            let n = (points.len() as f64).max(1.0);
+            let mean_x = points.iter().map(|p| p.0).sum::<f64>() / n;
+            let mean_y = points.iter().map(|p| p.1).sum::<f64>() / n;
+            let cov: f64 = points.iter().map(|p| (p.0 - mean_x) * (p.1 - mean_y)).sum();
+            let var: f64 = points.iter().map(|p| (p.0 - mean_x).powi(2)).sum();
+            let slope = if var > 0.0 { cov / var } else { 0.0 };
+            rows.insert(m.name.clone(), (mean_y, slope, (0.01 * mean_y).max(2.0)));
+        }
+        rows
+    }
+
+    /// The soak's rule: after a warm-up of the first third of the 30-s samples, the
+    /// least-squares slope of each process's RSS must stay at or under max(2 MiB, 1% of its
+    /// mean) per minute — memory still climbing at that rate once the system is in its
+    /// steady state grows without bound. Fewer than 3 samples after warm-up cannot pass.
+    fn soak_verdict(&self) -> bool {
+        let series = &self.samples.series;
+        series.len() - series.len() / 3 >= 3
+            && self
+                .growth()
+                .values()
+                .all(|(_, slope, limit)| slope <= limit)
+    }
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
