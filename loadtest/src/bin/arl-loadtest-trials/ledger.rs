@@ -133,6 +133,9 @@ pub struct Ledger {
     pub problems: Vec<String>,
     /// Stage latencies (ms), by name, in print order.
     pub stages: Vec<(&'static str, Stage)>,
+    /// Sandbox leases taken, and how many of them came from a warm pool.
+    pub leases: usize,
+    pub warm_leases: usize,
     /// Failed attempts by class, with one message of each.
     pub failures: BTreeMap<String, (usize, String)>,
     /// Trials in flight (started, not finished or failed) at the busiest moment.
@@ -163,12 +166,14 @@ pub fn account(
     rewards: &[Stored],
     trajectories: &[Stored],
     calls: &[Stored],
+    sandbox: &[Stored],
 ) -> Ledger {
-    let (trials, rewards, trajectories, calls) = (
+    let (trials, rewards, trajectories, calls, sandbox) = (
         keep(runs, trials),
         keep(runs, rewards),
         keep(runs, trajectories),
         keep(runs, calls),
+        keep(runs, sandbox),
     );
     let mut attempts: BTreeMap<Attempt, Outcome> = BTreeMap::new();
     let mut problems = Vec::new();
@@ -215,6 +220,8 @@ pub fn account(
         "grade: trial.finished → reward.scored",
         "trajectory hand-off: reward.scored → trajectory.ready",
         "whole trial: trial.requested → trajectory.ready",
+        "lease: trial.started → sandbox.leased (the agent's sandbox)",
+        "sandbox held: sandbox.leased → sandbox.released (agent and grading)",
     ]
     .into_iter()
     .map(|name| (name, Stage::default()))
@@ -222,6 +229,41 @@ pub fn account(
     for e in calls.iter().filter(|e| e.event == "call") {
         if let Some(ms) = e.body["timing"]["latency_ms"].as_f64() {
             stages[1].1.push(ms);
+        }
+    }
+
+    // The agent's lease names its trial; the grader's lease is matched by lease id only.
+    let mut trial_started: HashMap<(String, String), f64> = HashMap::new();
+    for e in trials.iter().filter(|e| e.event == "started") {
+        let (run, trial, _) = attempt(&e.body);
+        trial_started.entry((run, trial)).or_insert(e.at);
+    }
+    let mut leased_at: HashMap<String, f64> = HashMap::new();
+    // Per trial, its first lease (the agent's; the grader's comes after the trial ends).
+    let mut first_lease: HashMap<(String, String), f64> = HashMap::new();
+    let mut warm = 0;
+    for e in &sandbox {
+        let lease = e.body["lease_id"].as_str().unwrap_or_default().to_owned();
+        match e.event.as_str() {
+            "leased" => {
+                leased_at.insert(lease, e.at);
+                warm += usize::from(e.body["warm"].as_bool().unwrap_or(false));
+                let run = e.body["run_id"].as_str().unwrap_or_default().to_owned();
+                if let Some(trial) = e.body["trial_id"].as_str() {
+                    first_lease.entry((run, trial.to_owned())).or_insert(e.at);
+                }
+            }
+            "released" => {
+                if let Some(leased) = leased_at.get(&lease) {
+                    stages[7].1.push((e.at - leased) * 1e3);
+                }
+            }
+            _ => {}
+        }
+    }
+    for (trial, leased) in &first_lease {
+        if let Some(started) = trial_started.get(trial) {
+            stages[6].1.push((leased - started) * 1e3);
         }
     }
 
@@ -310,6 +352,8 @@ pub fn account(
         problems,
         failures,
         stages,
+        leases: leased_at.len(),
+        warm_leases: warm,
         peak_in_flight: peak.max(0) as usize,
         trials_per_second: scored as f64 / window,
         span_s: (last_trajectory - first_request).max(0.0),

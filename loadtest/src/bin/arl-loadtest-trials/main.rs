@@ -56,8 +56,9 @@ struct Args {
     /// replicas together: it is the in-flight target, not a share of it.
     #[arg(long, default_value_t = 2000)]
     concurrency: usize,
-    /// Keep submitting runs for this long, sampling RSS and stream bytes every 30 s; fails
-    /// when a service's memory keeps growing (see `soak_verdict`). 0: one run.
+    /// Keep trials flowing this long (one run sized to last it at the throughput
+    /// scenario's pace, then more runs if it ends early), sampling RSS and stream bytes
+    /// every 30 s; fails when a process's memory keeps growing (see `soak_verdict`).
     #[arg(long, default_value_t = 0)]
     soak_seconds: u64,
     /// The `arl` executable (default: beside this one).
@@ -73,8 +74,9 @@ struct Args {
     /// Samples per Harbor task.
     #[arg(long, default_value_t = 4)]
     sandbox_samples: u32,
-    /// Prepared trees the sandbox service keeps per environment (`--pool-min-idle`).
-    #[arg(long, default_value_t = 2)]
+    /// Prepared trees the sandbox service keeps per environment (`--pool-min-idle`): as
+    /// many as a task's samples, so a step's agents can all start from a warm tree.
+    #[arg(long, default_value_t = 4)]
     pool_min_idle: usize,
     /// Leases of the sandbox's own lease-rate baseline, and how many at once.
     #[arg(long, default_value_t = 200)]
@@ -288,11 +290,15 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
         );
     }
     if args.soak_seconds > 0 {
-        scenarios.push(
-            session
-                .scenario("soak", 0, math.clone(), args.soak_seconds)
-                .await?,
-        );
+        // One run long enough to last the soak at the pace just measured (a run is what
+        // a deployment soaks in; runs back to back would add each run's own state), and
+        // more runs after it if it ends early.
+        let seconds_per_step = scenarios[0].wall / f64::from(args.steps.max(1));
+        let mut long = math.clone();
+        long.trainer.total_steps = ((args.soak_seconds as f64 / seconds_per_step).ceil() as u32)
+            .max(args.steps)
+            .saturating_add(1);
+        scenarios.push(session.scenario("soak", 0, long, args.soak_seconds).await?);
     }
     let samples = sampler.stop();
     let proxy_429s = proxy_status_count(&fleet, "429").await;
@@ -301,21 +307,35 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
     let rewards = ledger::read_stream(&bus, Domain::Reward).await?;
     let trajectories = ledger::read_stream(&bus, Domain::Trajectory).await?;
     let calls = ledger::read_stream(&bus, Domain::Llm).await?;
+    let sandbox_events = ledger::read_stream(&bus, Domain::Sandbox).await?;
     let stream_bytes = stream_bytes(&bus).await?;
     let all_runs: Vec<String> = scenarios
         .iter()
         .flat_map(|s| s.runs.iter().map(|r| r.to_string()))
         .collect();
-    let whole = ledger::account(&all_runs, &trials, &rewards, &trajectories, &calls);
+    let whole = ledger::account(
+        &all_runs,
+        &trials,
+        &rewards,
+        &trajectories,
+        &calls,
+        &sandbox_events,
+    );
     let ledgers: Vec<ledger::Ledger> = scenarios
         .iter()
         .map(|s| {
             let runs: Vec<String> = s.runs.iter().map(|r| r.to_string()).collect();
-            ledger::account(&runs, &trials, &rewards, &trajectories, &calls)
+            ledger::account(
+                &runs,
+                &trials,
+                &rewards,
+                &trajectories,
+                &calls,
+                &sandbox_events,
+            )
         })
         .collect();
 
-    let sandbox_events = ledger::read_stream(&bus, Domain::Sandbox).await?;
     let sandboxed_runs: Vec<String> = scenarios
         .iter()
         .filter(|s| s.name == "sandboxed")
@@ -564,10 +584,11 @@ async fn submit_and_wait(
                 if let Some(exited) = fleet.exited() {
                     anyhow::bail!("{exited}");
                 }
+                // The soak's run is sized to last the soak: give it twice that.
+                let limit = args.run_timeout_s.max(2 * args.soak_seconds);
                 anyhow::ensure!(
-                    started.elapsed() < Duration::from_secs(args.run_timeout_s),
-                    "run {run} did not end within {} s ({trajectories} trajectories)",
-                    args.run_timeout_s
+                    started.elapsed() < Duration::from_secs(limit),
+                    "run {run} did not end within {limit} s ({trajectories} trajectories)"
                 );
             }
         }
@@ -805,6 +826,12 @@ impl Report<'_> {
             "attempts {} (graded {}, failed {}), peak in flight {}, graded trials/s {:.1}, first request → last trajectory {:.1} s",
             l.attempts, l.scored, l.failed, l.peak_in_flight, l.trials_per_second, l.span_s
         );
+        if l.leases > 0 {
+            println!(
+                "sandbox leases {} ({} from a warm pool)",
+                l.leases, l.warm_leases
+            );
+        }
         for (class, (count, message)) in &l.failures {
             println!("failed attempts, {class}: {count} (e.g. \"{message}\")");
         }
