@@ -37,6 +37,29 @@ impl ServedModel {
     pub fn is_at_least(&self, run: &arl_schemas::RunId, version: u64) -> bool {
         self.run_id.as_ref() == Some(run) && self.version >= version
     }
+
+    /// The policy these weights are: (run, version).
+    pub fn policy(&self) -> Policy {
+        Policy {
+            run_id: self.run_id.clone(),
+            version: self.version,
+        }
+    }
+
+    /// Whether these are the weights of `policy`. Never a bare version: after a swap from
+    /// one run's version 1 to another's, both are in flight at once.
+    fn is(&self, policy: &Policy) -> bool {
+        self.version == policy.version && self.run_id == policy.run_id
+    }
+}
+
+/// A policy's identity: the run whose trained weights it is (None for the model the
+/// engine started with) and the version. Sequences, cached prefixes and sessions are
+/// matched to weights by it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Policy {
+    pub run_id: Option<arl_schemas::RunId>,
+    pub version: u64,
 }
 
 /// What to do with requests in flight when new weights arrive.
@@ -123,7 +146,8 @@ pub enum FinishReason {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     Started {
-        policy_version: u64,
+        /// The policy the request was admitted on (it never changes mid-way).
+        policy: Policy,
         cached_tokens: usize,
     },
     Token {
@@ -383,9 +407,10 @@ impl Engine {
     /// Whether an active sequence on `model` is still prefilling a prompt that shares a
     /// useful prefix with `prompt` beyond what the prefix cache already holds.
     fn shares_a_prefill(&self, model: &Arc<ServedModel>, prompt: &[u32]) -> bool {
-        let cached = self.prefixes.longest(model.version, prompt);
+        let policy = model.policy();
+        let cached = self.prefixes.longest(&policy, prompt);
         self.active.iter().any(|seq| {
-            seq.model.version == model.version
+            seq.model.is(&policy)
                 && seq.fed < seq.prompt_len
                 && shared_prefix(&seq.tokens[..seq.prompt_len], prompt) >= cached + MIN_SHARED
         })
@@ -416,7 +441,7 @@ impl Engine {
             base_seed,
         });
         let started = shared.events.send(Event::Started {
-            policy_version: model.version,
+            policy: model.policy(),
             cached_tokens: cached,
         });
         if started.is_err() {
@@ -455,15 +480,16 @@ impl Engine {
             }
         }
         let mut logits: Vec<Option<Vec<f32>>> = vec![None; self.active.len()];
-        let versions: Vec<u64> = {
-            let mut v: Vec<u64> = self.active.iter().map(|s| s.model.version).collect();
-            v.sort_unstable();
-            v.dedup();
-            v
-        };
-        for version in versions {
+        // One forward per policy: two runs' version 1 are different weights.
+        let mut policies: Vec<Policy> = Vec::new();
+        for seq in &self.active {
+            if !policies.iter().any(|p| seq.model.is(p)) {
+                policies.push(seq.model.policy());
+            }
+        }
+        for policy in policies {
             let indices: Vec<usize> = (0..self.active.len())
-                .filter(|&i| self.active[i].model.version == version && feed_to[i].is_some())
+                .filter(|&i| self.active[i].model.is(&policy) && feed_to[i].is_some())
                 .collect();
             let Some(&first) = indices.first() else {
                 continue;
@@ -471,7 +497,7 @@ impl Engine {
             let model = self.active[first].model.clone();
             let mut inputs: Vec<SeqInput<'_>> = Vec::with_capacity(indices.len());
             for (i, seq) in self.active.iter_mut().enumerate() {
-                if let (Some(end), true) = (feed_to[i], seq.model.version == version) {
+                if let (Some(end), true) = (feed_to[i], seq.model.is(&policy)) {
                     let Sequence {
                         tokens, cache, fed, ..
                     } = seq;
@@ -490,8 +516,11 @@ impl Engine {
                     seq.generated == 0 && seq.fed < seq.prompt_len && end == seq.prompt_len;
                 seq.fed = end;
                 if prefilled {
-                    self.prefixes
-                        .put(seq.model.version, &seq.tokens[..seq.prompt_len], &seq.cache);
+                    self.prefixes.put(
+                        seq.model.policy(),
+                        &seq.tokens[..seq.prompt_len],
+                        &seq.cache,
+                    );
                 }
                 if end == seq.tokens.len() {
                     logits[i] = Some(out);
@@ -581,7 +610,7 @@ impl Engine {
                     std::mem::replace(&mut seq.cache, KvCache::new(&seq.model.loaded.model));
                 sessions.put(
                     session,
-                    seq.model.version,
+                    seq.model.policy(),
                     seq.tokens[..seq.fed].to_vec(),
                     cache,
                 );
@@ -679,7 +708,7 @@ struct PrefixCache {
 }
 
 struct PrefixEntry {
-    version: u64,
+    policy: Policy,
     tokens: Vec<u32>,
     cache: KvCache,
     used: u64,
@@ -704,18 +733,18 @@ impl PrefixCache {
         self.tokens_held = 0;
     }
 
-    /// The longest prefix of `prompt` an entry of `version` holds (0 below MIN_SHARED).
-    fn longest(&self, version: u64, prompt: &[u32]) -> usize {
-        self.best(version, prompt).map_or(0, |(_, shared)| shared)
+    /// The longest prefix of `prompt` an entry of `policy` holds (0 below MIN_SHARED).
+    fn longest(&self, policy: &Policy, prompt: &[u32]) -> usize {
+        self.best(policy, prompt).map_or(0, |(_, shared)| shared)
     }
 
-    fn best(&self, version: u64, prompt: &[u32]) -> Option<(usize, usize)> {
+    fn best(&self, policy: &Policy, prompt: &[u32]) -> Option<(usize, usize)> {
         // At least one prompt token is left to feed: its logits start the completion.
         let limit = prompt.len().saturating_sub(1);
         self.entries
             .iter()
             .enumerate()
-            .filter(|(_, e)| e.version == version)
+            .filter(|(_, e)| &e.policy == policy)
             .map(|(i, e)| (i, shared_prefix(&e.tokens, prompt).min(limit)))
             .filter(|&(_, shared)| shared >= MIN_SHARED)
             .max_by_key(|&(_, shared)| shared)
@@ -723,7 +752,7 @@ impl PrefixCache {
 
     /// A copy of the best entry's cache cut to the shared prefix, and its length.
     fn take(&mut self, model: &ServedModel, prompt: &[u32]) -> Option<(KvCache, usize)> {
-        let (i, shared) = self.best(model.version, prompt)?;
+        let (i, shared) = self.best(&model.policy(), prompt)?;
         self.clock += 1;
         let entry = &mut self.entries[i];
         entry.used = self.clock;
@@ -733,7 +762,7 @@ impl PrefixCache {
     }
 
     /// Keeps a copy of a prompt's cache (or marks an equal entry as used).
-    fn put(&mut self, version: u64, tokens: &[u32], cache: &KvCache) {
+    fn put(&mut self, policy: Policy, tokens: &[u32], cache: &KvCache) {
         if tokens.len() < MIN_SHARED || tokens.len() > self.token_budget {
             return;
         }
@@ -741,7 +770,7 @@ impl PrefixCache {
         if let Some(entry) = self
             .entries
             .iter_mut()
-            .find(|e| e.version == version && e.tokens == tokens)
+            .find(|e| e.policy == policy && e.tokens == tokens)
         {
             entry.used = self.clock;
             return;
@@ -754,7 +783,7 @@ impl PrefixCache {
         }
         self.tokens_held += tokens.len();
         self.entries.push(PrefixEntry {
-            version,
+            policy,
             tokens: tokens.to_vec(),
             cache: cache.clone(),
             used: self.clock,
@@ -770,7 +799,7 @@ struct SessionCache {
 }
 
 struct SessionEntry {
-    version: u64,
+    policy: Policy,
     tokens: Vec<u32>,
     cache: KvCache,
     used: u64,
@@ -798,7 +827,7 @@ impl SessionCache {
         prompt: &[u32],
     ) -> Option<(KvCache, usize)> {
         let entry = self.entries.remove(session)?;
-        if entry.version != model.version {
+        if !model.is(&entry.policy) {
             return None;
         }
         let shared = entry
@@ -816,7 +845,7 @@ impl SessionCache {
         Some((cache, shared))
     }
 
-    fn put(&mut self, session: &str, version: u64, tokens: Vec<u32>, cache: KvCache) {
+    fn put(&mut self, session: &str, policy: Policy, tokens: Vec<u32>, cache: KvCache) {
         if self.capacity == 0 || tokens.is_empty() {
             return;
         }
@@ -834,7 +863,7 @@ impl SessionCache {
         self.entries.insert(
             session.to_owned(),
             SessionEntry {
-                version,
+                policy,
                 tokens,
                 cache,
                 used: self.clock,

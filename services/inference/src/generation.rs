@@ -32,6 +32,9 @@ pub(crate) struct Generation {
     pub(crate) tools: bool,
     pub(crate) choices: Vec<ChoiceText>,
     pub(crate) policy_version: u64,
+    /// The run whose trained weights answer (None: the model the engine started with).
+    /// Answers name it beside the version: a policy is (run, version).
+    pub(crate) run_id: Option<arl_schemas::RunId>,
     pub(crate) cached_tokens: usize,
     pub(crate) events: mpsc::UnboundedReceiver<Event>,
     /// Recorded into the metrics and the span when the generation ends (finished,
@@ -120,6 +123,7 @@ pub(crate) async fn run(
         tools: job.tools,
         choices,
         policy_version: job.model.version,
+        run_id: job.model.run_id.clone(),
         cached_tokens: 0,
         events: rx,
         timeline,
@@ -129,10 +133,11 @@ pub(crate) async fn run(
     // The first event says which version serves the request (or that it cannot start).
     match generation.events.recv().await {
         Some(Event::Started {
-            policy_version,
+            policy,
             cached_tokens,
         }) => {
-            generation.policy_version = policy_version;
+            generation.policy_version = policy.version;
+            generation.run_id = policy.run_id;
             generation.cached_tokens = cached_tokens;
             generation.timeline.admitted(Instant::now());
             state.metrics.prompt(generation.prompt.len(), cached_tokens);
@@ -366,5 +371,6 @@ pub(crate) async fn collect(state: &AppState, mut g: Generation) -> Result<Value
         "usage": g.usage(),
         "prompt_token_ids": g.prompt,
         "policy_version": g.policy_version,
+        "run_id": g.run_id,
     }))
 }

@@ -82,6 +82,7 @@ pub(crate) fn stream_response(state: AppState, g: Generation, include_usage: boo
                 "model": self.g.model_name,
                 "choices": choices,
                 "policy_version": self.g.policy_version,
+                "run_id": self.g.run_id,
             });
             if self.first {
                 chunk["prompt_token_ids"] = json!(self.g.prompt);

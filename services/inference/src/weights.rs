@@ -3,24 +3,46 @@
 //! object store into it (`fetch.rs`) — checked (sha256), loaded beside the serving one on
 //! a blocking thread, and swapped in between decode steps.
 
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use arl_model::load::LoadedModel;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::digest::sha256_file;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
-use arl_schemas::events::{RunCompletedV1, RunFailedV1, WEIGHTS_FILE, WeightsLocation};
+use arl_schemas::events::{
+    RunCompletedV1, RunFailedV1, WEIGHTS_FILE, WeightsLocation, WeightsPublishedV2,
+};
 use arl_schemas::{Domain, Event, RunId};
 
 use crate::engine::{EngineHandle, ServedModel};
 use crate::fetch;
 
+/// The newest version each run still going has published, as this engine has seen them:
+/// when the run whose weights it serves ends, the engine turns to another live run's newest
+/// version (its trials wait for it: the proxy routes a trial only to an engine serving
+/// its run), and to the base model only when no live run has a trained version.
+#[derive(Debug, Default)]
+struct LiveRuns {
+    newest: HashMap<RunId, WeightsPublishedV2>,
+    ended: HashSet<RunId>,
+}
+
+type Live = Arc<Mutex<LiveRuns>>;
+
+fn lock(live: &Live) -> std::sync::MutexGuard<'_, LiveRuns> {
+    live.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// Consumes weight versions (of one run, or of every run) and swaps them in; only
 /// weights under `weights_dir` are loaded, and versions in the object store are fetched
 /// into it (`<weights_dir>/<run_id>/version-<N>/`). With a `base` model (the one the engine started
-/// with), the engine goes back to it when the run whose weights it serves ends, so that
-/// the next run's first trials (version 0) find their policy: a run's version 0 is the
-/// base model, never another run's trained weights.
+/// with), when the run whose weights it serves ends, the engine serves the newest version
+/// of another run still going, or else goes back to the base model, so that the next
+/// run's first trials (version 0) find their policy: a run's version 0 is the base model,
+/// never another run's trained weights, and a run going on beside an ended one is never
+/// left without its own.
 pub fn follow(
     bus: &Bus,
     engine: EngineHandle,
@@ -31,8 +53,17 @@ pub fn follow(
     shutdown: &Shutdown,
 ) {
     let ns = bus.namespace();
+    let live = Live::default();
     if let Some(base) = base {
-        follow_run_ends(bus, engine.clone(), durable, base, shutdown);
+        follow_run_ends(
+            bus,
+            engine.clone(),
+            durable,
+            base,
+            weights_dir.clone(),
+            live.clone(),
+            shutdown,
+        );
     }
     let filter = match run {
         Some(run) => ns.event_subject(Domain::Weights, run, "published"),
@@ -47,7 +78,8 @@ pub fn follow(
         spec,
         move |delivery: Delivery| {
             let (bus, engine, weights_dir) = (fetcher.clone(), engine.clone(), weights_dir.clone());
-            async move { on_weights(&bus, &engine, &weights_dir, &delivery).await }
+            let live = live.clone();
+            async move { on_weights(&bus, &engine, &weights_dir, &live, &delivery).await }
         },
         shutdown.clone(),
     ));
@@ -57,9 +89,34 @@ async fn on_weights(
     bus: &Bus,
     engine: &EngineHandle,
     weights_dir: &Path,
+    live: &Live,
     delivery: &Delivery,
 ) -> Result<(), HandlerError> {
     let event = delivery.decode_weights_published()?;
+    {
+        let mut live = lock(live);
+        if live.ended.contains(&event.run_id) {
+            return Ok(()); // a late copy of an ended run's version: nobody samples from it
+        }
+        let newer = live
+            .newest
+            .get(&event.run_id)
+            .is_none_or(|seen| seen.policy_version < event.policy_version);
+        if newer {
+            live.newest.insert(event.run_id.clone(), event.clone());
+        }
+    }
+    serve(bus, engine, weights_dir, &event).await
+}
+
+/// Loads `event`'s version (unless this run's version or a newer one is served already)
+/// and swaps it in.
+async fn serve(
+    bus: &Bus,
+    engine: &EngineHandle,
+    weights_dir: &Path,
+    event: &WeightsPublishedV2,
+) -> Result<(), HandlerError> {
     if engine
         .current()
         .is_some_and(|m| m.is_at_least(&event.run_id, event.policy_version))
@@ -75,7 +132,7 @@ async fn on_weights(
             (dir, false)
         }
         WeightsLocation::ObjectStore { bucket, files } => {
-            let dir = fetch::fetch(bus, weights_dir, &event, bucket, files)
+            let dir = fetch::fetch(bus, weights_dir, event, bucket, files)
                 .await
                 .map_err(|e| {
                     if e.is_permanent() {
@@ -112,13 +169,15 @@ async fn on_weights(
     Ok(())
 }
 
-/// On `run.completed` / `run.failed` of the run whose weights are served: back to the
-/// base model.
+/// On `run.completed` / `run.failed` of the run whose weights are served: another live
+/// run's newest version, else the base model.
 fn follow_run_ends(
     bus: &Bus,
     engine: EngineHandle,
     durable: &str,
     base: PathBuf,
+    weights_dir: PathBuf,
+    live: Live,
     shutdown: &Shutdown,
 ) {
     // Every run's end: only the one whose weights are served changes anything.
@@ -127,31 +186,48 @@ fn follow_run_ends(
         .and_event::<RunFailedV1>(ns)
         .ordered();
     spec.keep_alive = true;
+    let fetcher = bus.clone();
     shutdown.spawn(run_consumer(
         bus.clone(),
         spec,
         move |delivery: Delivery| {
             let (engine, base) = (engine.clone(), base.clone());
-            async move { on_run_end(&engine, &base, &delivery).await }
+            let (bus, weights_dir, live) = (fetcher.clone(), weights_dir.clone(), live.clone());
+            async move { on_run_end(&bus, &engine, &base, &weights_dir, &live, &delivery).await }
         },
         shutdown.clone(),
     ));
 }
 
 async fn on_run_end(
+    bus: &Bus,
     engine: &EngineHandle,
     base: &Path,
+    weights_dir: &Path,
+    live: &Live,
     delivery: &Delivery,
 ) -> Result<(), HandlerError> {
     let ended = match delivery.event_type().as_deref() {
         Some(RunFailedV1::TYPE) => delivery.decode::<RunFailedV1>()?.run_id,
         _ => delivery.decode::<RunCompletedV1>()?.run_id,
     };
+    let next = {
+        let mut live = lock(live);
+        live.newest.remove(&ended);
+        live.ended.insert(ended.clone());
+        // The live run that published last: its trials are the likeliest to be waiting.
+        live.newest.values().max_by_key(|w| w.at).cloned()
+    };
     let serving_it = engine
         .current()
         .is_some_and(|m| m.run_id.as_ref() == Some(&ended));
     if !serving_it {
         return Ok(());
+    }
+    if let Some(next) = next {
+        tracing::info!(run = %ended, next = %next.run_id, policy_version = next.policy_version,
+            "the run ended; serving another live run's newest version");
+        return serve(bus, engine, weights_dir, &next).await;
     }
     let path = base.to_path_buf();
     let loaded = tokio::task::spawn_blocking(move || LoadedModel::open(&path))

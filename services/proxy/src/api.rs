@@ -24,7 +24,7 @@ use http_body_util::BodyExt;
 use serde_json::{Map, Value, json};
 use tracing::Instrument;
 
-use crate::backends::Backends;
+use crate::backends::{Backends, Served};
 use crate::client::{ClientError, HttpClient};
 use crate::keys::{Keys, Trial};
 use crate::metrics::{ProxyMetrics, StatusLabel};
@@ -520,11 +520,34 @@ struct Record {
     logprobs: Vec<f32>,
     finish_reason: Option<String>,
     policy_version: Option<u64>,
+    /// The run whose weights answered, as the backend names it: `Some(None)` for its base
+    /// model, `None` when it does not say (vLLM, SGLang).
+    served_run: Option<Option<String>>,
     model: Option<String>,
     first_token_ms: Option<f64>,
 }
 
 impl Record {
+    /// Why the answer may not be recorded for a trial of `run`: the backend says another
+    /// run's weights (or a trained version of no run) produced it. The proxy routes by the
+    /// policy each engine last said it serves, but an engine can swap between that health
+    /// check and the call's admission; a policy is (run, version), and a call recorded
+    /// under its trial's run with another run's version would train one run on another's
+    /// samples.
+    fn foreign_policy(&self, run: &RunId) -> Option<String> {
+        let version = self.policy_version?;
+        match self.served_run.as_ref()? {
+            Some(served) if served == run.as_str() => None,
+            None if version == 0 => None,
+            Some(served) => Some(format!(
+                "run {served}'s policy version {version} answered a call of run {run}"
+            )),
+            None => Some(format!(
+                "policy version {version} of no run answered a call of run {run}"
+            )),
+        }
+    }
+
     /// Takes in a response body or one chunk (choice 0 only: the proxy allows n = 1), in
     /// any dialect: ARL and vLLM put the prompt's ids at the top and each choice's ids in
     /// the choice (streamed as deltas); SGLang's text completions put both in the choice,
@@ -547,6 +570,9 @@ impl Record {
         }
         if let Some(version) = v.get("policy_version").and_then(Value::as_u64) {
             self.policy_version = Some(version);
+        }
+        if let Some(run) = v.get("run_id") {
+            self.served_run = Some(run.as_str().map(str::to_owned));
         }
         if let Some(model) = v.get("model").and_then(Value::as_str) {
             self.model = Some(model.to_owned());
@@ -708,6 +734,41 @@ impl Recorder {
         Ok(())
     }
 
+    /// An answer of another run's policy is dropped unrecorded: the call keeps its turn
+    /// index for the caller's retry (429, as while no engine serves the trial's policy),
+    /// and the backend is known to serve that policy until its next health check.
+    fn refuse_foreign(&self, reason: &str) -> Response {
+        tracing::warn!(%reason, backend = %self.backend, "answer of another policy dropped");
+        self.call.trial.turns.fetch_sub(1, Ordering::SeqCst);
+        if let Some(backend) = self
+            .proxy
+            .backends
+            .list
+            .iter()
+            .find(|b| b.url == self.backend)
+        {
+            backend.set_served(
+                match (&self.record.served_run, self.record.policy_version) {
+                    (Some(Some(run)), Some(version)) => RunId::new(run.as_str())
+                        .map_or(Served::Unknown, |run| Served::Run { run, version }),
+                    (Some(None), Some(0)) => Served::Base,
+                    _ => Served::Unknown,
+                },
+            );
+        }
+        let mut response = error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_exceeded",
+            format!(
+                "{reason} (the engine swapped after routing); nothing was recorded; retry shortly"
+            ),
+        );
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        response
+    }
+
     async fn whole(mut self, body: hyper::body::Incoming) -> Response {
         let bytes = match body.collect().await {
             Ok(collected) => collected.to_bytes(),
@@ -722,6 +783,9 @@ impl Recorder {
                     format!("the backend's answer is not JSON: {e}"),
                 );
             }
+        }
+        if let Some(reason) = self.record.foreign_policy(&self.call.trial.run_id) {
+            return self.refuse_foreign(&reason);
         }
         match self.store().await {
             Ok(()) => (
@@ -774,6 +838,16 @@ impl Recorder {
                                     Some(rec.call.started.elapsed().as_secs_f64() * 1000.0);
                             }
                             rec.record.absorb(&value);
+                            // Nothing of another run's policy reaches the client, and
+                            // nothing of it is recorded.
+                            if let Some(reason) = rec.record.foreign_policy(&rec.call.trial.run_id)
+                            {
+                                let tail = sse_error(&format!(
+                                    "{reason} (the engine swapped after routing); nothing was recorded; retry"
+                                ));
+                                rec.call.trial.turns.fetch_sub(1, Ordering::SeqCst);
+                                return Some((Ok(Bytes::from(tail)), (rec, chunks, buffer, true)));
+                            }
                         }
                         return Some((Ok(Bytes::from(event)), (rec, chunks, buffer, false)));
                     }
@@ -889,6 +963,40 @@ mod tests {
         let mut c = Record::default();
         c.absorb(&json!({"choices": [{"token_ids": [5], "logprobs": {"token_logprobs": [-1.0]}}]}));
         assert_eq!(c.logprobs, vec![-1.0]);
+    }
+
+    #[test]
+    fn answers_of_another_runs_policy_are_not_the_trials() {
+        let run = RunId::new("run-a").unwrap();
+        let answer = |body: Value| {
+            let mut r = Record::default();
+            r.absorb(&body);
+            r.foreign_policy(&run)
+        };
+        assert_eq!(
+            answer(json!({"policy_version": 2, "run_id": "run-a"})),
+            None
+        );
+        assert_eq!(
+            answer(json!({"policy_version": 0, "run_id": null})),
+            None,
+            "the base model is every run's version 0"
+        );
+        assert_eq!(
+            answer(json!({"policy_version": 2})),
+            None,
+            "a backend that does not say (vLLM) is trusted"
+        );
+        let other = answer(json!({"policy_version": 2, "run_id": "run-b"})).unwrap();
+        assert!(
+            other.contains("run-b") && other.contains("run-a"),
+            "{other}"
+        );
+        assert!(
+            !other.contains("stale"),
+            "agents retry a 429 unless it says stale"
+        );
+        assert!(answer(json!({"policy_version": 1, "run_id": null})).is_some());
     }
 
     #[test]
