@@ -35,14 +35,18 @@ enum Moment {
     TrialFinished,
     /// The trainer holds part of the step's batch.
     TrajectoryReady,
+    /// The step's whole batch (n = 2 trajectories) is stored: the trainer is training it.
+    BatchWhole,
 }
 
 impl Moment {
-    fn subject(self) -> (Domain, &'static str) {
+    /// The event, and how many of the training split's make the moment.
+    fn subject(self) -> (Domain, &'static str, usize) {
         match self {
-            Moment::TrialStarted => (Domain::Trial, "started"),
-            Moment::TrialFinished => (Domain::Trial, "finished"),
-            Moment::TrajectoryReady => (Domain::Trajectory, "ready"),
+            Moment::TrialStarted => (Domain::Trial, "started", 1),
+            Moment::TrialFinished => (Domain::Trial, "finished", 1),
+            Moment::TrajectoryReady => (Domain::Trajectory, "ready", 1),
+            Moment::BatchWhole => (Domain::Trajectory, "ready", 2),
         }
     }
 }
@@ -74,6 +78,7 @@ victim!(a_killed_proxy, "arl-proxy", Moment::TrialStarted);
 victim!(a_killed_inference, "arl-inference", Moment::TrialStarted);
 victim!(a_killed_reward, "arl-reward", Moment::TrialFinished);
 victim!(a_killed_trainer, "arl-trainer", Moment::TrajectoryReady);
+victim!(a_trainer_killed_training, "arl-trainer", Moment::BatchWhole);
 victim!(a_killed_evaluator, "arl-evaluator", Moment::TrialStarted);
 victim!(a_killed_sandbox, "arl-sandbox", Moment::TrialStarted);
 victim!(
@@ -199,7 +204,7 @@ impl Supervised {
     }
 
     async fn wait_for_moment(&self, run: &RunId, moment: Moment) {
-        let (domain, event) = moment.subject();
+        let (domain, event, needed) = moment.subject();
         let subject = Namespace::default().event_subject(domain, run, event);
         wait_for(
             &format!("{moment:?} in {run}"),
@@ -207,7 +212,8 @@ impl Supervised {
             || async {
                 self.assert_up();
                 let stored = stored(&self.bus, domain, subject.clone()).await;
-                if stored.iter().any(|e| e["slot"]["split"] == "train") {
+                let train = stored.iter().filter(|e| e["slot"]["split"] == "train");
+                if train.count() >= needed {
                     Some(())
                 } else {
                     tokio::time::sleep(Duration::from_millis(250)).await;
@@ -486,7 +492,27 @@ async fn audit(bus: &Bus, state: &RunStateV1) {
         streams.steps.len(),
         streams.weights.len(),
     );
-    let problems = problems(&streams, state.total_steps, &trained);
+    let mut problems = problems(&streams, state.total_steps, &trained);
+    // The announced weights are the weights on disk: a version trained again after a
+    // crash and announced again within JetStream's de-duplication window is stored once,
+    // so the event would name the first training's bytes.
+    for version in &streams.weights {
+        let location = &version["location"];
+        if location["kind"] != "folder" {
+            continue;
+        }
+        let file = Path::new(location["path"].as_str().unwrap()).join("model.safetensors");
+        match arl_runtime::digest::sha256_file(&file) {
+            Ok((digest, _)) if version["sha256"] == digest.as_str() => {}
+            Ok((digest, _)) => problems.push(format!(
+                "{} holds sha256 {digest}; version {} announced {}",
+                file.display(),
+                version["policy_version"],
+                version["sha256"]
+            )),
+            Err(err) => println!("{} not checked: {err}", file.display()),
+        }
+    }
     assert!(problems.is_empty(), "{run}:\n{}", problems.join("\n"));
 }
 
