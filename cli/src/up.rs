@@ -175,10 +175,38 @@ async fn probe(port: u16, path: &str) -> Result<(), String> {
     Err(format!("waiting for {waiting}"))
 }
 
-/// A free TCP port on loopback.
+/// A free TCP port on loopback, below the kernel's range of ephemeral ports. A port picked
+/// here is bound by its service only seconds later (and again at each restart), while every
+/// service opens connections; an ephemeral port (what port 0 gives) may meanwhile become
+/// the local end of one of those, and then the listener never binds — a restart loop under
+/// `--supervise`. Outside that range only another listener can take it.
 fn free_port() -> Result<u16, CliError> {
+    use std::hash::{BuildHasher, Hasher};
+    const FLOOR: u16 = 10_000;
+    let ceiling = ephemeral_floor();
+    if ceiling > FLOOR + 1_000 {
+        for _ in 0..200 {
+            // A random draw: RandomState is seeded from the OS for each instance.
+            let draw = std::collections::hash_map::RandomState::new()
+                .build_hasher()
+                .finish();
+            let port = FLOOR + (draw % u64::from(ceiling - FLOOR)) as u16;
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io)?;
     Ok(listener.local_addr().map_err(io)?.port())
+}
+
+/// The lowest ephemeral port (`/proc/sys/net/ipv4/ip_local_port_range`; Linux's default
+/// 32768 where it cannot be read).
+fn ephemeral_floor() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 fn io(err: std::io::Error) -> CliError {
@@ -730,6 +758,16 @@ mod tests {
         assert_eq!(delays, vec![1, 2, 4, 8, 10, 10]);
         let (delay, next) = backoff(wait, STABLE_AFTER);
         assert_eq!((delay, next), (FIRST_BACKOFF, FIRST_BACKOFF * 2));
+    }
+
+    #[test]
+    fn ports_are_picked_below_the_ephemeral_range_and_are_free() {
+        let floor = ephemeral_floor();
+        for _ in 0..20 {
+            let port = free_port().unwrap();
+            assert!(port < floor || floor <= 11_000, "{port} ≥ {floor}");
+            std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+        }
     }
 
     fn pid_in(pids: &Path, name: &str) -> Option<u32> {
