@@ -52,7 +52,11 @@ impl Fleet {
         ops_port: u16,
     ) -> anyhow::Result<()> {
         let log = self.logs.join(format!("{name}.log"));
-        let child = Command::new(&self.arl)
+        // Through setpriv, each service gets SIGTERM when this process dies however it
+        // dies (as under `arl up`): nothing is left running.
+        let child = Command::new("setpriv")
+            .args(["--pdeathsig", "TERM", "--"])
+            .arg(&self.arl)
             .arg("serve")
             .arg(service)
             .args(args)
