@@ -694,7 +694,7 @@ async fn proxy_status_count(fleet: &Fleet, status: &str) -> Option<f64> {
 struct Report<'a> {
     args: &'a Args,
     /// The sandbox service's own lease rate (per s) and lease latencies (ms).
-    lease_baseline: Option<(f64, Vec<f64>)>,
+    lease_baseline: Option<(f64, Vec<f64>, usize)>,
     /// Leases the sandboxed trials took (agent and grading): (count, per s).
     trial_leases: (usize, f64),
     scenarios: &'a [Scenario],
@@ -790,7 +790,8 @@ impl Report<'_> {
             .iter()
             .zip(self.ledgers)
             .find(|(s, _)| s.name == "sandboxed");
-        let (Some((rate, latencies)), Some((_, l))) = (&self.lease_baseline, sandboxed) else {
+        let (Some((rate, latencies, failed)), Some((_, l))) = (&self.lease_baseline, sandboxed)
+        else {
             println!(
                 "| sandboxed: leases/s taken by trials ÷ the sandbox's own lease rate | — | ≥ 0.8 | not run (--sandbox-tasks 0) |"
             );
@@ -801,7 +802,11 @@ impl Report<'_> {
         println!(
             "| sandboxed: leases/s taken by trials ({count} leases, agent + grading: {trial_rate:.1}/s; {:.1} trials/s) ÷ the sandbox's own lease rate in this run ({rate:.1}/s) | {ratio:.2} | ≥ 0.8 | {} |",
             l.trials_per_second,
-            verdict(ratio >= 0.8)
+            if *failed > 0 {
+                "FAIL (no valid baseline: its leases went unanswered)"
+            } else {
+                verdict(ratio >= 0.8)
+            }
         );
         let mut stage = ledger::Stage::default();
         latencies.iter().for_each(|ms| stage.push(*ms));

@@ -58,7 +58,7 @@ pub async fn lease_rate(
     environments: u32,
     total: usize,
     concurrency: usize,
-) -> anyhow::Result<(f64, Vec<f64>)> {
+) -> anyhow::Result<(f64, Vec<f64>, usize)> {
     let run = RunId::new("run-loadtest-lease-rate")?;
     let started = Instant::now();
     let results: Vec<anyhow::Result<f64>> = futures::stream::iter(0..total)
@@ -116,5 +116,5 @@ pub async fn lease_rate(
             failed.len()
         );
     }
-    Ok((latencies.len() as f64 / elapsed, latencies))
+    Ok((latencies.len() as f64 / elapsed, latencies, failed.len()))
 }
