@@ -689,11 +689,33 @@ async fn a_weight_swap_under_load_loses_nothing_and_versions_are_right() {
         ),
         (Some("run-other"), Some(1))
     );
-    // That run ends: the base model is served again — the next run's version 0.
+    // That run ends while this one is still going: this run's newest version is served
+    // again (its trials must not be stranded on a policy no one serves).
     server
         .bus
         .publish(&RunCompletedV1 {
             run_id: other.clone(),
+            ..RunCompletedV1::example()
+        })
+        .await
+        .unwrap();
+    wait_for(
+        "the live run's version 4 served again",
+        Duration::from_secs(90),
+        || async {
+            server
+                .engine
+                .current()
+                .filter(|m| m.is_at_least(&run, 4) && m.version == 4)
+                .map(|_| ())
+        },
+    )
+    .await;
+    // The last live run ends: the base model is served again — the next run's version 0.
+    server
+        .bus
+        .publish(&RunCompletedV1 {
+            run_id: run.clone(),
             ..RunCompletedV1::example()
         })
         .await
