@@ -14,6 +14,7 @@ use bytes::Bytes;
 use tokio::io::AsyncReadExt;
 
 use crate::headers;
+use crate::run_watch::RunWatch;
 use crate::metrics::{EventTypeLabel, Metrics};
 
 #[derive(Debug, thiserror::Error)]
@@ -135,6 +136,8 @@ pub struct Bus {
     manifests: std::sync::Arc<
         std::sync::Mutex<Vec<std::sync::Arc<arl_schemas::dataset::DatasetManifestV1>>>,
     >,
+    /// The process's one watch of `ARL_RUN_STATE`, started by the first wait.
+    run_watch: std::sync::Arc<tokio::sync::OnceCell<std::sync::Arc<RunWatch>>>,
 }
 
 /// Messages kept per stream; old ones go first. Trajectories and LLM calls are large, so
@@ -144,6 +147,12 @@ const STREAM_MAX_AGE: Duration = Duration::from_secs(14 * 24 * 3600);
 /// `max_msg_size`. A larger one is refused before it is sent ([`BusError::TooLarge`]), so
 /// a huge diff or LLM call becomes a classed failure, never a retry loop.
 pub const MAX_EVENT_BYTES: usize = 1 << 20;
+/// Consumers one stream may hold. Stated rather than left to the server (whose default
+/// is 1,000 since nats-server 2.15). What ARL holds per stream does not grow with trials in
+/// flight: each service's durable consumers, one run-state watch per process
+/// ([`Bus::await_run_state`]), and replay readers that delete theirs when done
+/// ([`Bus::replay`]).
+const STREAM_MAX_CONSUMERS: i32 = 4_096;
 /// Window within which a repeated `Nats-Msg-Id` is dropped as a duplicate.
 const DUPLICATE_WINDOW: Duration = Duration::from_secs(10 * 60);
 
@@ -194,6 +203,7 @@ impl Bus {
             stream_max_bytes: config.stream_max_bytes,
             client_name: config.client_name.as_str().into(),
             manifests: Default::default(),
+            run_watch: Default::default(),
         })
     }
 
@@ -343,6 +353,7 @@ impl Bus {
                 .stream_max_bytes
                 .map_or(-1, |bytes| i64::try_from(bytes).unwrap_or(i64::MAX)),
             discard: stream::DiscardPolicy::New,
+            max_consumers: STREAM_MAX_CONSUMERS,
             ..Default::default()
         };
         retry_provision(&name, || async {
@@ -367,6 +378,7 @@ impl Bus {
                 && current.num_replicas == config.num_replicas
                 && current.max_bytes == config.max_bytes
                 && current.discard == config.discard
+                && current.max_consumers == config.max_consumers
             {
                 return Ok(());
             }
@@ -645,45 +657,51 @@ impl Bus {
         .await
     }
 
-    /// Waits until the run's state satisfies `ready`, watching its entry (the latest value,
-    /// then each change; no polling), and returns that state — or the latest one seen,
-    /// if `limit` passes first (the caller tells by asking `ready` again). `None`: the run
-    /// has no state.
+    /// Waits until the run's state satisfies `ready` and returns that state — or the
+    /// latest one seen, if `limit` passes first (the caller tells by asking `ready`
+    /// again). `None`: the run has no state. No polling: every wait in the process shares
+    /// one watch of the bucket ([`crate::run_watch`]), so thousands of waiting trials hold
+    /// one JetStream consumer, not one each.
     pub async fn await_run_state(
         &self,
         run: &arl_schemas::RunId,
         limit: Duration,
         ready: impl Fn(&arl_schemas::state::RunStateV1) -> bool,
     ) -> Result<Option<arl_schemas::state::RunStateV1>, BusError> {
-        use futures::StreamExt;
         let bucket = Bucket::RunState;
         let kv = self.bucket(bucket).await?;
-        let error = |reason: String| BusError::KeyValue {
+        let watch = self
+            .run_watch
+            .get_or_init(|| async { RunWatch::start(kv.clone()) })
+            .await;
+        let mut subscription = watch.subscribe(run.as_str());
+        // The state before the subscription: read once, after subscribing, so that no
+        // update falls between the two.
+        let entry = kv.entry(run.as_str()).await.map_err(|e| BusError::KeyValue {
             bucket: self.namespace.bucket(bucket),
-            reason: format!("run {run}: {reason}"),
-        };
-        let mut watch = kv
-            .watch_with_history(run.as_str())
-            .await
-            .map_err(|e| error(e.to_string()))?;
-        let deadline = tokio::time::Instant::now() + limit;
-        let mut latest = None;
-        loop {
-            let entry = match tokio::time::timeout_at(deadline, watch.next()).await {
-                Err(_) | Ok(None) => return Ok(latest),
-                Ok(Some(entry)) => entry.map_err(|e| error(e.to_string()))?,
-            };
-            if entry.operation != kv::Operation::Put {
-                latest = None;
-                continue;
-            }
-            let state = arl_schemas::state::RunStateV1::decode(&entry.value)
-                .map_err(|e| error(format!("unreadable state: {e}")))?;
-            if ready(&state) {
-                return Ok(Some(state));
-            }
-            latest = Some(state);
+            reason: format!("run {run}: {e}"),
+        })?;
+        if let Some(entry) = entry {
+            watch.apply(&entry);
         }
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let latest = subscription.updates.borrow_and_update().state.clone();
+            if latest.as_ref().is_some_and(&ready) {
+                return Ok(latest);
+            }
+            match tokio::time::timeout_at(deadline, subscription.updates.changed()).await {
+                Ok(Ok(())) => continue,
+                // The limit, or the watch gone with the process's last Bus handle.
+                Err(_) | Ok(Err(_)) => return Ok(latest),
+            }
+        }
+    }
+
+    /// How many runs this process's tasks are waiting on ([`Bus::await_run_state`]); for
+    /// tests that check waits leave nothing behind.
+    pub fn awaited_runs(&self) -> usize {
+        self.run_watch.get().map_or(0, |watch| watch.awaited_count())
     }
 
     /// A registered dataset (`ARL_DATASETS`) by digest, if there is one (read once per
@@ -769,7 +787,6 @@ impl Bus {
         filter: String,
     ) -> Result<Vec<E>, BusError> {
         use async_nats::jetstream::consumer::{self, pull};
-        use futures::StreamExt;
         let fail = |reason: String| BusError::Replay {
             filter: filter.clone(),
             reason,
@@ -778,38 +795,38 @@ impl Bus {
             filter_subject: filter.clone(),
             ack_policy: consumer::AckPolicy::None,
             deliver_policy: consumer::DeliverPolicy::All,
+            // Deleted below once read; this bounds the life of one whose reader died.
             inactive_threshold: Duration::from_secs(30),
             ..Default::default()
         };
+        let stream = self.namespace.stream(domain);
         let consumer: consumer::Consumer<pull::Config> = self
             .jetstream
-            .create_consumer_on_stream(config, self.namespace.stream(domain))
+            .create_consumer_on_stream(config, stream.as_str())
             .await
             .map_err(|e| fail(e.to_string()))?;
-        let mut events = Vec::new();
-        loop {
-            let mut batch = consumer
-                .fetch()
-                .max_messages(512)
-                .expires(Duration::from_millis(250))
-                .messages()
-                .await
-                .map_err(|e| fail(e.to_string()))?;
-            let mut received = 0;
-            while let Some(message) = batch.next().await {
-                let message = message.map_err(|e| fail(e.to_string()))?;
-                received += 1;
-                match E::decode(&message.payload) {
-                    Ok(event) => events.push(event),
-                    Err(err) => {
-                        tracing::warn!(subject = %message.subject, %err, "skipping undecodable event")
-                    }
-                }
-            }
-            if received == 0 {
-                return Ok(events);
-            }
+        let name = consumer.cached_info().name.clone();
+        let read = read_all(&consumer, consumer.cached_info().num_pending).await;
+        // Streams hold a limited number of consumers (1,000 by default): one left for
+        // its 30 s of inactivity per trajectory hand-off capped the trials in flight.
+        if let Err(err) = self
+            .jetstream
+            .delete_consumer_from_stream(&name, stream.as_str())
+            .await
+        {
+            tracing::debug!(%err, consumer = %name, "replay consumer left to expire");
         }
+        let messages = read.map_err(fail)?;
+        Ok(messages
+            .into_iter()
+            .filter_map(|message| match E::decode(&message.payload) {
+                Ok(event) => Some(event),
+                Err(err) => {
+                    tracing::warn!(subject = %message.subject, %err, "skipping undecodable event");
+                    None
+                }
+            })
+            .collect())
     }
 
     /// Publishes raw bytes with the given headers, retrying until stored. For events use
@@ -862,6 +879,40 @@ impl Bus {
             delay = (delay * 2).min(Duration::from_secs(2));
         }
     }
+}
+
+/// Every message a fresh replay consumer has pending: `pending` at its creation, then
+/// until a delivered message says none is left. (Waiting for an empty fetch instead cost
+/// every read its fetch timeout.)
+async fn read_all(
+    consumer: &jetstream::consumer::Consumer<jetstream::consumer::pull::Config>,
+    pending: u64,
+) -> Result<Vec<async_nats::Message>, String> {
+    use futures::StreamExt;
+    let mut messages = Vec::new();
+    let mut left = pending;
+    while left > 0 {
+        let mut batch = consumer
+            .fetch()
+            .max_messages(left.min(512) as usize)
+            .expires(Duration::from_secs(5))
+            .messages()
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut received = 0;
+        while let Some(message) = batch.next().await {
+            let message = message.map_err(|e| e.to_string())?;
+            received += 1;
+            left = message.info().map_err(|e| e.to_string())?.pending;
+            messages.push(message.message);
+        }
+        if received == 0 {
+            return Err(format!(
+                "the server delivered nothing in 5 s with {left} events still pending"
+            ));
+        }
+    }
+    Ok(messages)
 }
 
 async fn retry_provision<T, E, F, Fut>(what: &str, mut create: F) -> Result<T, BusError>

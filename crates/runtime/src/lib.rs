@@ -25,6 +25,7 @@ pub mod http;
 pub mod metrics;
 pub mod objects;
 pub mod rpc;
+mod run_watch;
 pub mod secret;
 pub mod shutdown;
 pub mod telemetry;

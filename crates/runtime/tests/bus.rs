@@ -642,3 +642,110 @@ async fn a_full_stream_refuses_new_events_at_once_and_keeps_the_old_ones() {
     assert_eq!(state.first_sequence, 1, "the oldest event is kept");
     assert_eq!(state.messages, n as u64);
 }
+
+fn run_state(run: &RunId, policy_version: u64) -> arl_schemas::state::RunStateV1 {
+    serde_json::from_value(serde_json::json!({
+        "run_id": run, "name": "waits", "status": "running", "phase": "training",
+        "submitted_by": "test", "submitted_at": "2026-11-30T00:00:00Z",
+        "updated_at": "2026-11-30T00:00:00Z",
+        "total_steps": 4, "step": 0, "policy_version": policy_version, "trials_finished": 0,
+        "failures": {"infrastructure": 0, "agent_error": 0, "timeout": 0,
+                     "context_overflow": 0, "grading_error": 0},
+        "progress_sequence": 0
+    }))
+    .unwrap()
+}
+
+/// Consumers on a stream, as the server counts them.
+async fn consumers_on(bus: &Bus, stream: &str) -> usize {
+    let mut stream = bus.jetstream().get_stream(stream).await.unwrap();
+    stream.info().await.unwrap().state.consumer_count
+}
+
+/// More trials wait for a run's weights than a stream may hold consumers (1,000 by
+/// default): every wait shares the process's one watch of the run-state bucket, each
+/// returns when its version is reached (or with the latest state at its limit), and a
+/// finished wait leaves nothing behind.
+#[tokio::test]
+async fn thousands_of_waits_on_run_states_share_one_watch() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let kv = bus.bucket(arl_schemas::Bucket::RunState).await.unwrap();
+    let (ahead, behind) = (RunId::new("run-ahead").unwrap(), RunId::new("run-behind").unwrap());
+    kv.put(ahead.as_str(), run_state(&ahead, 0).encode().unwrap().into())
+        .await
+        .unwrap();
+    let mut waits = tokio::task::JoinSet::new();
+    for i in 0..1_500u64 {
+        let (bus, run) = (bus.clone(), if i % 3 == 0 { behind.clone() } else { ahead.clone() });
+        let needed = 1 + i % 2;
+        waits.spawn(async move {
+            let state = bus
+                .await_run_state(&run, Duration::from_secs(60), |s| s.policy_version >= needed)
+                .await
+                .unwrap();
+            (needed, state.map(|s| s.policy_version))
+        });
+    }
+    wait_for("every wait subscribed", Duration::from_secs(30), || async {
+        (bus.awaited_runs() == 2).then_some(())
+    })
+    .await;
+    let state_stream = ns.bucket(arl_schemas::Bucket::RunState);
+    assert_eq!(consumers_on(&bus, &format!("KV_{state_stream}")).await, 1);
+    // The run not yet in the bucket appears, then both move to version 2 by way of 1.
+    kv.put(behind.as_str(), run_state(&behind, 1).encode().unwrap().into())
+        .await
+        .unwrap();
+    for run in [&ahead, &behind] {
+        kv.put(run.as_str(), run_state(run, 2).encode().unwrap().into())
+            .await
+            .unwrap();
+    }
+    let mut released = 0;
+    while let Some(joined) = waits.join_next().await {
+        let (needed, version) = joined.unwrap();
+        assert!(version.is_some_and(|v| v >= needed), "{needed}: {version:?}");
+        released += 1;
+    }
+    assert_eq!(released, 1_500);
+    assert_eq!(bus.awaited_runs(), 0);
+    // A limit that passes returns the latest state seen, short of the wait's condition.
+    let latest = bus
+        .await_run_state(&ahead, Duration::from_millis(300), |s| s.policy_version >= 9)
+        .await
+        .unwrap();
+    assert_eq!(latest.map(|s| s.policy_version), Some(2));
+    let missing = RunId::new("run-missing").unwrap();
+    let none = bus
+        .await_run_state(&missing, Duration::from_millis(300), |_| true)
+        .await
+        .unwrap();
+    assert!(none.is_none());
+}
+
+/// Reading events back holds a consumer only while reading: more reads in a row than a
+/// stream may hold consumers succeed and leave the stream with none.
+#[tokio::test]
+async fn replays_leave_no_consumers_behind() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let run = RunId::new("run-replayed").unwrap();
+    for sequence in 1..=3 {
+        bus.publish(&progress(run.as_str(), sequence)).await.unwrap();
+    }
+    let subject = ns.event_subject(Domain::Run, &run, "progress");
+    for _ in 0..1_200 {
+        let events: Vec<RunProgressV1> =
+            bus.replay(Domain::Run, subject.clone()).await.unwrap();
+        assert_eq!(events.iter().map(|e| e.sequence).collect::<Vec<_>>(), [1, 2, 3]);
+    }
+    let empty: Vec<RunProgressV1> = bus
+        .replay(Domain::Run, ns.event_subject(Domain::Run, &run, "failed"))
+        .await
+        .unwrap();
+    assert!(empty.is_empty());
+    assert_eq!(consumers_on(&bus, &ns.stream(Domain::Run)).await, 0);
+}
