@@ -208,13 +208,15 @@ impl<B: Backend> Model<B> {
 
     fn forward_in_scope(&self, inputs: &mut [SeqInput<'_, B>]) -> Vec<Vec<f32>> {
         let (cfg, be) = (&self.config, &self.backend);
-        let (c, kv, hd, i_dim) = (
+        let (c, qd, kv, hd, i_dim) = (
             cfg.hidden_size,
+            cfg.q_dim(),
             cfg.kv_dim(),
             cfg.head_dim(),
             cfg.intermediate_size,
         );
         let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let rope_factor = cfg.rope_attention_factor() as f32;
         let n: usize = inputs.iter().map(|s| s.tokens.len()).sum();
         if n == 0 {
             return vec![Vec::new(); inputs.len()];
@@ -231,8 +233,20 @@ impl<B: Backend> Model<B> {
         let mut x = be.zeros(n * c); // (N, C)
         be.embedding_forward(&mut x, &self.weights.embed.data, &tokens);
         let (mut h, mut rstd) = (be.zeros(n * c), be.zeros(n));
-        let (mut q, mut k, mut v) = (be.zeros(n * c), be.zeros(n * kv), be.zeros(n * kv));
-        let (mut att_out, mut proj) = (be.zeros(n * c), be.zeros(n * c));
+        let (mut q, mut k, mut v) = (be.zeros(n * qd), be.zeros(n * kv), be.zeros(n * kv));
+        let (mut att_out, mut proj) = (be.zeros(n * qd), be.zeros(n * c));
+        // Qwen3: q and k before their per-head norm, and the norms' 1/rms (unused here).
+        let qk_norm = cfg.architecture.qk_norm();
+        let (mut q_pre, mut k_pre) = if qk_norm {
+            (be.zeros(n * qd), be.zeros(n * kv))
+        } else {
+            (be.zeros(0), be.zeros(0))
+        };
+        let (mut rstd_q, mut rstd_k) = if qk_norm {
+            (be.zeros(n * heads), be.zeros(n * kv_heads))
+        } else {
+            (be.zeros(0), be.zeros(0))
+        };
         let (mut gate, mut up, mut act) = (
             be.zeros(n * i_dim),
             be.zeros(n * i_dim),
@@ -248,11 +262,27 @@ impl<B: Backend> Model<B> {
                 .and_then(|p| p.layers.get(l))
                 .unwrap_or(&no_packed);
             be.rmsnorm_forward(&mut h, &mut rstd, &x, &w.attn_norm.data, eps);
-            self.linear(&mut q, &h, &w.wq, p.wq.as_ref(), w.bq.as_ref(), n);
-            self.linear(&mut k, &h, &w.wk, p.wk.as_ref(), w.bk.as_ref(), n);
+            match (&w.q_norm, &w.k_norm) {
+                (Some(qn), Some(kn)) => {
+                    // Per-head RMSNorm: rows of hd, (N·nh, hd) and (N·nkv, hd).
+                    self.linear(&mut q_pre, &h, &w.wq, p.wq.as_ref(), w.bq.as_ref(), n);
+                    self.linear(&mut k_pre, &h, &w.wk, p.wk.as_ref(), w.bk.as_ref(), n);
+                    be.rmsnorm_forward(&mut q, &mut rstd_q, &q_pre, &qn.data, eps);
+                    be.rmsnorm_forward(&mut k, &mut rstd_k, &k_pre, &kn.data, eps);
+                }
+                _ => {
+                    self.linear(&mut q, &h, &w.wq, p.wq.as_ref(), w.bq.as_ref(), n);
+                    self.linear(&mut k, &h, &w.wk, p.wk.as_ref(), w.bk.as_ref(), n);
+                }
+            }
             self.linear(&mut v, &h, &w.wv, p.wv.as_ref(), w.bv.as_ref(), n);
             be.rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
             be.rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
+            if rope_factor != 1.0 {
+                // transformers scales cos and sin (YaRN's mscale): the rotated q and k.
+                be.scale(&mut q, rope_factor);
+                be.scale(&mut k, rope_factor);
+            }
 
             // Append to each sequence's cache, then attend over it.
             let mut offset = 0;

@@ -15,17 +15,26 @@ struct LayerActs<B: Backend> {
     x_in: B::Buf,    // (N, C) residual stream entering the layer
     rstd1: B::Buf,   // (N)
     h1: B::Buf,      // (N, C)
-    q: B::Buf,       // (N, C) after RoPE
+    /// Qwen3: q and k before their per-head norm, and the norms' 1/rms.
+    qk_norm: Option<QkNormActs<B>>,
+    q: B::Buf,       // (N, Q) after RoPE (and its attention factor)
     k: B::Buf,       // (N, KV) after RoPE
     v: B::Buf,       // (N, KV)
     att: B::Buf,     // Σ_spans (nh, T, T)
-    att_out: B::Buf, // (N, C)
+    att_out: B::Buf, // (N, Q)
     x_mid: B::Buf,   // (N, C)
     rstd2: B::Buf,   // (N)
     h2: B::Buf,      // (N, C)
     gate: B::Buf,    // (N, I)
     up: B::Buf,      // (N, I)
     act: B::Buf,     // (N, I)
+}
+
+struct QkNormActs<B: Backend> {
+    q_pre: B::Buf,  // (N, Q) = (N·nh, hd)
+    rstd_q: B::Buf, // (N·nh)
+    k_pre: B::Buf,  // (N, KV) = (N·nkv, hd)
+    rstd_k: B::Buf, // (N·nkv)
 }
 
 /// Everything the backward pass needs from a forward pass.
@@ -103,13 +112,15 @@ impl<B: Backend> Model<B> {
         masks: Option<&[&[u8]]>,
     ) -> (TrainPass<B>, Vec<Vec<f32>>) {
         let (cfg, be) = (&self.config, &self.backend);
-        let (c, kv, hd, i_dim) = (
+        let (c, qd, kv, hd, i_dim) = (
             cfg.hidden_size,
+            cfg.q_dim(),
             cfg.kv_dim(),
             cfg.head_dim(),
             cfg.intermediate_size,
         );
         let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let rope_factor = cfg.rope_attention_factor() as f32;
         let eps = cfg.rms_norm_eps as f32;
         let mut spans = Vec::with_capacity(sequences.len());
         let mut tokens = Vec::new();
@@ -128,7 +139,7 @@ impl<B: Backend> Model<B> {
             let x_in = x;
             let (mut h1, mut rstd1) = (be.zeros(n * c), be.zeros(n));
             be.rmsnorm_forward(&mut h1, &mut rstd1, &x_in, &w.attn_norm.data, eps);
-            let (mut q, mut k, mut v) = (be.zeros(n * c), be.zeros(n * kv), be.zeros(n * kv));
+            let (mut q, mut k, mut v) = (be.zeros(n * qd), be.zeros(n * kv), be.zeros(n * kv));
             be.matmul_forward(
                 &mut q,
                 &h1,
@@ -136,7 +147,7 @@ impl<B: Backend> Model<B> {
                 w.bq.as_ref().map(|b| &b.data),
                 n,
                 c,
-                c,
+                qd,
             );
             be.matmul_forward(
                 &mut k,
@@ -147,6 +158,23 @@ impl<B: Backend> Model<B> {
                 c,
                 kv,
             );
+            let qk_norm = match (&w.q_norm, &w.k_norm) {
+                (Some(qn), Some(kn)) => {
+                    // Per-head RMSNorm: rows of hd.
+                    let (q_pre, k_pre) = (q, k);
+                    let (mut rstd_q, mut rstd_k) = (be.zeros(n * heads), be.zeros(n * kv_heads));
+                    (q, k) = (be.zeros(n * qd), be.zeros(n * kv));
+                    be.rmsnorm_forward(&mut q, &mut rstd_q, &q_pre, &qn.data, eps);
+                    be.rmsnorm_forward(&mut k, &mut rstd_k, &k_pre, &kn.data, eps);
+                    Some(QkNormActs {
+                        q_pre,
+                        rstd_q,
+                        k_pre,
+                        rstd_k,
+                    })
+                }
+                _ => None,
+            };
             be.matmul_forward(
                 &mut v,
                 &h1,
@@ -158,7 +186,12 @@ impl<B: Backend> Model<B> {
             );
             be.rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
             be.rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
-            let (mut att_out, mut att) = (be.zeros(n * c), be.zeros(att_len));
+            if rope_factor != 1.0 {
+                // transformers scales cos and sin (YaRN's mscale): the rotated q and k.
+                be.scale(&mut q, rope_factor);
+                be.scale(&mut k, rope_factor);
+            }
+            let (mut att_out, mut att) = (be.zeros(n * qd), be.zeros(att_len));
             be.attention_forward(
                 &mut att_out,
                 &mut att,
@@ -171,7 +204,7 @@ impl<B: Backend> Model<B> {
                 hd,
             );
             let mut x_mid = be.zeros(n * c);
-            be.matmul_forward(&mut x_mid, &att_out, &w.wo.data, None, n, c, c);
+            be.matmul_forward(&mut x_mid, &att_out, &w.wo.data, None, n, qd, c);
             be.add_assign(&mut x_mid, &x_in);
             let (mut h2, mut rstd2) = (be.zeros(n * c), be.zeros(n));
             be.rmsnorm_forward(&mut h2, &mut rstd2, &x_mid, &w.ffn_norm.data, eps);
@@ -190,6 +223,7 @@ impl<B: Backend> Model<B> {
                 x_in,
                 rstd1,
                 h1,
+                qk_norm,
                 q,
                 k,
                 v,
@@ -271,13 +305,15 @@ impl<B: Backend> Model<B> {
         grads: &mut Weights<B::Buf>,
     ) {
         let (cfg, be) = (&self.config, &self.backend);
-        let (c, kv, hd, i_dim) = (
+        let (c, qd, kv, hd, i_dim) = (
             cfg.hidden_size,
+            cfg.q_dim(),
             cfg.kv_dim(),
             cfg.head_dim(),
             cfg.intermediate_size,
         );
         let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let rope_factor = cfg.rope_attention_factor() as f32;
         let n = pass.tokens.len();
 
         // Per-row upstream gradients (0 on each sequence's last row: it predicts nothing,
@@ -371,7 +407,7 @@ impl<B: Backend> Model<B> {
             );
 
             // Attention: x_mid = x_in + o(attn(rope(q(h1)), rope(k(h1)), v(h1)))
-            let mut d_att_out = be.zeros(n * c);
+            let mut d_att_out = be.zeros(n * qd);
             be.matmul_backward(
                 &mut d_att_out,
                 &mut g.wo.data,
@@ -380,10 +416,10 @@ impl<B: Backend> Model<B> {
                 &acts.att_out,
                 &w.wo.data,
                 n,
-                c,
+                qd,
                 c,
             );
-            let (mut dq, mut dk, mut dv) = (be.zeros(n * c), be.zeros(n * kv), be.zeros(n * kv));
+            let (mut dq, mut dk, mut dv) = (be.zeros(n * qd), be.zeros(n * kv), be.zeros(n * kv));
             be.attention_backward(
                 &mut dq,
                 &mut dk,
@@ -399,11 +435,30 @@ impl<B: Backend> Model<B> {
                 hd,
             );
             // RoPE is a rotation: its transpose rotates back.
+            // With an attention factor s it is s times a rotation: the transpose is s
+            // times the inverse rotation.
             be.rope_apply(&mut dq, heads, &pass.positions, &self.inv_freq, -1.0);
             be.rope_apply(&mut dk, kv_heads, &pass.positions, &self.inv_freq, -1.0);
+            if rope_factor != 1.0 {
+                be.scale(&mut dq, rope_factor);
+                be.scale(&mut dk, rope_factor);
+            }
+            // Qwen3: back through the per-head norms to the projections' outputs.
+            if let (Some(a), Some(qn), Some(kn), Some(gqn), Some(gkn)) = (
+                &acts.qk_norm,
+                &w.q_norm,
+                &w.k_norm,
+                g.q_norm.as_mut(),
+                g.k_norm.as_mut(),
+            ) {
+                let (mut dq_pre, mut dk_pre) = (be.zeros(n * qd), be.zeros(n * kv));
+                be.rmsnorm_backward(&mut dq_pre, &mut gqn.data, &dq, &a.q_pre, &qn.data, &a.rstd_q);
+                be.rmsnorm_backward(&mut dk_pre, &mut gkn.data, &dk, &a.k_pre, &kn.data, &a.rstd_k);
+                (dq, dk) = (dq_pre, dk_pre);
+            }
             let mut d_h1 = be.zeros(n * c);
             for (d_out, dw, db, wt, o) in [
-                (&dq, &mut g.wq.data, g.bq.as_mut(), &w.wq.data, c),
+                (&dq, &mut g.wq.data, g.bq.as_mut(), &w.wq.data, qd),
                 (&dk, &mut g.wk.data, g.bk.as_mut(), &w.wk.data, kv),
                 (&dv, &mut g.wv.data, g.bv.as_mut(), &w.wv.data, kv),
             ] {

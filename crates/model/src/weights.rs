@@ -31,13 +31,16 @@ pub enum WeightsError {
 #[derive(Clone, Debug)]
 pub struct LayerWeights<S = Vec<f32>> {
     pub attn_norm: Tensor<S>,  // (C)
-    pub wq: Tensor<S>,         // (C, C)
-    pub bq: Option<Tensor<S>>, // (C)
+    pub wq: Tensor<S>,         // (Q, C), Q = nh·hd
+    pub bq: Option<Tensor<S>>, // (Q)
     pub wk: Tensor<S>,         // (KV, C)
     pub bk: Option<Tensor<S>>, // (KV)
     pub wv: Tensor<S>,         // (KV, C)
     pub bv: Option<Tensor<S>>, // (KV)
-    pub wo: Tensor<S>,         // (C, C)
+    /// Qwen3's RMSNorm weights over each head's queries and keys, before RoPE.
+    pub q_norm: Option<Tensor<S>>, // (hd)
+    pub k_norm: Option<Tensor<S>>, // (hd)
+    pub wo: Tensor<S>,             // (C, Q)
     pub ffn_norm: Tensor<S>,   // (C)
     pub w_gate: Tensor<S>,     // (I, C)
     pub w_up: Tensor<S>,       // (I, C)
@@ -65,6 +68,8 @@ impl<S> LayerWeights<S> {
         v.extend(self.bk.as_ref().map(|t| ("self_attn.k_proj.bias", t)));
         v.push(("self_attn.v_proj.weight", &self.wv));
         v.extend(self.bv.as_ref().map(|t| ("self_attn.v_proj.bias", t)));
+        v.extend(self.q_norm.as_ref().map(|t| ("self_attn.q_norm.weight", t)));
+        v.extend(self.k_norm.as_ref().map(|t| ("self_attn.k_norm.weight", t)));
         v.extend([
             ("self_attn.o_proj.weight", &self.wo),
             ("post_attention_layernorm.weight", &self.ffn_norm),
@@ -85,6 +90,8 @@ impl<S> LayerWeights<S> {
         v.extend(self.bk.as_mut().map(|t| ("self_attn.k_proj.bias", t)));
         v.push(("self_attn.v_proj.weight", &mut self.wv));
         v.extend(self.bv.as_mut().map(|t| ("self_attn.v_proj.bias", t)));
+        v.extend(self.q_norm.as_mut().map(|t| ("self_attn.q_norm.weight", t)));
+        v.extend(self.k_norm.as_mut().map(|t| ("self_attn.k_norm.weight", t)));
         v.extend([
             ("self_attn.o_proj.weight", &mut self.wo),
             ("post_attention_layernorm.weight", &mut self.ffn_norm),
@@ -157,6 +164,8 @@ impl<S> Weights<S> {
                     bk: l.bk.as_ref().map(&mut t),
                     wv: t(&l.wv),
                     bv: l.bv.as_ref().map(&mut t),
+                    q_norm: l.q_norm.as_ref().map(&mut t),
+                    k_norm: l.k_norm.as_ref().map(&mut t),
                     wo: t(&l.wo),
                     ffn_norm: t(&l.ffn_norm),
                     w_gate: t(&l.w_gate),
@@ -208,9 +217,11 @@ impl Weights {
         config: &ModelConfig,
         mut get: impl FnMut(&str, &[usize]) -> Result<Option<Tensor>, WeightsError>,
     ) -> Result<Self, WeightsError> {
-        let (c, kv, i, v) = (
+        let (c, q, kv, hd, i, v) = (
             config.hidden_size,
+            config.q_dim(),
             config.kv_dim(),
+            config.head_dim(),
             config.intermediate_size,
             config.vocab_size,
         );
@@ -220,13 +231,14 @@ impl Weights {
         let embed = need("model.embed_tokens.weight", &[v, c])?;
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         let bias = config.architecture.qkv_bias();
+        let qk_norm = config.architecture.qk_norm();
         for l in 0..config.num_hidden_layers {
             let p = |n: &str| format!("model.layers.{l}.{n}");
             layers.push(LayerWeights {
                 attn_norm: need(&p("input_layernorm.weight"), &[c])?,
-                wq: need(&p("self_attn.q_proj.weight"), &[c, c])?,
+                wq: need(&p("self_attn.q_proj.weight"), &[q, c])?,
                 bq: if bias {
-                    Some(need(&p("self_attn.q_proj.bias"), &[c])?)
+                    Some(need(&p("self_attn.q_proj.bias"), &[q])?)
                 } else {
                     None
                 },
@@ -242,7 +254,17 @@ impl Weights {
                 } else {
                     None
                 },
-                wo: need(&p("self_attn.o_proj.weight"), &[c, c])?,
+                q_norm: if qk_norm {
+                    Some(need(&p("self_attn.q_norm.weight"), &[hd])?)
+                } else {
+                    None
+                },
+                k_norm: if qk_norm {
+                    Some(need(&p("self_attn.k_norm.weight"), &[hd])?)
+                } else {
+                    None
+                },
+                wo: need(&p("self_attn.o_proj.weight"), &[c, q])?,
                 ffn_norm: need(&p("post_attention_layernorm.weight"), &[c])?,
                 w_gate: need(&p("mlp.gate_proj.weight"), &[i, c])?,
                 w_up: need(&p("mlp.up_proj.weight"), &[i, c])?,
@@ -479,6 +501,8 @@ pub fn gguf_name(hf: &str) -> Option<String> {
         "self_attn.k_proj.bias" => "attn_k.bias",
         "self_attn.v_proj.weight" => "attn_v.weight",
         "self_attn.v_proj.bias" => "attn_v.bias",
+        "self_attn.q_norm.weight" => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" => "attn_k_norm.weight",
         "self_attn.o_proj.weight" => "attn_output.weight",
         "post_attention_layernorm.weight" => "ffn_norm.weight",
         "mlp.gate_proj.weight" => "ffn_gate.weight",
