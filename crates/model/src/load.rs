@@ -25,6 +25,52 @@ pub enum LoadError {
     Chat(#[from] ChatError),
 }
 
+/// The model alone, without its tokenizer (token ids in, log-probabilities out): a GGUF
+/// file or a Hugging Face folder with config.json and safetensors.
+pub fn open_model(path: &Path) -> Result<Model, LoadError> {
+    if path.is_dir() {
+        open_hf_model(path)
+    } else if path.exists() {
+        let file = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&file)?;
+        let weights = Weights::from_gguf(&file, &config)?;
+        let packed = crate::weights::packed_from_gguf(&file, &config);
+        Ok(Model::new(config, weights).with_packed(packed))
+    } else {
+        Err(LoadError::Path {
+            path: path.display().to_string(),
+            reason: "no such file or directory".into(),
+        })
+    }
+}
+
+/// A Hugging Face folder's config.json and safetensors weights.
+pub fn open_hf_model(dir: &Path) -> Result<Model, LoadError> {
+    let config_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&config_path).map_err(|e| LoadError::Path {
+        path: config_path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let config = ModelConfig::from_hf_json(&text)?;
+    let weights = Weights::from_safetensors_dir(dir, &config)?;
+    Ok(Model::new(config, weights))
+}
+
+/// Writes the model alone as a Hugging Face folder: config.json and model.safetensors.
+pub fn save_hf_model(model: &Model, dir: &Path, dtype: StoredDtype) -> Result<(), LoadError> {
+    let io = |e: std::io::Error| LoadError::Path {
+        path: dir.display().to_string(),
+        reason: e.to_string(),
+    };
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let config = serde_json::to_string_pretty(&model.config.to_hf_json()).unwrap_or_default();
+    std::fs::write(dir.join("config.json"), config).map_err(io)?;
+    model
+        .weights
+        .save_safetensors_as(&dir.join("model.safetensors"), dtype)?;
+    Ok(())
+}
+
 /// A model with everything needed to talk to it.
 #[derive(Debug)]
 pub struct LoadedModel {
@@ -88,8 +134,7 @@ impl LoadedModel {
                 reason: e.to_string(),
             })
         };
-        let config = ModelConfig::from_hf_json(&read("config.json")?)?;
-        let weights = Weights::from_safetensors_dir(dir, &config)?;
+        let model = open_hf_model(dir)?;
         let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
         let tokenizer_config: serde_json::Value = read("tokenizer_config.json")
             .ok()
@@ -116,7 +161,7 @@ impl LoadedModel {
             None => None,
         };
         Ok(Self {
-            model: Model::new(config, weights),
+            model,
             tokenizer,
             chat_template,
             source: dir.display().to_string(),
@@ -137,13 +182,7 @@ impl LoadedModel {
             path: dir.display().to_string(),
             reason: e.to_string(),
         };
-        std::fs::create_dir_all(dir).map_err(io)?;
-        let config =
-            serde_json::to_string_pretty(&self.model.config.to_hf_json()).unwrap_or_default();
-        std::fs::write(dir.join("config.json"), config).map_err(io)?;
-        self.model
-            .weights
-            .save_safetensors_as(&dir.join("model.safetensors"), dtype)?;
+        save_hf_model(&self.model, dir, dtype)?;
         std::fs::write(dir.join("tokenizer.json"), self.tokenizer.to_json()?).map_err(io)?;
         let name = |id: Option<u32>| id.and_then(|i| self.tokenizer.id_to_token(i));
         let tokenizer_config = serde_json::json!({

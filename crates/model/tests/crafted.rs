@@ -215,6 +215,7 @@ fn crafted_model_configs_are_refused() {
         "model_type": "llama",
         "vocab_size": 64,
         "hidden_size": 16,
+        "hidden_act": "silu",
         "intermediate_size": 32,
         "num_hidden_layers": 2,
         "num_attention_heads": 2,

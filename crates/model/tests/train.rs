@@ -2,7 +2,7 @@
 //! tensor of both architectures; training drives a tiny model's loss towards zero.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use arl_model::config::{Architecture, ModelConfig};
+use arl_model::config::{Architecture, ModelConfig, RopeScaling, YarnRopeScaling};
 use arl_model::model::Model;
 use arl_model::train::AdamW;
 use arl_model::weights::Weights;
@@ -61,8 +61,33 @@ fn loss(model: &Model) -> (f64, Vec<Vec<f32>>, Vec<Vec<f32>>) {
     (value, a, b)
 }
 
-fn check_gradients(architecture: Architecture) {
-    let config = tiny(architecture);
+/// Qwen3 with a head size of its own (6: q is 24 wide in a 16-wide model).
+fn tiny_qwen3() -> ModelConfig {
+    ModelConfig {
+        tie_word_embeddings: false,
+        ..tiny(Architecture::Qwen3 { head_dim: 6 })
+    }
+}
+
+/// YaRN with an attention factor (mscale 1 + 0.1·ln 4): RoPE that is not a pure rotation.
+fn yarn(config: ModelConfig) -> ModelConfig {
+    ModelConfig {
+        rope_scaling: Some(RopeScaling::Yarn(YarnRopeScaling {
+            factor: 4.0,
+            original_max_position_embeddings: 4.0,
+            attention_factor: None,
+            mscale: None,
+            mscale_all_dim: None,
+            beta_fast: None,
+            beta_slow: None,
+            truncate: None,
+        })),
+        ..config
+    }
+}
+
+fn check_gradients(config: ModelConfig) {
+    let architecture = config.architecture;
     let mut model = Model::new(config.clone(), Weights::random(&config, 7, 0.4));
     let (_, a, b) = loss(&model);
     let (pass, _) = model.forward_train(&SEQUENCES);
@@ -107,12 +132,30 @@ fn check_gradients(architecture: Architecture) {
 
 #[test]
 fn gradients_match_finite_differences_llama() {
-    check_gradients(Architecture::Llama);
+    check_gradients(tiny(Architecture::Llama));
 }
 
 #[test]
 fn gradients_match_finite_differences_qwen2() {
-    check_gradients(Architecture::Qwen2);
+    check_gradients(tiny(Architecture::Qwen2));
+}
+
+/// The backward of Qwen3's per-head q/k norms (their weights and the projections under
+/// them) with head_dim ≠ hidden_size / num_attention_heads.
+#[test]
+fn gradients_match_finite_differences_qwen3() {
+    let config = tiny_qwen3();
+    assert_ne!(config.q_dim(), config.hidden_size);
+    check_gradients(config);
+}
+
+/// The backward of YaRN's attention factor (a scaled rotation), on Qwen3 and Llama.
+#[test]
+fn gradients_match_finite_differences_with_yarn_rope() {
+    let config = yarn(tiny_qwen3());
+    assert!(config.rope_attention_factor() > 1.1);
+    check_gradients(config);
+    check_gradients(yarn(tiny(Architecture::Llama)));
 }
 
 #[test]
@@ -147,8 +190,12 @@ fn training_overfits_a_tiny_batch() {
 /// gradient on the unmarked rows.
 #[test]
 fn a_masked_pass_scores_only_marked_tokens_with_the_same_gradients() {
-    for architecture in [Architecture::Llama, Architecture::Qwen2] {
-        let config = tiny(architecture);
+    for config in [
+        tiny(Architecture::Llama),
+        tiny(Architecture::Qwen2),
+        tiny_qwen3(),
+    ] {
+        let architecture = config.architecture;
         let model = Model::new(config.clone(), Weights::random(&config, 11, 0.4));
         // Token-aligned masks, as a trajectory's loss mask: a response after a prompt; the
         // second sequence has nothing to score.
