@@ -13,6 +13,93 @@ pub enum ChatError {
     Compile(String),
     #[error("rendering the chat template failed: {0}")]
     Render(String),
+    /// A template file or tokenizer_config.json entry that cannot be used.
+    #[error("{path}: {reason}")]
+    Source { path: String, reason: String },
+}
+
+/// A Hugging Face folder's chat template source, chosen as transformers 5 chooses it:
+/// `chat_template.jinja` and `additional_chat_templates/<name>.jinja` files, when there
+/// are any, replace the templates of `tokenizer_config.json`; there, `chat_template` is
+/// a string or a list of `{name, template}`. Of several named templates, "default" is
+/// the one used (what `apply_chat_template` picks without a name or tools); several
+/// without a "default" are an error, as they are in transformers. None: no template.
+pub fn hf_template_source(
+    dir: &std::path::Path,
+    tokenizer_config: &serde_json::Value,
+) -> Result<Option<String>, ChatError> {
+    let read = |path: &std::path::Path| {
+        std::fs::read_to_string(path).map_err(|e| ChatError::Source {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })
+    };
+    let mut files: Vec<(String, std::path::PathBuf)> = Vec::new();
+    let single = dir.join("chat_template.jinja");
+    if single.is_file() {
+        files.push(("default".into(), single));
+    }
+    if let Ok(entries) = std::fs::read_dir(dir.join("additional_chat_templates")) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if let Some(name) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(".jinja"))
+            {
+                files.push((name.to_owned(), path.clone()));
+            }
+        }
+    }
+    let pick = |names: Vec<String>, origin: &str| ChatError::Source {
+        path: origin.to_owned(),
+        reason: format!(
+            "several chat templates ({}) and none named \"default\"",
+            names.join(", ")
+        ),
+    };
+    if !files.is_empty() {
+        return match files.iter().find(|(name, _)| name == "default") {
+            Some((_, path)) => read(path).map(Some),
+            None => Err(pick(
+                files.into_iter().map(|(n, _)| n).collect(),
+                &dir.join("additional_chat_templates").display().to_string(),
+            )),
+        };
+    }
+    let origin = dir.join("tokenizer_config.json").display().to_string();
+    match &tokenizer_config["chat_template"] {
+        serde_json::Value::String(s) => Ok(Some(s.clone())),
+        serde_json::Value::Array(list) => {
+            let mut names = Vec::new();
+            for entry in list {
+                let (Some(name), Some(template)) =
+                    (entry["name"].as_str(), entry["template"].as_str())
+                else {
+                    return Err(ChatError::Source {
+                        path: origin,
+                        reason: format!(
+                            "chat_template list entry {entry} is not {{\"name\": …, \"template\": …}}"
+                        ),
+                    });
+                };
+                if name == "default" {
+                    return Ok(Some(template.to_owned()));
+                }
+                names.push(name.to_owned());
+            }
+            if names.is_empty() {
+                Ok(None)
+            } else {
+                Err(pick(names, &origin))
+            }
+        }
+        serde_json::Value::Null => Ok(None),
+        other => Err(ChatError::Source {
+            path: origin,
+            reason: format!("chat_template is {other}, expected a string or a list"),
+        }),
+    }
 }
 
 #[derive(Debug)]
@@ -214,5 +301,58 @@ mod tests {
             .render(&[ChatMessage::new("user", "y")], None, false)
             .unwrap_err();
         assert!(err.to_string().contains("bad role"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod template_source_tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use super::*;
+
+    #[test]
+    fn a_chat_template_jinja_file_wins_over_tokenizer_config() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("chat_template.jinja"), "FILE").unwrap();
+        let config = serde_json::json!({"chat_template": "CONFIG"});
+        assert_eq!(
+            hf_template_source(dir.path(), &config).unwrap().as_deref(),
+            Some("FILE")
+        );
+    }
+
+    #[test]
+    fn a_list_of_named_templates_gives_the_default_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = serde_json::json!({"chat_template": [
+            {"name": "tool_use", "template": "TOOLS"},
+            {"name": "default", "template": "DEFAULT"},
+        ]});
+        assert_eq!(
+            hf_template_source(dir.path(), &config).unwrap().as_deref(),
+            Some("DEFAULT")
+        );
+        let config = serde_json::json!({"chat_template": [{"name": "rag", "template": "R"}]});
+        let e = hf_template_source(dir.path(), &config).unwrap_err().to_string();
+        assert!(e.contains("rag") && e.contains("\"default\""), "{e}");
+        assert_eq!(
+            hf_template_source(dir.path(), &serde_json::json!({})).unwrap(),
+            None
+        );
+    }
+
+    #[test]
+    fn additional_template_files_are_read_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let extra = dir.path().join("additional_chat_templates");
+        std::fs::create_dir(&extra).unwrap();
+        std::fs::write(extra.join("default.jinja"), "EXTRA DEFAULT").unwrap();
+        std::fs::write(extra.join("tool_use.jinja"), "TOOLS").unwrap();
+        assert_eq!(
+            hf_template_source(dir.path(), &serde_json::json!({"chat_template": "C"}))
+                .unwrap()
+                .as_deref(),
+            Some("EXTRA DEFAULT")
+        );
     }
 }

@@ -857,3 +857,166 @@ fn hf_rope(
     };
     Ok((rope_theta, scaling))
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use super::*;
+
+    /// A Llama config.json with `extra` merged in (null removes a field).
+    fn llama(extra: Value) -> String {
+        let mut json = serde_json::json!({
+            "model_type": "llama",
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5,
+            "hidden_act": "silu",
+            "max_position_embeddings": 128,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            if v.is_null() {
+                json.as_object_mut().unwrap().remove(k);
+            } else {
+                json[k] = v.clone();
+            }
+        }
+        json.to_string()
+    }
+
+    fn error(text: &str) -> String {
+        ModelConfig::from_hf_json(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn nested_and_top_level_rope_layouts_give_the_same_config() {
+        let pairs = [
+            (
+                serde_json::json!({"rope_theta": 500000.0}),
+                serde_json::json!({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}),
+            ),
+            (
+                serde_json::json!({"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
+                serde_json::json!({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
+            ),
+            (
+                serde_json::json!({"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}),
+                serde_json::json!({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+            ),
+            (
+                serde_json::json!({"rope_theta": 10000.0, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}),
+                serde_json::json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}}),
+            ),
+        ];
+        for (top, nested) in pairs {
+            let (a, b) = (
+                ModelConfig::from_hf_json(&llama(top.clone())).unwrap(),
+                ModelConfig::from_hf_json(&llama(nested)).unwrap(),
+            );
+            assert_eq!(a, b, "{top}");
+            // And ARL's own config.json reads back the same.
+            let saved = a.to_hf_json().to_string();
+            assert_eq!(ModelConfig::from_hf_json(&saved).unwrap(), a, "{saved}");
+        }
+    }
+
+    #[test]
+    fn original_max_position_embeddings_falls_back_as_in_transformers() {
+        let c = ModelConfig::from_hf_json(&llama(serde_json::json!({
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+        })))
+        .unwrap();
+        let Some(RopeScaling::Yarn(y)) = &c.rope_scaling else {
+            panic!("{c:?}")
+        };
+        assert_eq!(y.original_max_position_embeddings, 128.0);
+        let e = error(&llama(serde_json::json!({
+            "max_position_embeddings": null,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+        })));
+        assert!(e.contains("original_max_position_embeddings"), "{e}");
+    }
+
+    #[test]
+    fn an_unknown_rope_type_is_refused_by_name_with_the_supported_ones() {
+        let e = error(&llama(serde_json::json!({
+            "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}
+        })));
+        assert!(
+            e.contains("\"longrope\"") && e.contains("\"llama3\"") && e.contains("\"yarn\""),
+            "{e}"
+        );
+        let e = error(&llama(serde_json::json!({
+            "rope_theta": 1e4, "rope_scaling": {"type": "dynamic", "factor": 2.0}
+        })));
+        assert!(e.contains("dynamic") && e.contains("batch"), "{e}");
+    }
+
+    #[test]
+    fn math_changing_fields_are_never_defaulted() {
+        let e = error(&llama(serde_json::json!({})));
+        assert!(e.contains("rope_theta") && e.contains("missing"), "{e}");
+        let e = error(&llama(serde_json::json!({"rope_parameters": {"rope_type": "default"}})));
+        assert!(e.contains("rope_theta"), "{e}");
+        for field in ["rms_norm_eps", "hidden_act"] {
+            let e = error(&llama(serde_json::json!({"rope_theta": 1e4, field: null})));
+            assert!(e.contains(field) && e.contains("missing"), "{field}: {e}");
+        }
+        let e = error(&llama(serde_json::json!({
+            "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "high_freq_factor": 4.0}
+        })));
+        assert!(e.contains("low_freq_factor"), "{e}");
+        let qwen3 = llama(serde_json::json!({"model_type": "qwen3", "rope_theta": 1e4}));
+        assert!(error(&qwen3).contains("head_dim"));
+    }
+
+    #[test]
+    fn settings_arl_does_not_implement_are_refused() {
+        for (extra, field) in [
+            (serde_json::json!({"hidden_act": "gelu"}), "hidden_act"),
+            (serde_json::json!({"attention_bias": true}), "attention_bias"),
+            (serde_json::json!({"mlp_bias": true}), "mlp_bias"),
+            (serde_json::json!({"use_sliding_window": true}), "use_sliding_window"),
+            (
+                serde_json::json!({"layer_types": ["full_attention", "sliding_attention"]}),
+                "layer_types",
+            ),
+            (serde_json::json!({"partial_rotary_factor": 0.5}), "partial_rotary_factor"),
+            (serde_json::json!({"head_dim": 16}), "head_dim"),
+        ] {
+            let mut extra = extra;
+            extra["rope_theta"] = 1e4.into();
+            let e = error(&llama(extra));
+            assert!(e.contains(field) && e.contains("not supported"), "{field}: {e}");
+        }
+        // Settings that change nothing are read as transformers reads them.
+        ModelConfig::from_hf_json(&llama(serde_json::json!({
+            "rope_theta": 1e4, "attention_dropout": 0.1, "torch_dtype": "bfloat16",
+            "head_dim": 8, "attention_bias": false, "use_sliding_window": false,
+            "sliding_window": 4096, "layer_types": ["full_attention", "full_attention"]
+        })))
+        .unwrap();
+    }
+
+    #[test]
+    fn yarn_attention_factor_follows_transformers() {
+        let yarn = |extra: Value| {
+            let mut rope = serde_json::json!({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32});
+            for (k, v) in extra.as_object().unwrap() {
+                rope[k] = v.clone();
+            }
+            ModelConfig::from_hf_json(&llama(serde_json::json!({"rope_parameters": rope})))
+                .unwrap()
+                .rope_attention_factor()
+        };
+        assert!((yarn(serde_json::json!({})) - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+        assert_eq!(yarn(serde_json::json!({"attention_factor": 0.7})), 0.7);
+        let (m, all) = (0.707, 0.707);
+        let want = (0.1 * m * 4f64.ln() + 1.0) / (0.1 * all * 4f64.ln() + 1.0);
+        assert!((yarn(serde_json::json!({"mscale": m, "mscale_all_dim": all})) - want).abs() < 1e-12);
+    }
+}

@@ -10,6 +10,7 @@ pub mod config;
 pub mod cuda;
 pub mod generate;
 pub mod gguf;
+pub mod hub;
 pub mod load;
 pub mod model;
 pub mod ops;

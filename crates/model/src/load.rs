@@ -5,6 +5,7 @@ use std::path::Path;
 use crate::chat::{ChatError, ChatTemplate};
 use crate::config::{ConfigError, ModelConfig};
 use crate::gguf::{GgufError, GgufFile};
+use crate::hub::{HubError, resolve_model_path};
 use crate::model::Model;
 use crate::tokenizer::{Tokenizer, TokenizerError};
 use crate::weights::{StoredDtype, Weights, WeightsError};
@@ -23,11 +24,14 @@ pub enum LoadError {
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
     Chat(#[from] ChatError),
+    #[error(transparent)]
+    Hub(#[from] HubError),
 }
 
 /// The model alone, without its tokenizer (token ids in, log-probabilities out): a GGUF
 /// file or a Hugging Face folder with config.json and safetensors.
 pub fn open_model(path: &Path) -> Result<Model, LoadError> {
+    let path = &resolve_model_path(path)?;
     if path.is_dir() {
         open_hf_model(path)
     } else if path.exists() {
@@ -84,7 +88,10 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
+    /// A GGUF file or a Hugging Face folder: a path, or a Hub name (`Qwen/Qwen2.5-0.5B`)
+    /// from the local Hugging Face cache ([`crate::hub`]).
     pub fn open(path: &Path) -> Result<Self, LoadError> {
+        let path = &resolve_model_path(path)?;
         if path.is_dir() {
             Self::open_hf(path)
         } else if path.exists() {
@@ -140,9 +147,7 @@ impl LoadedModel {
             .ok()
             .and_then(|t| serde_json::from_str(&t).ok())
             .unwrap_or_default();
-        let template_source = tokenizer_config["chat_template"]
-            .as_str()
-            .map(str::to_owned);
+        let template_source = crate::chat::hf_template_source(dir, &tokenizer_config)?;
         let special = |key: &str| match &tokenizer_config[key] {
             serde_json::Value::String(s) => s.clone(),
             serde_json::Value::Object(o) => o
