@@ -84,7 +84,39 @@ impl ObjectError {
     }
 }
 
+/// Which object an error is about.
+struct ObjectAt {
+    store: String,
+    name: String,
+}
+
+impl ObjectAt {
+    fn bus(&self, reason: String) -> ObjectError {
+        ObjectError::Bus {
+            store: self.store.clone(),
+            name: self.name.clone(),
+            reason,
+        }
+    }
+}
+
 impl Bus {
+    /// The object store `store`, and the object `name` for the errors of what follows.
+    async fn open_objects(
+        &self,
+        store: ObjectStore,
+        name: &str,
+    ) -> Result<(object_store::ObjectStore, ObjectAt), ObjectError> {
+        let at = ObjectAt {
+            store: self.namespace().object_store(store),
+            name: name.to_owned(),
+        };
+        match self.object_store(store).await {
+            Ok(objects) => Ok((objects, at)),
+            Err(err) => Err(at.bus(err.to_string())),
+        }
+    }
+
     /// Stores the file at `path` as object `name` (replacing an object of that name), read
     /// as a stream; then checks that the object the server records has the digest and size
     /// of the bytes read.
@@ -94,16 +126,8 @@ impl Bus {
         name: &str,
         path: &Path,
     ) -> Result<StoredFile, ObjectError> {
-        let store_name = self.namespace().object_store(store);
-        let bus_error = |reason: String| ObjectError::Bus {
-            store: store_name.clone(),
-            name: name.to_owned(),
-            reason,
-        };
-        let objects = self
-            .object_store(store)
-            .await
-            .map_err(|e| bus_error(e.to_string()))?;
+        let (objects, at) = self.open_objects(store, name).await?;
+        let (store_name, bus_error) = (at.store.clone(), |reason| at.bus(reason));
         let file = tokio::fs::File::open(path)
             .await
             .map_err(|source| ObjectError::File {
@@ -161,22 +185,14 @@ impl Bus {
         dest: &Path,
         expected: &StoredFile,
     ) -> Result<(), ObjectError> {
-        let store_name = self.namespace().object_store(store);
-        let bus_error = |reason: String| ObjectError::Bus {
-            store: store_name.clone(),
-            name: name.to_owned(),
-            reason,
-        };
+        let (objects, at) = self.open_objects(store, name).await?;
+        let (store_name, bus_error) = (at.store.clone(), |reason| at.bus(reason));
         let wrong_size = |found: u64| ObjectError::WrongSize {
             store: store_name.clone(),
             name: name.to_owned(),
             found,
             expected: expected.size_bytes,
         };
-        let objects = self
-            .object_store(store)
-            .await
-            .map_err(|e| bus_error(e.to_string()))?;
         let mut object = match objects.get(name).await {
             Ok(object) => object,
             Err(err) if err.kind() == object_store::GetErrorKind::NotFound => {
@@ -238,16 +254,8 @@ impl Bus {
 
     /// Deletes object `name`; false when there was none.
     pub async fn delete_object(&self, store: ObjectStore, name: &str) -> Result<bool, ObjectError> {
-        let store_name = self.namespace().object_store(store);
-        let bus_error = |reason: String| ObjectError::Bus {
-            store: store_name.clone(),
-            name: name.to_owned(),
-            reason,
-        };
-        let objects = self
-            .object_store(store)
-            .await
-            .map_err(|e| bus_error(e.to_string()))?;
+        let (objects, at) = self.open_objects(store, name).await?;
+        let bus_error = |reason| at.bus(reason);
         match objects.info(name).await {
             Ok(info) if info.deleted => return Ok(false),
             Ok(_) => {}

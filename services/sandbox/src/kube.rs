@@ -621,6 +621,14 @@ impl Kube {
         })
     }
 
+    /// Gives a sandbox back: its claim released (a SandboxSet's Pod), or its Pod deleted.
+    async fn discard(&self, pod: &str, claim: Option<&str>) {
+        match claim {
+            Some(claim) => self.release_claim(claim, Some(pod)).await,
+            None => self.delete_pod(pod).await,
+        }
+    }
+
     /// Pods (and claims) this service's processes made, by label selector.
     async fn delete_pods(&self, selector: &str) -> Vec<LeaseRecord> {
         let pods = match self
@@ -639,13 +647,7 @@ impl Kube {
             let Some(name) = pod.metadata.name.clone() else {
                 continue;
             };
-            let annotations = pod.metadata.annotations.unwrap_or_default();
-            if let Some(record) = annotations
-                .get(LEASE_ANNOTATION)
-                .and_then(|json| serde_json::from_str::<LeaseRecord>(json).ok())
-            {
-                records.push(record);
-            }
+            records.extend(lease_record(&pod.metadata));
             self.delete_pod(&name).await;
         }
         if !self.settings.sandboxsets.is_empty() {
@@ -680,19 +682,17 @@ impl Kube {
             ) else {
                 continue;
             };
-            if let Some(record) = sandbox
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(LEASE_ANNOTATION))
-                .and_then(|json| serde_json::from_str::<LeaseRecord>(json).ok())
-            {
-                records.push(record);
-            }
+            records.extend(lease_record(&sandbox.metadata));
             self.release_claim(&claim, Some(&name)).await;
         }
         records
     }
+}
+
+/// The lease an object was marked with (`arl.dev/lease`), if it was and it reads.
+fn lease_record(metadata: &ObjectMeta) -> Option<LeaseRecord> {
+    let json = metadata.annotations.as_ref()?.get(LEASE_ANNOTATION)?;
+    serde_json::from_str(json).ok()
 }
 
 /// `/bin/sh -c` with the lease's rlimits, the command's variables, and `timeout`.
@@ -887,10 +887,7 @@ impl Backend for Kube {
                 },
             }),
             Err(err) => {
-                match &claim {
-                    Some(claim) => self.release_claim(claim, Some(&pod)).await,
-                    None => self.delete_pod(&pod).await,
-                }
+                self.discard(&pod, claim.as_deref()).await;
                 Err(err)
             }
         }
@@ -911,10 +908,7 @@ impl Backend for Kube {
             self.survey(&idle.pod, &idle.environment).await?;
         }
         if let Err(err) = self.mark_leased(&idle.pod, lease.record).await {
-            match &idle.claim {
-                Some(claim) => self.release_claim(claim, Some(&idle.pod)).await,
-                None => self.delete_pod(&idle.pod).await,
-            }
+            self.discard(&idle.pod, idle.claim.as_deref()).await;
             return Err(err);
         }
         Ok(LeasedPod {
@@ -933,10 +927,7 @@ impl Backend for Kube {
     }
 
     async fn destroy(&self, sandbox: &LeasedPod) {
-        match &sandbox.claim {
-            Some(claim) => self.release_claim(claim, Some(&sandbox.pod)).await,
-            None => self.delete_pod(&sandbox.pod).await,
-        }
+        self.discard(&sandbox.pod, sandbox.claim.as_deref()).await;
     }
 
     async fn reap_leftovers(&self) -> Vec<LeaseRecord> {
