@@ -55,6 +55,7 @@ pub fn all_events() -> Vec<EventEntry> {
         entry::<events::TrialFinishedV1>(),
         entry::<events::TrialFailedV1>(),
         entry::<events::LlmCallV1>(),
+        entry::<events::LlmCallV2>(),
         entry::<events::TrajectoryV1>(),
         entry::<events::RewardScoredV1>(),
         entry::<events::RewardScoredV2>(),

@@ -14,7 +14,7 @@ use std::time::Duration;
 use arl_model::load::LoadedModel;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics};
-use arl_schemas::events::LlmCallV1;
+use arl_schemas::events::LlmCallV2;
 use arl_schemas::rpc::{ProxyOp, TrialKeyGrantV1, TrialKeyRequestV1};
 use arl_schemas::{Domain, Event, Namespace, RunId, TrialId};
 use arl_testkit::{
@@ -138,7 +138,7 @@ impl Stack {
     }
 
     /// The `llm.call` events, once there are `count` of them.
-    async fn recorded_calls(&self, count: usize) -> Vec<LlmCallV1> {
+    async fn recorded_calls(&self, count: usize) -> Vec<LlmCallV2> {
         let stream = self
             .bus
             .jetstream()
@@ -150,7 +150,7 @@ impl Stack {
             let mut calls = Vec::new();
             for seq in info.state.first_sequence..=info.state.last_sequence {
                 if let Ok(m) = stream.get_raw_message(seq).await {
-                    calls.push(LlmCallV1::decode(&m.payload).ok()?);
+                    calls.push(LlmCallV2::decode(&m.payload).ok()?);
                 }
             }
             (calls.len() == count).then_some(calls)
@@ -305,7 +305,7 @@ async fn the_openai_sdk_through_the_proxy_to_vllm_is_recorded_token_for_token() 
 /// them with the stack and the trial's key.
 async fn sdk_conversation_is_recorded_token_for_token(
     engine: Engine,
-) -> (Stack, TrialKeyGrantV1, Vec<LlmCallV1>) {
+) -> (Stack, TrialKeyGrantV1, Vec<LlmCallV2>) {
     let stack = Stack::start(engine).await;
     let grant = stack.key("run-sdk", "trial-sdk").await;
 

@@ -24,7 +24,7 @@ use arl_runtime::{Bus, Metrics, Shutdown};
 use arl_sandbox::config::SandboxConfig;
 use arl_sandbox::service::SandboxService;
 use arl_schemas::events::{
-    Example, FailureClass, LlmCallV1, RewardScoredV2, RunRequestedV1, SampleStatus, TrajectoryV1,
+    Example, FailureClass, LlmCallV2, RewardScoredV2, RunRequestedV1, SampleStatus, TrajectoryV1,
     TrialFailedV1, TrialFinishedV1, TrialStartedV1,
 };
 use arl_schemas::spec::RunSpec;
@@ -269,9 +269,9 @@ impl Stack {
     }
 
     /// Every `llm.call` of the run (`arl.llm.<run>.<trial>.call`).
-    async fn calls(&self, run: &RunId) -> Vec<LlmCallV1> {
+    async fn calls(&self, run: &RunId) -> Vec<LlmCallV2> {
         self.bus
-            .replay::<LlmCallV1>(
+            .replay::<LlmCallV2>(
                 Domain::Llm,
                 self.ns.run_entity_filter(Domain::Llm, run, "call"),
             )
@@ -394,7 +394,7 @@ fn spawn(server: &NatsServer, ns: &Namespace, name: &str, args: &[&str]) -> Chil
 
 /// Every branch token comes from a recorded call: completions where the mask is 1 are
 /// exactly the engine's completion ids, with its logprobs.
-fn check_token_truth(trajectory: &TrajectoryV1, calls: &[LlmCallV1]) {
+fn check_token_truth(trajectory: &TrajectoryV1, calls: &[LlmCallV2]) {
     assert_eq!(trajectory.calls.len(), calls.len());
     for span in &trajectory.calls {
         let call = calls
@@ -448,7 +448,7 @@ async fn trials_on_bundled_tasks_become_graded_token_true_trajectories() {
     let started: Vec<TrialStartedV1> = stack.events(&run, Domain::Trial, "started").await;
     let finished: Vec<TrialFinishedV1> = stack.events(&run, Domain::Trial, "finished").await;
     let scored: Vec<RewardScoredV2> = stack.events(&run, Domain::Reward, "scored").await;
-    let calls: Vec<LlmCallV1> = stack.calls(&run).await;
+    let calls: Vec<LlmCallV2> = stack.calls(&run).await;
     assert_eq!((started.len(), finished.len(), scored.len()), (2, 2, 2));
     let mut samples: Vec<u32> = trajectories.iter().map(|t| t.slot.sample_index).collect();
     samples.sort();
@@ -462,7 +462,7 @@ async fn trials_on_bundled_tasks_become_graded_token_true_trajectories() {
             .find(|s| s.trial_id == trajectory.trial_id)
             .unwrap();
         assert_eq!(trajectory.reward, grade.reward);
-        let mine: Vec<LlmCallV1> = calls
+        let mine: Vec<LlmCallV2> = calls
             .iter()
             .filter(|c| c.trial_id == trajectory.trial_id)
             .cloned()
@@ -551,10 +551,10 @@ async fn a_mini_swe_agent_trial_runs_in_the_sandbox_through_the_proxy() {
     .await;
     let failed: Vec<TrialFailedV1> = stack.events(&run, Domain::Trial, "failed").await;
     assert!(failed.is_empty(), "{failed:?}");
-    let calls: Vec<LlmCallV1> = stack.calls(&run).await;
+    let calls: Vec<LlmCallV2> = stack.calls(&run).await;
     for trajectory in &trajectories {
         assert_eq!(trajectory.status, SampleStatus::Scored, "{trajectory:?}");
-        let mine: Vec<LlmCallV1> = calls
+        let mine: Vec<LlmCallV2> = calls
             .iter()
             .filter(|c| c.trial_id == trajectory.trial_id)
             .cloned()
@@ -714,7 +714,7 @@ async fn grades_slower_than_the_ack_wait_hold_no_slot_and_any_replica_joins_them
             0.0
         };
         assert_eq!(trajectory.reward, want);
-        let mine: Vec<LlmCallV1> = calls
+        let mine: Vec<LlmCallV2> = calls
             .iter()
             .filter(|c| c.trial_id == trajectory.trial_id)
             .cloned()

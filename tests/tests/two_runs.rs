@@ -24,7 +24,7 @@ use std::time::Duration;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics};
 use arl_schemas::events::{
-    DatasetRegisteredV1, EvaluationCompletedV1, LlmCallV1, RewardScoredV2, Split, TaskBatchV1,
+    DatasetRegisteredV1, EvaluationCompletedV1, LlmCallV2, RewardScoredV2, Split, TaskBatchV1,
     TrainStepV2, TrajectoryV1, TrialStartedV1, WeightsLocation, WeightsPublishedV2,
 };
 use arl_schemas::state::RunStatus;
@@ -185,7 +185,7 @@ struct Audit {
     datasets: Vec<DatasetRegisteredV1>,
     batches: Vec<TaskBatchV1>,
     started: Vec<TrialStartedV1>,
-    calls: Vec<LlmCallV1>,
+    calls: Vec<LlmCallV2>,
     scored: Vec<RewardScoredV2>,
     trajectories: Vec<TrajectoryV1>,
     steps: Vec<TrainStepV2>,
@@ -268,7 +268,7 @@ impl Audit {
             .filter(|t| &t.run_id == run)
             .map(|t| (&t.trial_id, t))
             .collect();
-        let calls: Vec<&LlmCallV1> = self.calls.iter().filter(|c| &c.run_id == run).collect();
+        let calls: Vec<&LlmCallV2> = self.calls.iter().filter(|c| &c.run_id == run).collect();
         assert!(!calls.is_empty(), "run {run} recorded no LLM call");
         for call in calls {
             // The call scope is the trial id, or `<trial>-a<N>` for a later attempt.
@@ -298,6 +298,18 @@ impl Audit {
             assert!(
                 version >= trial.policy_version,
                 "{what}: older than its key"
+            );
+            // The engine names the policy that answered (llm.call v2): it must be this
+            // run's own (or the base model at version 0), never the other run's.
+            assert!(
+                call.served_run_id.is_some() || call.served_version == Some(0),
+                "{what}: the engine named no run for a trained version"
+            );
+            assert!(
+                call.served_by_own_run() && call.served_version == Some(version),
+                "{what}: served by run {:?} at version {:?}",
+                call.served_run_id,
+                call.served_version
             );
             if version > 0 {
                 let weights = published

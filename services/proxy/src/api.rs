@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use arl_runtime::{Bus, BusError};
 use arl_schemas::RunId;
-use arl_schemas::events::{CallTiming, FinishReason, LlmCallV1};
+use arl_schemas::events::{CallTiming, FinishReason, LlmCallV2};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
@@ -660,7 +660,7 @@ impl Recorder {
             .load
             .latest_version
             .fetch_max(version, Ordering::SeqCst);
-        let event = LlmCallV1 {
+        let event = LlmCallV2 {
             run_id: self.call.trial.run_id.clone(),
             trial_id: self.call.trial.trial_id.clone(),
             turn_index: self.call.turn_index,
@@ -670,6 +670,12 @@ impl Recorder {
             completion_token_ids: r.completion_token_ids.clone(),
             logprobs: r.logprobs.clone(),
             policy_version: version,
+            served_run_id: r
+                .served_run
+                .clone()
+                .flatten()
+                .and_then(|run| RunId::new(run).ok()),
+            served_version: r.policy_version,
             finish_reason: match r.finish_reason.as_deref() {
                 Some("stop") => FinishReason::Stop,
                 Some("length") => FinishReason::Length,

@@ -12,7 +12,7 @@ use arl_proxy::backends::{Backends, Dialect};
 use arl_proxy::keys::Keys;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown};
-use arl_schemas::events::LlmCallV1;
+use arl_schemas::events::LlmCallV2;
 use arl_schemas::rpc::{
     ProxyOp, TrialKeyGrantV1, TrialKeyRequestV1, TrialKeyRevokeV1, TrialKeyRevokedV1,
 };
@@ -201,7 +201,7 @@ impl Setup {
         (r.status, r.text(), r.headers)
     }
 
-    async fn calls(&self) -> Vec<LlmCallV1> {
+    async fn calls(&self) -> Vec<LlmCallV2> {
         let stream = self
             .bus
             .jetstream()
@@ -212,7 +212,7 @@ impl Setup {
         let mut out = Vec::new();
         for seq in info.state.first_sequence..=info.state.last_sequence {
             if let Ok(m) = stream.get_raw_message(seq).await {
-                out.push(LlmCallV1::decode(&m.payload).unwrap());
+                out.push(LlmCallV2::decode(&m.payload).unwrap());
             }
         }
         out

@@ -32,7 +32,7 @@ use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_sandbox_client::{Lease, SandboxClient, SandboxError};
 use arl_schemas::dataset::TaskRecord;
 use arl_schemas::events::{
-    FailureClass, LlmCallV1, SampleStatus, Split, TaskBatchV1, TaskKind, TrajectoryV1,
+    FailureClass, LlmCallV2, SampleStatus, Split, TaskBatchV1, TaskKind, TrajectoryV1,
     TrialFailedV1, TrialFinishedV1, TrialRequestedV1, TrialSlot, TrialStartedV1,
 };
 use arl_schemas::rpc::{
@@ -502,12 +502,12 @@ impl Rollout {
         &self,
         request: &TrialRequestedV1,
         count: u32,
-    ) -> Result<Vec<LlmCallV1>, TrialError> {
+    ) -> Result<Vec<LlmCallV2>, TrialError> {
         let scope = call_scope(&request.trial_id, request.slot.attempt)
             .map_err(|e| infrastructure(e.to_string()))?;
         let ns = self.bus.namespace();
         let subject = ns.entity_subject(Domain::Llm, &request.run_id, scope.as_str(), "call");
-        let mut calls: Vec<LlmCallV1> = self
+        let mut calls: Vec<LlmCallV2> = self
             .bus
             .replay(Domain::Llm, subject)
             .await
@@ -642,7 +642,7 @@ impl Rollout {
         req: &TrialRequestedV1,
         status: SampleStatus,
         reward: f64,
-        calls: &[LlmCallV1],
+        calls: &[LlmCallV2],
         turns: u32,
         parse_failures: u32,
     ) -> Result<(), HandlerError> {

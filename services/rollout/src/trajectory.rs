@@ -7,7 +7,7 @@
 //! log-probabilities were not recorded cannot be proven to come from the policy: they are
 //! masked and counted.
 
-use arl_schemas::events::{CallSpan, LlmCallV1, TrajectoryBranch};
+use arl_schemas::events::{CallSpan, LlmCallV2, TrajectoryBranch};
 
 /// A trial's branches and where each call landed in them.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -31,8 +31,8 @@ impl Assembled {
 }
 
 /// Assembles the calls of one trial (any order; sorted by turn here).
-pub fn assemble(calls: &[LlmCallV1]) -> Assembled {
-    let mut ordered: Vec<&LlmCallV1> = calls.iter().collect();
+pub fn assemble(calls: &[LlmCallV2]) -> Assembled {
+    let mut ordered: Vec<&LlmCallV2> = calls.iter().collect();
     ordered.sort_by_key(|c| c.turn_index);
     let mut out = Assembled::default();
     for call in ordered {
@@ -90,14 +90,14 @@ mod tests {
     use super::*;
     use arl_schemas::events::Example;
 
-    fn call(turn: u32, prompt: &[u32], completion: &[u32], version: u64) -> LlmCallV1 {
-        LlmCallV1 {
+    fn call(turn: u32, prompt: &[u32], completion: &[u32], version: u64) -> LlmCallV2 {
+        LlmCallV2 {
             turn_index: turn,
             prompt_token_ids: prompt.to_vec(),
             completion_token_ids: completion.to_vec(),
             logprobs: completion.iter().map(|t| -(*t as f32) / 100.0).collect(),
             policy_version: version,
-            ..LlmCallV1::example()
+            ..LlmCallV2::example()
         }
     }
 
