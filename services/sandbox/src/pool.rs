@@ -2,12 +2,17 @@
 //! a ready one instead of waiting while a snapshot is copied or a Pod starts.
 //!
 //! A sandbox handed to a lease is detached from its pool (it becomes the lease's, and is
-//! deleted with it), and the pool is refilled in the background to `min_idle`.
+//! deleted with it), and the pool is refilled in the background to `min_idle`: by one
+//! refill at a time per pool, which never waits for a slot. (A refill per lease, each
+//! holding part of `min_idle` and waiting for the rest, filled the pool with half-done
+//! refills under a burst of leases; every lease then waited on them forever.)
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
-use deadpool::managed::{self, Manager, Object, Pool, RecycleResult};
+use deadpool::managed::{self, Manager, Object, Pool, RecycleResult, Timeouts};
 
 use crate::backend::{Backend, BackendError, Prepared};
 
@@ -39,8 +44,23 @@ pub struct WarmPools<B: Backend> {
     backend: Arc<B>,
     min_idle: usize,
     max_size: usize,
-    pools: Mutex<HashMap<String, Pool<SandboxMaker<B>>>>,
+    pools: Mutex<HashMap<String, WarmPool<B>>>,
     shutdown: arl_runtime::Shutdown,
+}
+
+/// One environment's pool, and whether a refill of it is under way.
+struct WarmPool<B: Backend> {
+    pool: Pool<SandboxMaker<B>>,
+    refilling: Arc<AtomicBool>,
+}
+
+impl<B: Backend> Clone for WarmPool<B> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            refilling: self.refilling.clone(),
+        }
+    }
 }
 
 impl<B: Backend> WarmPools<B> {
@@ -63,7 +83,7 @@ impl<B: Backend> WarmPools<B> {
         &self,
         name: &str,
         environment: &B::Environment,
-    ) -> Result<Pool<SandboxMaker<B>>, BackendError> {
+    ) -> Result<WarmPool<B>, BackendError> {
         let mut pools = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(pool) = pools.get(name) {
             return Ok(pool.clone());
@@ -80,6 +100,10 @@ impl<B: Backend> WarmPools<B> {
                 environment: name.to_owned(),
                 reason: e.to_string(),
             })?;
+        let pool = WarmPool {
+            pool,
+            refilling: Arc::default(),
+        };
         pools.insert(name.to_owned(), pool.clone());
         Ok(pool)
     }
@@ -91,7 +115,7 @@ impl<B: Backend> WarmPools<B> {
         name: &str,
         environment: &B::Environment,
     ) -> Result<(Prepared<B::Idle>, bool), BackendError> {
-        let pool = self.pool(name, environment)?;
+        let pool = self.pool(name, environment)?.pool;
         let warm = pool.status().available > 0;
         let object = pool.get().await.map_err(|err| match err {
             managed::PoolError::Backend(err) => err,
@@ -106,27 +130,33 @@ impl<B: Backend> WarmPools<B> {
     }
 
     /// Brings the pool of `environment` up to `min_idle` prepared sandboxes, in the
-    /// background.
+    /// background, unless a refill of it is under way already.
     pub fn refill(&self, name: &str, environment: &B::Environment) {
         if self.min_idle == 0 {
             return;
         }
-        let Ok(pool) = self.pool(name, environment) else {
+        let Ok(WarmPool { pool, refilling }) = self.pool(name, environment) else {
             return;
         };
+        if refilling.swap(true, Ordering::AcqRel) {
+            return;
+        }
         let want = self.min_idle.min(self.max_size);
         let name = name.to_owned();
         self.shutdown.spawn(async move {
-            let status = pool.status();
-            if status.available >= want {
-                return;
-            }
-            // Holding `want` objects at once forces the pool to make the missing ones;
-            // dropping them returns all of them as idle.
+            // Holding `want` objects at once makes the pool create the missing ones;
+            // dropping them returns all of them as idle. A slot not free at once (leases
+            // are taking them) ends the refill: it must never wait on a slot, or it holds
+            // what it has while the leases wait on it.
+            let now = Timeouts {
+                wait: Some(Duration::ZERO),
+                ..Timeouts::new()
+            };
             let mut held = Vec::with_capacity(want);
-            for _ in 0..want {
-                match pool.get().await {
+            while held.len() < want && pool.status().available < want {
+                match pool.timeout_get(&now).await {
                     Ok(object) => held.push(object),
+                    Err(managed::PoolError::Timeout(_)) => break,
                     Err(err) => {
                         tracing::warn!(environment = %name, %err, "cannot pre-warm a sandbox");
                         break;
@@ -134,6 +164,7 @@ impl<B: Backend> WarmPools<B> {
                 }
             }
             drop(held);
+            refilling.store(false, Ordering::Release);
         });
     }
 
@@ -142,7 +173,7 @@ impl<B: Backend> WarmPools<B> {
         let pools = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
         pools
             .iter()
-            .map(|(name, pool)| (name.clone(), pool.status().available))
+            .map(|(name, warm)| (name.clone(), warm.pool.status().available))
             .collect()
     }
 }

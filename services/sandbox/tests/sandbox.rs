@@ -424,6 +424,25 @@ async fn two_hundred_concurrent_leases() {
     h.stop().await;
 }
 
+/// Bursts of leases on one environment whose warm pool keeps several idle (each lease
+/// starts a refill): every lease is granted. Refills that each held part of `min_idle`
+/// and waited for the rest once filled the pool between them, and every lease waited
+/// behind them forever (the sandboxed load test stalled on it).
+#[tokio::test(flavor = "multi_thread")]
+async fn bursts_of_leases_on_a_refilling_warm_pool_are_all_granted() {
+    let h = Harness::start_with(|config| {
+        config.pool_min_idle = 4;
+        config.pool_max_size = 6;
+    })
+    .await;
+    for _ in 0..3 {
+        let grants = futures::future::join_all((0..32).map(|_| h.lease())).await;
+        futures::future::join_all(grants.iter().map(|g| h.release(g))).await;
+    }
+    assert_eq!(h.service.active_leases(), 0);
+    h.stop().await;
+}
+
 // --- Isolation. Each of these fails if the corresponding isolation is removed. ---
 
 #[tokio::test(flavor = "multi_thread")]

@@ -1,8 +1,8 @@
 //! The sandboxed scenario's fixtures and baseline: Harbor tasks whose environment is a
 //! tiny work tree (written straight into the environments folder, as the image builder
 //! would leave it — building environments is not what is under test here), and the
-//! sandbox service's own lease-creation rate, measured against the same service process
-//! in the same run.
+//! sandbox service's own rate for the same sandbox work, measured against the same service
+//! process in the same run.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -10,9 +10,8 @@ use std::time::{Duration, Instant};
 use arl_runtime::Bus;
 use arl_schemas::RunId;
 use arl_schemas::events::EnvironmentRef;
-use arl_schemas::rpc::{
-    LeaseGrantV1, LeaseRequestV1, ReleaseRequestV2, ReleasedV1, SandboxLimits, SandboxOp,
-};
+use arl_sandbox_client::SandboxClient;
+use arl_schemas::rpc::{ExecRequest, LeaseRequestV1, SandboxLimits};
 use futures::StreamExt;
 
 /// The verifier: reward 1 when the agent left `done` in the work tree.
@@ -49,53 +48,38 @@ pub fn write_tasks(dir: &Path, environments: &Path, count: u32) -> anyhow::Resul
     Ok(tasks)
 }
 
-/// The sandbox service's own rate: `total` leases (each released at once) of the tasks'
-/// environments, `concurrency` at a time, straight over its NATS API. Returns (leases per
-/// second, every lease's latency in ms); a lease not granted within 30 s counts as
-/// failed (said), not as a rate.
-pub async fn lease_rate(
+/// What the sandbox service alone does per second of one sandboxed trial's sandbox work,
+/// straight over its API with no other service in the way: a lease for the agent, its
+/// command (`touch done`, as the stand-in's agent runs it), a release; then a lease for
+/// the grader, the verifier's script run in it, a release. `total` such trials,
+/// `concurrency` at a time. Returns (trials per second, every lease's latency in ms,
+/// failures); a lease not granted within 30 s counts as failed (said), not as a rate.
+pub async fn sandbox_work_rate(
     bus: &Bus,
     environments: u32,
     total: usize,
     concurrency: usize,
 ) -> anyhow::Result<(f64, Vec<f64>, usize)> {
-    let run = RunId::new("run-loadtest-lease-rate")?;
+    let run = RunId::new("run-loadtest-sandbox-baseline")?;
+    let client = SandboxClient::new(bus.clone());
     let started = Instant::now();
-    let results: Vec<anyhow::Result<f64>> = futures::stream::iter(0..total)
+    let results: Vec<anyhow::Result<[f64; 2]>> = futures::stream::iter(0..total)
         .map(|i| {
-            let run = run.clone();
+            let request = LeaseRequestV1 {
+                run_id: run.clone(),
+                trial_id: None,
+                environment: EnvironmentRef {
+                    name: format!("harbor/touch-{}", i as u32 % environments.max(1)),
+                    digest: None,
+                },
+                ttl_s: 600,
+                limits: SandboxLimits::default(),
+            };
+            let client = client.clone();
             async move {
-                let request = LeaseRequestV1 {
-                    run_id: run,
-                    trial_id: None,
-                    environment: EnvironmentRef {
-                        name: format!("harbor/touch-{}", i as u32 % environments.max(1)),
-                        digest: None,
-                    },
-                    ttl_s: 600,
-                    limits: SandboxLimits::default(),
-                };
-                let ns = bus.namespace();
-                let asked = Instant::now();
-                let grant: LeaseGrantV1 = bus
-                    .request(
-                        ns.sandbox_rpc("any", SandboxOp::Lease),
-                        &request,
-                        Duration::from_secs(30),
-                    )
-                    .await?;
-                let took = asked.elapsed().as_secs_f64() * 1e3;
-                let _: ReleasedV1 = bus
-                    .request(
-                        ns.sandbox_rpc(&grant.instance, SandboxOp::Release),
-                        &ReleaseRequestV2 {
-                            lease_id: grant.lease_id.clone(),
-                            token: grant.token.clone(),
-                        },
-                        Duration::from_secs(60),
-                    )
-                    .await?;
-                Ok(took)
+                let agent = leased(&client, &request, "touch done").await?;
+                let grader = leased(&client, &request, VERIFY).await?;
+                Ok([agent, grader])
             }
         })
         .buffer_unordered(concurrency)
@@ -106,15 +90,48 @@ pub async fn lease_rate(
     let mut failed = Vec::new();
     for result in results {
         match result {
-            Ok(ms) => latencies.push(ms),
+            Ok(ms) => latencies.extend(ms),
             Err(err) => failed.push(err.to_string()),
         }
     }
     if let Some(first) = failed.first() {
         println!(
-            "sandbox lease-rate baseline: {} of {total} leases failed (e.g. {first})",
+            "sandbox baseline: {} of {total} trials' sandbox work failed (e.g. {first})",
             failed.len()
         );
     }
-    Ok((latencies.len() as f64 / elapsed, latencies, failed.len()))
+    let done = total - failed.len();
+    Ok((done as f64 / elapsed, latencies, failed.len()))
+}
+
+/// The verifier as the grader runs it: the task's `tests/test.sh`, staged beside the tree.
+const VERIFY: &str = "v=$(mktemp -d) && cat > $v/test.sh && \
+APP_DIR=$PWD LOGS_DIR=$v/logs bash $v/test.sh && cat $v/logs/verifier/reward.txt";
+
+/// One lease: granted, `command` run in it, released. Returns the grant's latency (ms).
+async fn leased(
+    client: &SandboxClient,
+    request: &LeaseRequestV1,
+    command: &str,
+) -> anyhow::Result<f64> {
+    let asked = Instant::now();
+    let lease = client.lease(request, Duration::from_secs(30)).await?;
+    let took = asked.elapsed().as_secs_f64() * 1e3;
+    let result = lease
+        .exec(&ExecRequest {
+            command: command.to_owned(),
+            timeout_s: 60.0,
+            env: Default::default(),
+            stdin: Some(TEST_SH.to_owned()),
+        })
+        .await;
+    lease.release().await;
+    let result = result?;
+    anyhow::ensure!(
+        result.exit_code == 0,
+        "`{command}` exited {} in the sandbox: {}",
+        result.exit_code,
+        result.stdout
+    );
+    Ok(took)
 }
