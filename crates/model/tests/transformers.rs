@@ -97,7 +97,10 @@ fn assert_close(what: &str, got: &[f64], want: &[f64]) {
         .zip(want)
         .map(|(g, w)| (g - w).abs())
         .fold(0.0, f64::max);
-    eprintln!("{what}: worst |Δ logprob| {worst:.2e} over {} tokens", got.len());
+    eprintln!(
+        "{what}: worst |Δ logprob| {worst:.2e} over {} tokens",
+        got.len()
+    );
     assert!(
         worst < TOLERANCE,
         "{what}: log-probabilities differ by {worst:.2e} (> {TOLERANCE:e})\n got {got:?}\nwant {want:?}"
@@ -249,7 +252,11 @@ fn checkpoints_written_by_arl_load_in_transformers_identically() {
     );
     let got: Vec<Vec<f64>> = serde_json::from_slice(&output.stdout).unwrap();
     for ((case, got), want) in cases.iter().zip(&got).zip(&wants) {
-        assert_close(&format!("{case} saved by ARL, run by transformers"), got, want);
+        assert_close(
+            &format!("{case} saved by ARL, run by transformers"),
+            got,
+            want,
+        );
     }
 }
 
