@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use arl_model::chat::ChatMessage;
 use arl_model::generate::{Sampling, generate};
-use arl_model::load::LoadedModel;
+use arl_model::load::{LoadedModel, open_model, open_tokenizer};
 use arl_runtime::args::model_path_or_name;
 
 use crate::cli::ModelCommand;
@@ -56,7 +56,9 @@ fn info(path: &str) -> Result<ExitCode, CliError> {
         "kv_heads": c.num_key_value_heads,
         "head_dim": c.head_dim(),
         "rope_theta": c.rope_theta,
-        "llama3_rope_scaling": c.rope_scaling.is_some(),
+        "rope_type": c.rope_scaling.as_ref().map_or("default", |s| s.rope_type()),
+        "rope_attention_factor": c.rope_attention_factor(),
+        "q_k_norm": c.architecture.qk_norm(),
         "rms_norm_eps": c.rms_norm_eps,
         "context_length": c.max_position_embeddings,
         "tied_embeddings": c.tie_word_embeddings,
@@ -139,18 +141,27 @@ fn logprobs(path: &str, tokens_file: &PathBuf) -> Result<ExitCode, CliError> {
             "give at least two token ids: the first has no prefix to be scored against".into(),
         ));
     }
-    let loaded = open(path)?;
-    let vocab = loaded.model.config.vocab_size as u32;
+    // The model alone: a folder without tokenizer files scores ids all the same; the
+    // tokenizer, where there is one, only adds each token's text.
+    let resolved = model_path_or_name(path);
+    let model = open_model(&resolved).map_err(|err| {
+        CliError::Usage(format!("cannot open model {}: {err}", resolved.display()))
+    })?;
+    let tokenizer = open_tokenizer(&resolved).ok();
+    let vocab = model.config.vocab_size as u32;
     if let Some(bad) = tokens.iter().find(|t| **t >= vocab) {
         return Err(CliError::Usage(format!(
             "token id {bad} is outside the vocabulary (size {vocab})"
         )));
     }
-    let (_, logprobs) = loaded.model.forward_train(&[&tokens]);
+    let (_, logprobs) = model.forward_train(&[&tokens]);
     let out: Vec<serde_json::Value> = tokens[1..]
         .iter()
         .zip(&logprobs[0])
-        .map(|(t, lp)| serde_json::json!({"token": t, "text": loaded.tokenizer.decode(&[*t], false).unwrap_or_default(), "logprob": lp}))
+        .map(|(t, lp)| match &tokenizer {
+            Some(tokenizer) => serde_json::json!({"token": t, "text": tokenizer.decode(&[*t], false).unwrap_or_default(), "logprob": lp}),
+            None => serde_json::json!({"token": t, "logprob": lp}),
+        })
         .collect();
     println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
     Ok(ExitCode::SUCCESS)

@@ -106,6 +106,7 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
     fn embedding_backward(&self, dtable: &mut Self::Buf, dout: &Self::Buf, tokens: &[u32]);
 
     /// out = x · rstd · w per row; rstd (N) keeps 1/rms. x, out: (N, C); w: (C). Overwrites.
+    /// The row is w's length: Qwen3's per-head q/k norms pass (N, nh·hd) as (N·nh, hd).
     fn rmsnorm_forward(
         &self,
         out: &mut Self::Buf,

@@ -333,7 +333,9 @@ mod template_source_tests {
             Some("DEFAULT")
         );
         let config = serde_json::json!({"chat_template": [{"name": "rag", "template": "R"}]});
-        let e = hf_template_source(dir.path(), &config).unwrap_err().to_string();
+        let e = hf_template_source(dir.path(), &config)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("rag") && e.contains("\"default\""), "{e}");
         assert_eq!(
             hf_template_source(dir.path(), &serde_json::json!({})).unwrap(),

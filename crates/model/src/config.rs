@@ -47,7 +47,9 @@ pub enum Architecture {
     /// hidden_size / num_attention_heads (Qwen3-0.6B: 1024 wide, 16 heads of 128).
     /// The head size lives here, not in a field of [`ModelConfig`], because only this
     /// family has one of its own.
-    Qwen3 { head_dim: usize },
+    Qwen3 {
+        head_dim: usize,
+    },
 }
 
 impl Architecture {
@@ -118,7 +120,9 @@ pub struct YarnRopeScaling {
 #[serde(tag = "rope_type", rename_all = "lowercase")]
 pub enum RopeScaling {
     /// Every frequency divided by `factor` (position interpolation).
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     Llama3(Llama3RopeScaling),
     Yarn(YarnRopeScaling),
 }
@@ -263,7 +267,9 @@ impl ModelConfig {
                 if v.is_finite() && v > 0.0 {
                     Ok(())
                 } else {
-                    bad(format!("rope_parameters.{name} {v} must be a positive number"))
+                    bad(format!(
+                        "rope_parameters.{name} {v} must be a positive number"
+                    ))
                 }
             };
             match scaling {
@@ -278,7 +284,7 @@ impl ModelConfig {
                     )?;
                     if s.high_freq_factor == s.low_freq_factor {
                         return bad(
-                            "rope_parameters.high_freq_factor equals low_freq_factor".into(),
+                            "rope_parameters.high_freq_factor equals low_freq_factor".into()
                         );
                     }
                 }
@@ -314,17 +320,17 @@ impl ModelConfig {
             "llama" | "qwen2" => {
                 // Transformers reads an explicit head_dim for these too; ARL's kernels
                 // for them assume hidden_size / num_attention_heads.
-                if let Some(hd) = fields.opt_usize("head_dim")? {
-                    if num_attention_heads == 0 || hd * num_attention_heads != hidden_size {
-                        return Err(ConfigError::Unsupported {
-                            field: "head_dim".into(),
-                            value: hd.to_string(),
-                            why: format!(
-                                "{model_type} models run with head_dim = hidden_size / \
-                                 num_attention_heads ({hidden_size} / {num_attention_heads})"
-                            ),
-                        });
-                    }
+                if let Some(hd) = fields.opt_usize("head_dim")?
+                    && (num_attention_heads == 0 || hd * num_attention_heads != hidden_size)
+                {
+                    return Err(ConfigError::Unsupported {
+                        field: "head_dim".into(),
+                        value: hd.to_string(),
+                        why: format!(
+                            "{model_type} models run with head_dim = hidden_size / \
+                             num_attention_heads ({hidden_size} / {num_attention_heads})"
+                        ),
+                    });
                 }
                 if model_type == "llama" {
                     Architecture::Llama
@@ -570,8 +576,7 @@ fn yarn_inv_freq(base: &[f64], y: &YarnRopeScaling, theta: f64, dim: usize) -> V
     let beta_slow = y.beta_slow.filter(|b| *b != 0.0).unwrap_or(1.0);
     let dimf = dim as f64;
     let correction_dim = |rotations: f64| {
-        dimf * (y.original_max_position_embeddings / (rotations * 2.0 * std::f64::consts::PI))
-            .ln()
+        dimf * (y.original_max_position_embeddings / (rotations * 2.0 * std::f64::consts::PI)).ln()
             / (2.0 * theta.ln())
     };
     let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
@@ -595,7 +600,7 @@ fn yarn_inv_freq(base: &[f64], y: &YarnRopeScaling, theta: f64, dim: usize) -> V
 
 /// A position count as JSON: an integer when it is one (transformers writes ints).
 fn integral(v: f64) -> Value {
-    if v.fract() == 0.0 && v >= 0.0 && v < 9.0e15 {
+    if v.fract() == 0.0 && (0.0..9.0e15).contains(&v) {
         (v as u64).into()
     } else {
         v.into()
@@ -652,7 +657,10 @@ impl HfFields<'_> {
 
     fn opt_bool(&self, name: &str) -> Result<Option<bool>, ConfigError> {
         self.get(name)
-            .map(|v| v.as_bool().ok_or_else(|| Self::wrong(name, v, "true or false")))
+            .map(|v| {
+                v.as_bool()
+                    .ok_or_else(|| Self::wrong(name, v, "true or false"))
+            })
             .transpose()
     }
 
@@ -679,8 +687,7 @@ impl HfFields<'_> {
         }
         // Qwen2 always has q/k/v biases (its config has no switch); Llama and Qwen3 have
         // them, and an o_proj bias, only with attention_bias.
-        if architecture != Architecture::Qwen2 && self.opt_bool("attention_bias")? == Some(true)
-        {
+        if architecture != Architecture::Qwen2 && self.opt_bool("attention_bias")? == Some(true) {
             return Err(unsupported(
                 "attention_bias",
                 &Value::Bool(true),
@@ -702,9 +709,9 @@ impl HfFields<'_> {
             ));
         }
         if let Some(types) = self.get("layer_types") {
-            let all_full = types.as_array().is_some_and(|t| {
-                t.iter().all(|t| t.as_str() == Some("full_attention"))
-            });
+            let all_full = types
+                .as_array()
+                .is_some_and(|t| t.iter().all(|t| t.as_str() == Some("full_attention")));
             if !all_full {
                 return Err(unsupported(
                     "layer_types",
@@ -713,14 +720,14 @@ impl HfFields<'_> {
                 ));
             }
         }
-        if let Some(f) = self.opt_f64("partial_rotary_factor")? {
-            if f != 1.0 {
-                return Err(unsupported(
-                    "partial_rotary_factor",
-                    &f.into(),
-                    "RoPE rotates the whole head",
-                ));
-            }
+        if let Some(f) = self.opt_f64("partial_rotary_factor")?
+            && f != 1.0
+        {
+            return Err(unsupported(
+                "partial_rotary_factor",
+                &f.into(),
+                "RoPE rotates the whole head",
+            ));
         }
         Ok(())
     }
@@ -764,10 +771,9 @@ fn hf_rope(
     let number = |k: &str| -> Result<Option<f64>, ConfigError> {
         match dict.get(k).filter(|v| !v.is_null()) {
             None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| ConfigError::Json(format!("{} is {v}, expected a number", field(k)))),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| {
+                ConfigError::Json(format!("{} is {v}, expected a number", field(k)))
+            }),
         }
     };
     let required = |k: &str| number(k)?.ok_or_else(|| ConfigError::Missing(field(k)));
@@ -776,19 +782,18 @@ fn hf_rope(
         Some(t) => t,
         None => top.opt_f64("rope_theta")?.ok_or_else(|| {
             ConfigError::Missing(
-                "rope_theta (neither rope_parameters.rope_theta nor a top-level rope_theta)"
-                    .into(),
+                "rope_theta (neither rope_parameters.rope_theta nor a top-level rope_theta)".into(),
             )
         })?,
     };
-    if let Some(f) = number("partial_rotary_factor")? {
-        if f != 1.0 {
-            return Err(ConfigError::Unsupported {
-                field: field("partial_rotary_factor"),
-                value: f.to_string(),
-                why: "RoPE rotates the whole head".into(),
-            });
-        }
+    if let Some(f) = number("partial_rotary_factor")?
+        && f != 1.0
+    {
+        return Err(ConfigError::Unsupported {
+            field: field("partial_rotary_factor"),
+            value: f.to_string(),
+            why: "RoPE rotates the whole head".into(),
+        });
     }
     let rope_type = match dict.get("rope_type").or(dict.get("type")) {
         None | Some(Value::Null) => "default".to_owned(),
@@ -836,7 +841,10 @@ fn hf_rope(
             truncate: match dict.get("truncate") {
                 None | Some(Value::Null) => None,
                 Some(v) => Some(v.as_bool().ok_or_else(|| {
-                    ConfigError::Json(format!("{} is {v}, expected true or false", field("truncate")))
+                    ConfigError::Json(format!(
+                        "{} is {v}, expected true or false",
+                        field("truncate")
+                    ))
                 })?),
             },
         })),
@@ -960,7 +968,9 @@ mod tests {
     fn math_changing_fields_are_never_defaulted() {
         let e = error(&llama(serde_json::json!({})));
         assert!(e.contains("rope_theta") && e.contains("missing"), "{e}");
-        let e = error(&llama(serde_json::json!({"rope_parameters": {"rope_type": "default"}})));
+        let e = error(&llama(
+            serde_json::json!({"rope_parameters": {"rope_type": "default"}}),
+        ));
         assert!(e.contains("rope_theta"), "{e}");
         for field in ["rms_norm_eps", "hidden_act"] {
             let e = error(&llama(serde_json::json!({"rope_theta": 1e4, field: null})));
@@ -978,20 +988,32 @@ mod tests {
     fn settings_arl_does_not_implement_are_refused() {
         for (extra, field) in [
             (serde_json::json!({"hidden_act": "gelu"}), "hidden_act"),
-            (serde_json::json!({"attention_bias": true}), "attention_bias"),
+            (
+                serde_json::json!({"attention_bias": true}),
+                "attention_bias",
+            ),
             (serde_json::json!({"mlp_bias": true}), "mlp_bias"),
-            (serde_json::json!({"use_sliding_window": true}), "use_sliding_window"),
+            (
+                serde_json::json!({"use_sliding_window": true}),
+                "use_sliding_window",
+            ),
             (
                 serde_json::json!({"layer_types": ["full_attention", "sliding_attention"]}),
                 "layer_types",
             ),
-            (serde_json::json!({"partial_rotary_factor": 0.5}), "partial_rotary_factor"),
+            (
+                serde_json::json!({"partial_rotary_factor": 0.5}),
+                "partial_rotary_factor",
+            ),
             (serde_json::json!({"head_dim": 16}), "head_dim"),
         ] {
             let mut extra = extra;
             extra["rope_theta"] = 1e4.into();
             let e = error(&llama(extra));
-            assert!(e.contains(field) && e.contains("not supported"), "{field}: {e}");
+            assert!(
+                e.contains(field) && e.contains("not supported"),
+                "{field}: {e}"
+            );
         }
         // Settings that change nothing are read as transformers reads them.
         ModelConfig::from_hf_json(&llama(serde_json::json!({
@@ -1017,6 +1039,8 @@ mod tests {
         assert_eq!(yarn(serde_json::json!({"attention_factor": 0.7})), 0.7);
         let (m, all) = (0.707, 0.707);
         let want = (0.1 * m * 4f64.ln() + 1.0) / (0.1 * all * 4f64.ln() + 1.0);
-        assert!((yarn(serde_json::json!({"mscale": m, "mscale_all_dim": all})) - want).abs() < 1e-12);
+        assert!(
+            (yarn(serde_json::json!({"mscale": m, "mscale_all_dim": all})) - want).abs() < 1e-12
+        );
     }
 }

@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HubError {
-    #[error("{0}: no such file or directory (and not a Hugging Face Hub name such as Qwen/Qwen2.5-0.5B-Instruct)")]
+    #[error(
+        "{0}: no such file or directory (and not a Hugging Face Hub name such as Qwen/Qwen2.5-0.5B-Instruct)"
+    )]
     NotFound(String),
     #[error(
         "{name} is neither a path nor in the local Hugging Face cache: looked for {looked}; \
@@ -20,7 +22,11 @@ pub enum HubError {
 
 /// The Hub cache folder of this environment.
 pub fn hub_cache() -> PathBuf {
-    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let var = |name: &str| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     if let Some(dir) = var("HF_HUB_CACHE") {
         return dir;
     }
@@ -43,8 +49,7 @@ pub fn is_hub_name(name: &str) -> bool {
         !p.is_empty()
             && p.len() <= 96
             && !p.starts_with(['.', '-'])
-            && p
-                .chars()
+            && p.chars()
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
     };
     matches!(name.split_once('/'), Some((owner, repo)) if part(owner) && part(repo) && !repo.contains('/'))
@@ -97,10 +102,22 @@ mod tests {
 
     #[test]
     fn hub_names_are_told_from_paths() {
-        for name in ["Qwen/Qwen2.5-0.5B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"] {
+        for name in [
+            "Qwen/Qwen2.5-0.5B-Instruct",
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+        ] {
             assert!(is_hub_name(name), "{name}");
         }
-        for path in ["model.gguf", "/abs/dir", "./a/b", "a/b/c", "../x", "a/", "/a", "a b/c"] {
+        for path in [
+            "model.gguf",
+            "/abs/dir",
+            "./a/b",
+            "a/b/c",
+            "../x",
+            "a/",
+            "/a",
+            "a b/c",
+        ] {
             assert!(!is_hub_name(path), "{path}");
         }
     }

@@ -48,6 +48,17 @@ pub fn open_model(path: &Path) -> Result<Model, LoadError> {
     }
 }
 
+/// The tokenizer alone: a Hugging Face folder's tokenizer.json or a GGUF's vocabulary
+/// (paths and Hub names as [`open_model`]).
+pub fn open_tokenizer(path: &Path) -> Result<Tokenizer, LoadError> {
+    let path = &resolve_model_path(path)?;
+    if path.is_dir() {
+        Ok(Tokenizer::from_file(&path.join("tokenizer.json"))?)
+    } else {
+        Ok(Tokenizer::from_gguf(&GgufFile::open(path)?)?)
+    }
+}
+
 /// A Hugging Face folder's config.json and safetensors weights.
 pub fn open_hf_model(dir: &Path) -> Result<Model, LoadError> {
     let config_path = dir.join("config.json");

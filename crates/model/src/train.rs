@@ -12,9 +12,9 @@ use crate::ops::Cpu;
 use crate::weights::Weights;
 
 struct LayerActs<B: Backend> {
-    x_in: B::Buf,    // (N, C) residual stream entering the layer
-    rstd1: B::Buf,   // (N)
-    h1: B::Buf,      // (N, C)
+    x_in: B::Buf,  // (N, C) residual stream entering the layer
+    rstd1: B::Buf, // (N)
+    h1: B::Buf,    // (N, C)
     /// Qwen3: q and k before their per-head norm, and the norms' 1/rms.
     qk_norm: Option<QkNormActs<B>>,
     q: B::Buf,       // (N, Q) after RoPE (and its attention factor)
@@ -452,8 +452,22 @@ impl<B: Backend> Model<B> {
                 g.k_norm.as_mut(),
             ) {
                 let (mut dq_pre, mut dk_pre) = (be.zeros(n * qd), be.zeros(n * kv));
-                be.rmsnorm_backward(&mut dq_pre, &mut gqn.data, &dq, &a.q_pre, &qn.data, &a.rstd_q);
-                be.rmsnorm_backward(&mut dk_pre, &mut gkn.data, &dk, &a.k_pre, &kn.data, &a.rstd_k);
+                be.rmsnorm_backward(
+                    &mut dq_pre,
+                    &mut gqn.data,
+                    &dq,
+                    &a.q_pre,
+                    &qn.data,
+                    &a.rstd_q,
+                );
+                be.rmsnorm_backward(
+                    &mut dk_pre,
+                    &mut gkn.data,
+                    &dk,
+                    &a.k_pre,
+                    &kn.data,
+                    &a.rstd_k,
+                );
                 (dq, dk) = (dq_pre, dk_pre);
             }
             let mut d_h1 = be.zeros(n * c);

@@ -40,7 +40,7 @@ pub struct LayerWeights<S = Vec<f32>> {
     /// Qwen3's RMSNorm weights over each head's queries and keys, before RoPE.
     pub q_norm: Option<Tensor<S>>, // (hd)
     pub k_norm: Option<Tensor<S>>, // (hd)
-    pub wo: Tensor<S>,             // (C, Q)
+    pub wo: Tensor<S>,         // (C, Q)
     pub ffn_norm: Tensor<S>,   // (C)
     pub w_gate: Tensor<S>,     // (I, C)
     pub w_up: Tensor<S>,       // (I, C)

@@ -341,3 +341,44 @@ fn the_loader_refuses_crafted_files_with_errors() {
     }
     assert!(LoadedModel::open(Path::new("/no/such/model")).is_err());
 }
+
+/// GGUF metadata follows llama.cpp: a key it requires is required (the RMSNorm epsilon),
+/// a key it defaults gets its default (rope.freq_base 10,000), and a RoPE scaling ARL
+/// does not implement is refused by name.
+#[test]
+fn gguf_configs_default_only_what_llama_cpp_defaults() {
+    let gguf = |eps: Option<f32>, scaling: Option<&str>| {
+        let kvs = 7 + u64::from(eps.is_some()) + u64::from(scaling.is_some());
+        let mut g = Gguf::header(0, kvs);
+        g.string("general.architecture").u32(8).string("llama");
+        for (key, v) in [
+            ("llama.vocab_size", 64),
+            ("llama.embedding_length", 16),
+            ("llama.feed_forward_length", 32),
+            ("llama.block_count", 1),
+            ("llama.attention.head_count", 2),
+            ("llama.context_length", 128),
+        ] {
+            g.kv_u32(key, v);
+        }
+        if let Some(eps) = eps {
+            g.string("llama.attention.layer_norm_rms_epsilon")
+                .u32(6)
+                .bytes
+                .extend(eps.to_le_bytes());
+        }
+        if let Some(kind) = scaling {
+            g.string("llama.rope.scaling.type").u32(8).string(kind);
+        }
+        ModelConfig::from_gguf(&g.parse().unwrap())
+    };
+    let config = gguf(Some(1e-5), None).unwrap();
+    assert_eq!(config.rope_theta, 10_000.0);
+    assert_eq!(config.rope_scaling, None);
+    let e = gguf(None, None).unwrap_err().to_string();
+    assert!(e.contains("llama.attention.layer_norm_rms_epsilon"), "{e}");
+    let e = gguf(Some(1e-5), Some("llama3")).unwrap_err().to_string();
+    assert!(e.contains("llama.rope.scaling.factor"), "{e}");
+    let e = gguf(Some(1e-5), Some("yarn")).unwrap_err().to_string();
+    assert!(e.contains("rope.scaling.type") && e.contains("yarn"), "{e}");
+}

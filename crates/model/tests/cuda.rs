@@ -508,9 +508,19 @@ fn tiny_models_agree_in_logprobs_and_gradients() {
         return;
     };
     let sequences: [&[u32]; 3] = [&[1, 5, 9, 2, 33, 7, 7], &[3, 11, 18, 49, 0], &[4, 4]];
-    for architecture in [Architecture::Llama, Architecture::Qwen2] {
-        for head_dim in [4, 8] {
-            let config = tiny(architecture, head_dim);
+    // Qwen3: per-head q/k norms and a head size of its own (q 32 wide in a 20-wide model).
+    let qwen3 = ModelConfig {
+        hidden_size: 20,
+        tie_word_embeddings: false,
+        ..tiny(Architecture::Qwen3 { head_dim: 8 }, 8)
+    };
+    let configs = [Architecture::Llama, Architecture::Qwen2]
+        .into_iter()
+        .flat_map(|a| [tiny(a, 4), tiny(a, 8)])
+        .chain([qwen3]);
+    for config in configs {
+        {
+            let (architecture, head_dim) = (config.architecture, config.head_dim());
             let cpu = Model::new(config.clone(), Weights::random(&config, 3, 0.3));
             let on_gpu = cpu.to_backend(g.clone());
             let (lp_cpu, grads_cpu) = grpo_gradients(&cpu, &sequences, 2);

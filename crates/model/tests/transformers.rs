@@ -97,7 +97,10 @@ fn assert_close(what: &str, got: &[f64], want: &[f64]) {
         .zip(want)
         .map(|(g, w)| (g - w).abs())
         .fold(0.0, f64::max);
-    eprintln!("{what}: worst |Δ logprob| {worst:.2e} over {} tokens", got.len());
+    eprintln!(
+        "{what}: worst |Δ logprob| {worst:.2e} over {} tokens",
+        got.len()
+    );
     assert!(
         worst < TOLERANCE,
         "{what}: log-probabilities differ by {worst:.2e} (> {TOLERANCE:e})\n got {got:?}\nwant {want:?}"
@@ -249,6 +252,55 @@ fn checkpoints_written_by_arl_load_in_transformers_identically() {
     );
     let got: Vec<Vec<f64>> = serde_json::from_slice(&output.stdout).unwrap();
     for ((case, got), want) in cases.iter().zip(&got).zip(&wants) {
-        assert_close(&format!("{case} saved by ARL, run by transformers"), got, want);
+        assert_close(
+            &format!("{case} saved by ARL, run by transformers"),
+            got,
+            want,
+        );
     }
+}
+
+/// `make vllm`'s SmolLM2 folder, written by transformers 5 from the GGUF (same weights,
+/// dequantized): rope_theta 100,000 only inside rope_parameters, the chat template only
+/// in chat_template.jinja. It reads both, and scores tokens as the GGUF does — the
+/// loader that read only a top-level rope_theta ran it at 10,000 without a word.
+#[test]
+fn smollm2_folder_from_transformers_5_matches_its_gguf() {
+    use arl_model::load::LoadedModel;
+    let models = std::env::var_os("ARL_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| home().join(".cache/arl/models"));
+    let (hf, gguf) = (
+        models.join("SmolLM2-135M-Instruct-hf"),
+        models.join("SmolLM2-135M-Instruct.Q4_1.gguf"),
+    );
+    for path in [&hf, &gguf] {
+        assert!(
+            path.exists(),
+            "{} is missing: run `make models vllm`",
+            path.display()
+        );
+    }
+    let folder = LoadedModel::open(&hf).unwrap();
+    assert_eq!(folder.model.config.rope_theta, 100_000.0);
+    assert!(
+        folder
+            .chat_template_source
+            .as_deref()
+            .is_some_and(|t| t.contains("im_start")),
+        "chat_template.jinja was not read"
+    );
+    let file = arl_model::load::open_model(&gguf).unwrap();
+    assert_eq!(folder.model.config.rope_theta, file.config.rope_theta);
+    let tokens = folder
+        .tokenizer
+        .encode("The capital of France is Paris, and the capital of Italy is Rome.")
+        .unwrap();
+    let (_, a) = folder.model.forward_train(&[&tokens]);
+    let (_, b) = file.forward_train(&[&tokens]);
+    let (a, b): (Vec<f64>, Vec<f64>) = (
+        a[0].iter().map(|v| f64::from(*v)).collect(),
+        b[0].iter().map(|v| f64::from(*v)).collect(),
+    );
+    assert_close("SmolLM2 folder vs GGUF", &a, &b);
 }
