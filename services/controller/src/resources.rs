@@ -44,13 +44,19 @@ fn resolve_model(spec_path: &str, model_dir: &Path) -> Result<PathBuf, String> {
         return check_model_path(&path).map(|()| path);
     }
     let path = PathBuf::from(spec_path);
-    if !path.exists() {
-        let names: Vec<_> = MODEL_NAMES.iter().map(|(n, _)| *n).collect();
-        return Err(format!(
-            "no such file or directory: {spec_path}; give a GGUF file, a Hugging Face folder, \
-             or one of {names:?}"
-        ));
-    }
+    // A Hugging Face Hub name (`Qwen/Qwen2.5-0.5B-Instruct`) is the snapshot the local HF
+    // cache holds (offline): every service then reads the same folder.
+    let path = match arl_model::hub::resolve_model_path(&path) {
+        Ok(path) => path,
+        Err(arl_model::hub::HubError::NotFound(_)) => {
+            let names: Vec<_> = MODEL_NAMES.iter().map(|(n, _)| *n).collect();
+            return Err(format!(
+                "no such file or directory: {spec_path}; give a GGUF file, a Hugging Face \
+                 folder, a Hugging Face Hub name in the local cache, or one of {names:?}"
+            ));
+        }
+        Err(err) => return Err(err.to_string()),
+    };
     check_model_path(&path).map(|()| path)
 }
 
@@ -160,5 +166,18 @@ mod tests {
         let paths: Vec<_> = errors.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(paths, ["model.path", "data.dataset"]);
         assert!(errors[0].reason.contains("not a GGUF file"));
+    }
+
+    /// A Hub name is looked up in the local Hugging Face cache; one that is not there is
+    /// refused with where it was looked for, not as a missing file.
+    #[test]
+    fn a_hub_name_not_in_the_cache_is_refused_saying_where_it_looked() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = resolve_model("arl-test-owner/not-downloaded-model", dir.path()).unwrap_err();
+        assert!(
+            err.contains("local Hugging Face cache")
+                && err.contains("models--arl-test-owner--not-downloaded-model"),
+            "{err}"
+        );
     }
 }
