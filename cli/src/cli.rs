@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use arl_schemas::spec_layers::Override;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
@@ -166,10 +167,21 @@ pub enum ModelCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum RunCommand {
-    /// Validate a run spec (TOML or JSON) and submit it; prints the run id.
+    /// Validate a run spec (TOML or JSON) and submit it; prints the run id. Keys may be
+    /// ARL's or VeRL's (README lists the aliases).
     Submit {
-        /// The run spec file.
-        spec: PathBuf,
+        /// The run spec file; without it the spec starts from every key's default.
+        spec: Option<PathBuf>,
+        /// Set one key after the file, like a Hydra override: a dotted key (ARL's or
+        /// VeRL's) and a TOML value (bare words are strings). Repeatable; a later one wins.
+        #[arg(long = "set", value_name = "KEY=VALUE", value_parser = parse_override)]
+        overrides: Vec<Override>,
+        /// Refuse VeRL keys that mean nothing in ARL instead of warning about them.
+        #[arg(long)]
+        strict: bool,
+        /// Print the spec that would be submitted (JSON) and submit nothing.
+        #[arg(long)]
+        dry_run: bool,
         /// Skip the checks that the model and dataset exist on this machine (when the
         /// controller runs elsewhere and sees other files).
         #[arg(long)]
@@ -204,4 +216,10 @@ pub enum RunCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// Reads one `--set KEY=VALUE`.
+fn parse_override(text: &str) -> Result<Override, String> {
+    text.parse()
+        .map_err(|e: arl_schemas::FieldError| e.to_string())
 }

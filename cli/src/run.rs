@@ -1,7 +1,7 @@
 //! `arl run …`: submit a spec, read and follow a run's state from the controller's bucket.
 
 use std::io::IsTerminal;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -10,7 +10,9 @@ use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics};
 use arl_schemas::events::RunRequestedV1;
 use arl_schemas::spec::RunSpec;
+use arl_schemas::spec_layers::{self, Layered, Override};
 use arl_schemas::state::{RunStateV1, RunStatus};
+use arl_schemas::verl::IgnoredKey;
 use arl_schemas::{Bucket, FieldError, Namespace, RunId};
 use async_nats::jetstream::kv;
 use futures::StreamExt;
@@ -68,9 +70,22 @@ pub async fn execute(args: &BusArgs, command: RunCommand) -> Result<ExitCode, Cl
     match command {
         RunCommand::Submit {
             spec,
+            overrides,
+            strict,
+            dry_run,
             skip_resource_check,
             wait,
-        } => submit(args, &spec, skip_resource_check, wait).await,
+        } => {
+            let request = Submit {
+                spec,
+                overrides,
+                strict,
+                check_resources: !skip_resource_check,
+                dry_run,
+                wait,
+            };
+            submit(args, request).await
+        }
         RunCommand::Status { run_id, json } => status(args, &run_id, json).await,
         RunCommand::Watch { run_id, timeout_s } => watch(args, &run_id, timeout_s).await,
         RunCommand::List { json } => list_runs(args, json).await,
@@ -89,27 +104,35 @@ async fn connect(args: &BusArgs) -> Result<Bus, CliError> {
     Ok(bus)
 }
 
-/// Reads, decodes and checks a spec file; relative paths become relative to its folder.
-pub fn load_spec(path: &Path, check_resources: bool) -> Result<RunSpec, CliError> {
-    let shown = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|err| CliError::Unreadable {
-        path: shown.clone(),
-        reason: err.to_string(),
-    })?;
-    let is_json = path.extension().is_some_and(|e| e == "json");
-    let parsed = if is_json {
-        serde_json::from_str(&text)
-            .map_err(|err| vec![FieldError::new("", format!("not valid JSON: {err}"))])
-            .and_then(RunSpec::from_json_value)
-    } else {
-        RunSpec::from_toml(&text)
-    };
-    let mut spec = parsed.map_err(|errors| CliError::InvalidSpec {
+/// Builds and checks the spec to submit: the file (if any), then the `--set` overrides.
+/// Relative paths are resolved against the file's folder, or the current folder without a
+/// file. Returns the VeRL keys that were left out as meaningless here (an error when
+/// `strict`).
+pub fn load_spec(
+    path: Option<&Path>,
+    overrides: &[Override],
+    strict: bool,
+    check_resources: bool,
+) -> Result<(RunSpec, Vec<IgnoredKey>), CliError> {
+    let shown = path.map_or("--set".into(), |p| p.display().to_string());
+    let invalid = |errors| CliError::InvalidSpec {
         path: shown.clone(),
         errors,
-    })?;
+    };
+    let document = match path {
+        Some(path) => read_document(path)?,
+        None => serde_json::Value::Object(Default::default()),
+    };
+    let Layered { mut spec, ignored } = spec_layers::build(document, overrides).map_err(invalid)?;
+    if strict && !ignored.is_empty() {
+        let errors = ignored
+            .iter()
+            .map(|k| FieldError::new(&k.path, format!("means nothing in ARL ({})", k.why)))
+            .collect();
+        return Err(invalid(errors));
+    }
     let base = path
-        .parent()
+        .and_then(Path::parent)
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     let base = std::fs::canonicalize(base).unwrap_or_else(|_| base.to_path_buf());
@@ -122,21 +145,54 @@ pub fn load_spec(path: &Path, check_resources: bool) -> Result<RunSpec, CliError
         errors.extend(resource_errors);
     }
     if !errors.is_empty() {
-        return Err(CliError::InvalidSpec {
-            path: shown,
-            errors,
-        });
+        return Err(invalid(errors));
     }
-    Ok(spec)
+    Ok((spec, ignored))
 }
 
-async fn submit(
-    args: &BusArgs,
-    path: &Path,
-    skip_resource_check: bool,
-    wait: bool,
-) -> Result<ExitCode, CliError> {
-    let spec = load_spec(path, !skip_resource_check)?;
+/// A spec file's keys as a document: JSON by its extension, TOML otherwise.
+fn read_document(path: &Path) -> Result<serde_json::Value, CliError> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|err| CliError::Unreadable {
+        path: shown.clone(),
+        reason: err.to_string(),
+    })?;
+    let parsed = if path.extension().is_some_and(|e| e == "json") {
+        serde_json::from_str(&text)
+            .map_err(|err| FieldError::new("", format!("not valid JSON: {err}")))
+    } else {
+        spec_layers::toml_document(&text)
+    };
+    parsed.map_err(|error| CliError::InvalidSpec {
+        path: shown,
+        errors: vec![error],
+    })
+}
+
+async fn submit(args: &BusArgs, submit: Submit) -> Result<ExitCode, CliError> {
+    let (spec, ignored) = load_spec(
+        submit.spec.as_deref(),
+        &submit.overrides,
+        submit.strict,
+        submit.check_resources,
+    )?;
+    if !ignored.is_empty() {
+        eprintln!(
+            "warning: these VeRL keys mean nothing in ARL and were left out (--strict refuses them):\n{}",
+            ignored
+                .iter()
+                .map(|k| format!("  - {k}"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+    if submit.dry_run {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&spec).unwrap_or_default()
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
     let bus = connect(args).await?;
     // Idempotent; lets a first submit work before any service has started.
     bus.provision().await?;
@@ -148,7 +204,7 @@ async fn submit(
     };
     bus.publish(&request).await?;
     println!("{}", request.run_id);
-    if !wait {
+    if !submit.wait {
         return Ok(ExitCode::SUCCESS);
     }
     // The controller writes the state only once it has decided.
@@ -159,6 +215,16 @@ async fn submit(
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// What `arl run submit` was asked, past the bus arguments.
+struct Submit {
+    spec: Option<PathBuf>,
+    overrides: Vec<Override>,
+    strict: bool,
+    check_resources: bool,
+    dry_run: bool,
+    wait: bool,
 }
 
 fn submitter() -> String {

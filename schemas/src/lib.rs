@@ -13,7 +13,9 @@ pub mod namespace;
 pub mod permissions;
 pub mod rpc;
 pub mod spec;
+pub mod spec_layers;
 pub mod state;
+pub mod verl;
 
 pub use event::{DecodeError, Event, FieldError};
 pub use ids::{IdError, LeaseId, RunId, TaskId, TrialId};

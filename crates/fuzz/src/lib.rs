@@ -85,13 +85,17 @@ pub fn safetensors(data: &[u8]) {
     }
 }
 
-/// A run spec as `arl run submit` reads it: TOML, then the range and cross-field rules.
+/// A run spec as `arl run submit` reads it: TOML layered with VeRL's aliases, then the
+/// range and cross-field rules.
 pub fn run_spec_toml(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    if let Ok(spec) = RunSpec::from_toml(text) {
-        let _ = spec.check();
+    let Ok(document) = arl_schemas::spec_layers::toml_document(text) else {
+        return;
+    };
+    if let Ok(layered) = arl_schemas::spec_layers::build(document, &[]) {
+        let _ = layered.spec.check();
     }
 }
 
