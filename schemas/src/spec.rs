@@ -610,13 +610,28 @@ impl RunSpec {
         if Path::new(&self.data.dataset).is_relative() {
             self.data.dataset = base.join(&self.data.dataset).to_string_lossy().into_owned();
         }
-        // A known name (`smollm2-135m-instruct`) names an installed model, not a path.
+        // A known name (`smollm2-135m-instruct`) names an installed model, not a path; so
+        // does a Hugging Face Hub name (`Qwen/Qwen2.5-0.5B-Instruct`) that is not a folder
+        // beside the spec (the controller finds it in the local HF cache).
         let model = Path::new(&self.model.path);
-        let is_model_name = MODEL_NAMES.iter().any(|(name, _)| *name == self.model.path);
+        let is_model_name = MODEL_NAMES.iter().any(|(name, _)| *name == self.model.path)
+            || (looks_like_hub_name(&self.model.path) && !base.join(model).exists());
         if !is_model_name && model.is_relative() {
             self.model.path = base.join(model).to_string_lossy().into_owned();
         }
     }
+}
+
+/// `owner/name`, as Hugging Face Hub repositories are named (`arl_model::hub` resolves
+/// them; this is only the shape, for telling a name from a relative path).
+fn looks_like_hub_name(name: &str) -> bool {
+    let part = |p: &str| {
+        !p.is_empty()
+            && !p.starts_with(['.', '-'])
+            && p.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    };
+    matches!(name.split_once('/'), Some((owner, repo)) if part(owner) && part(repo))
 }
 
 fn path_error<E: std::fmt::Display>(err: serde_path_to_error::Error<E>) -> FieldError {
@@ -709,5 +724,17 @@ mod tests {
         spec.model.path = "smollm2-135m-instruct".into();
         spec.resolve_relative_paths(Path::new("/srv/specs"));
         assert_eq!(spec.model.path, "smollm2-135m-instruct");
+        // A Hub name stays a name unless such a folder is beside the spec.
+        spec.model.path = "Qwen/Qwen2.5-0.5B-Instruct".into();
+        spec.resolve_relative_paths(Path::new("/srv/specs"));
+        assert_eq!(spec.model.path, "Qwen/Qwen2.5-0.5B-Instruct");
+        let dir = std::env::temp_dir().join(format!("arl-spec-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("Qwen/Qwen2.5-0.5B-Instruct")).unwrap();
+        spec.resolve_relative_paths(&dir);
+        assert_eq!(
+            spec.model.path,
+            dir.join("Qwen/Qwen2.5-0.5B-Instruct").to_string_lossy()
+        );
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }

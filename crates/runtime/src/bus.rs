@@ -14,8 +14,8 @@ use bytes::Bytes;
 use tokio::io::AsyncReadExt;
 
 use crate::headers;
-use crate::run_watch::RunWatch;
 use crate::metrics::{EventTypeLabel, Metrics};
+use crate::run_watch::RunWatch;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BusError {
@@ -677,10 +677,13 @@ impl Bus {
         let mut subscription = watch.subscribe(run.as_str());
         // The state before the subscription: read once, after subscribing, so that no
         // update falls between the two.
-        let entry = kv.entry(run.as_str()).await.map_err(|e| BusError::KeyValue {
-            bucket: self.namespace.bucket(bucket),
-            reason: format!("run {run}: {e}"),
-        })?;
+        let entry = kv
+            .entry(run.as_str())
+            .await
+            .map_err(|e| BusError::KeyValue {
+                bucket: self.namespace.bucket(bucket),
+                reason: format!("run {run}: {e}"),
+            })?;
         if let Some(entry) = entry {
             watch.apply(&entry);
         }
@@ -701,7 +704,9 @@ impl Bus {
     /// How many runs this process's tasks are waiting on ([`Bus::await_run_state`]); for
     /// tests that check waits leave nothing behind.
     pub fn awaited_runs(&self) -> usize {
-        self.run_watch.get().map_or(0, |watch| watch.awaited_count())
+        self.run_watch
+            .get()
+            .map_or(0, |watch| watch.awaited_count())
     }
 
     /// A registered dataset (`ARL_DATASETS`) by digest, if there is one (read once per

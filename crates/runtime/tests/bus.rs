@@ -672,17 +672,32 @@ async fn thousands_of_waits_on_run_states_share_one_watch() {
     let ns = test_namespace();
     let bus = connect(&server, &ns).await;
     let kv = bus.bucket(arl_schemas::Bucket::RunState).await.unwrap();
-    let (ahead, behind) = (RunId::new("run-ahead").unwrap(), RunId::new("run-behind").unwrap());
-    kv.put(ahead.as_str(), run_state(&ahead, 0).encode().unwrap().into())
-        .await
-        .unwrap();
+    let (ahead, behind) = (
+        RunId::new("run-ahead").unwrap(),
+        RunId::new("run-behind").unwrap(),
+    );
+    kv.put(
+        ahead.as_str(),
+        run_state(&ahead, 0).encode().unwrap().into(),
+    )
+    .await
+    .unwrap();
     let mut waits = tokio::task::JoinSet::new();
     for i in 0..1_500u64 {
-        let (bus, run) = (bus.clone(), if i % 3 == 0 { behind.clone() } else { ahead.clone() });
+        let (bus, run) = (
+            bus.clone(),
+            if i % 3 == 0 {
+                behind.clone()
+            } else {
+                ahead.clone()
+            },
+        );
         let needed = 1 + i % 2;
         waits.spawn(async move {
             let state = bus
-                .await_run_state(&run, Duration::from_secs(60), |s| s.policy_version >= needed)
+                .await_run_state(&run, Duration::from_secs(60), |s| {
+                    s.policy_version >= needed
+                })
                 .await
                 .unwrap();
             (needed, state.map(|s| s.policy_version))
@@ -695,9 +710,12 @@ async fn thousands_of_waits_on_run_states_share_one_watch() {
     let state_stream = ns.bucket(arl_schemas::Bucket::RunState);
     assert_eq!(consumers_on(&bus, &format!("KV_{state_stream}")).await, 1);
     // The run not yet in the bucket appears, then both move to version 2 by way of 1.
-    kv.put(behind.as_str(), run_state(&behind, 1).encode().unwrap().into())
-        .await
-        .unwrap();
+    kv.put(
+        behind.as_str(),
+        run_state(&behind, 1).encode().unwrap().into(),
+    )
+    .await
+    .unwrap();
     for run in [&ahead, &behind] {
         kv.put(run.as_str(), run_state(run, 2).encode().unwrap().into())
             .await
@@ -706,14 +724,19 @@ async fn thousands_of_waits_on_run_states_share_one_watch() {
     let mut released = 0;
     while let Some(joined) = waits.join_next().await {
         let (needed, version) = joined.unwrap();
-        assert!(version.is_some_and(|v| v >= needed), "{needed}: {version:?}");
+        assert!(
+            version.is_some_and(|v| v >= needed),
+            "{needed}: {version:?}"
+        );
         released += 1;
     }
     assert_eq!(released, 1_500);
     assert_eq!(bus.awaited_runs(), 0);
     // A limit that passes returns the latest state seen, short of the wait's condition.
     let latest = bus
-        .await_run_state(&ahead, Duration::from_millis(300), |s| s.policy_version >= 9)
+        .await_run_state(&ahead, Duration::from_millis(300), |s| {
+            s.policy_version >= 9
+        })
         .await
         .unwrap();
     assert_eq!(latest.map(|s| s.policy_version), Some(2));
@@ -734,13 +757,17 @@ async fn replays_leave_no_consumers_behind() {
     let bus = connect(&server, &ns).await;
     let run = RunId::new("run-replayed").unwrap();
     for sequence in 1..=3 {
-        bus.publish(&progress(run.as_str(), sequence)).await.unwrap();
+        bus.publish(&progress(run.as_str(), sequence))
+            .await
+            .unwrap();
     }
     let subject = ns.event_subject(Domain::Run, &run, "progress");
     for _ in 0..1_200 {
-        let events: Vec<RunProgressV1> =
-            bus.replay(Domain::Run, subject.clone()).await.unwrap();
-        assert_eq!(events.iter().map(|e| e.sequence).collect::<Vec<_>>(), [1, 2, 3]);
+        let events: Vec<RunProgressV1> = bus.replay(Domain::Run, subject.clone()).await.unwrap();
+        assert_eq!(
+            events.iter().map(|e| e.sequence).collect::<Vec<_>>(),
+            [1, 2, 3]
+        );
     }
     let empty: Vec<RunProgressV1> = bus
         .replay(Domain::Run, ns.event_subject(Domain::Run, &run, "failed"))

@@ -79,11 +79,7 @@ impl<B: Backend> WarmPools<B> {
         }
     }
 
-    fn pool(
-        &self,
-        name: &str,
-        environment: &B::Environment,
-    ) -> Result<WarmPool<B>, BackendError> {
+    fn pool(&self, name: &str, environment: &B::Environment) -> Result<WarmPool<B>, BackendError> {
         let mut pools = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(pool) = pools.get(name) {
             return Ok(pool.clone());

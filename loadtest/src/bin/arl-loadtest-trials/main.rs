@@ -289,12 +289,9 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
         .await?;
         scenarios.push(session.scenario("sandboxed", 0, harbor, 0).await?);
         let trials = (args.sandbox_tasks * args.sandbox_samples) as usize;
-        println!(
-            "sandbox baseline: the sandbox work of {trials} trials, {GRADES_AT_ONCE} at once"
-        );
+        println!("sandbox baseline: the sandbox work of {trials} trials, {GRADES_AT_ONCE} at once");
         lease_baseline = Some(
-            sandboxed::sandbox_work_rate(&bus, args.sandbox_tasks, trials, GRADES_AT_ONCE)
-                .await?,
+            sandboxed::sandbox_work_rate(&bus, args.sandbox_tasks, trials, GRADES_AT_ONCE).await?,
         );
     }
     if args.soak_seconds > 0 {

@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use arl_runtime::Bus;
+use arl_sandbox_client::SandboxClient;
 use arl_schemas::RunId;
 use arl_schemas::events::EnvironmentRef;
-use arl_sandbox_client::SandboxClient;
 use arl_schemas::rpc::{ExecRequest, LeaseRequestV1, SandboxLimits};
 use futures::StreamExt;
 
