@@ -623,7 +623,8 @@ impl RunSpec {
 }
 
 /// `owner/name`, as Hugging Face Hub repositories are named (`arl_model::hub` resolves
-/// them; this is only the shape, for telling a name from a relative path).
+/// them; this is only the shape, for telling a name from a relative path: a relative
+/// `models/m.gguf` stays a path).
 fn looks_like_hub_name(name: &str) -> bool {
     let part = |p: &str| {
         !p.is_empty()
@@ -631,7 +632,9 @@ fn looks_like_hub_name(name: &str) -> bool {
             && p.chars()
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
     };
-    matches!(name.split_once('/'), Some((owner, repo)) if part(owner) && part(repo))
+    // A model file is a GGUF file; a Hub repository is a folder, never named `*.gguf`.
+    let is_file = name.ends_with(".gguf");
+    !is_file && matches!(name.split_once('/'), Some((owner, repo)) if part(owner) && part(repo))
 }
 
 fn path_error<E: std::fmt::Display>(err: serde_path_to_error::Error<E>) -> FieldError {
