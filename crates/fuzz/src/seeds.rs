@@ -100,6 +100,12 @@ impl Writer {
         self.u32(value);
     }
 
+    fn key_f32(&mut self, key: &str, value: f32) {
+        self.string(key);
+        self.u32(6);
+        self.bytes.extend(value.to_le_bytes());
+    }
+
     fn key_strings(&mut self, key: &str, values: &[&str]) {
         self.string(key);
         self.u32(9);
@@ -120,7 +126,7 @@ pub fn gguf() -> Vec<Vec<u8>> {
     w.u32(3);
     let params = parameters();
     w.u64(params.len() as u64);
-    w.u64(11);
+    w.u64(12);
     w.key_string("general.architecture", "llama");
     w.key_u32("general.alignment", 32);
     w.key_u32("llama.embedding_length", 16);
@@ -129,6 +135,8 @@ pub fn gguf() -> Vec<Vec<u8>> {
     w.key_u32("llama.attention.head_count", 2);
     w.key_u32("llama.attention.head_count_kv", 1);
     w.key_u32("llama.context_length", 128);
+    // Required, as llama.cpp requires it (no default: it changes the math).
+    w.key_f32("llama.attention.layer_norm_rms_epsilon", 1e-5);
     w.key_string("tokenizer.ggml.model", "gpt2");
     w.key_strings("tokenizer.ggml.tokens", &tokens);
     w.key_strings("tokenizer.ggml.merges", &["a b"]);
