@@ -5,11 +5,17 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn arl(args: &[&str], stdin: Option<&str>) -> Output {
+    arl_with_env(args, stdin, &[])
+}
+
+/// `arl ARGS…` with `env` set on top of this process's environment.
+fn arl_with_env(args: &[&str], stdin: Option<&str>, env: &[(&str, &Path)]) -> Output {
     let exe = std::env::current_exe().unwrap();
     let binary: PathBuf = exe.parent().and_then(Path::parent).unwrap().join("arl");
     assert!(binary.exists(), "run `cargo build --bins` first");
     let mut child = Command::new(binary)
         .args(args)
+        .envs(env.iter().copied())
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -128,24 +134,11 @@ fn logprobs_need_no_tokenizer_and_hub_names_resolve_from_the_local_cache() {
     let (_, want) = model.forward_train(&[&tokens]);
     let input = serde_json::to_string(&tokens).unwrap();
     let run = |model: &str, hub_cache: &Path| {
-        let exe = std::env::current_exe().unwrap();
-        let binary: PathBuf = exe.parent().and_then(Path::parent).unwrap().join("arl");
-        let mut child = Command::new(binary)
-            .args(["model", "logprobs", model, "--tokens", "-"])
-            .env("HF_HUB_CACHE", hub_cache)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        use std::io::Write;
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
-        child.wait_with_output().unwrap()
+        arl_with_env(
+            &["model", "logprobs", model, "--tokens", "-"],
+            Some(&input),
+            &[("HF_HUB_CACHE", hub_cache)],
+        )
     };
     for name in [dir.to_str().unwrap(), "arl-test/tiny-qwen3"] {
         let out = run(name, cache.path());
