@@ -190,6 +190,34 @@ pub enum RunCommand {
         #[arg(long)]
         wait: bool,
     },
+    /// Stop a run: no new trials start, trials in flight stop and give their sandboxes
+    /// back, and the run ends `cancelled`.
+    Cancel {
+        run_id: String,
+        /// Why, for the run's record.
+        #[arg(long, default_value = "")]
+        reason: String,
+        /// Wait until the controller has ended the run.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Start a new run from a checkpoint of RUN: its weights and optimizer state after
+    /// step N, its spec (changed by any `--set`), and steps N+1 onwards with the batches
+    /// and learning rates RUN would have had. Prints the new run's id.
+    Resume {
+        run_id: String,
+        /// The checkpoint: `step-N` (a step RUN saved with optimizer state: every
+        /// trainer.save_every steps).
+        #[arg(long = "from", value_name = "step-N", value_parser = parse_step)]
+        from: u32,
+        /// Change a key of RUN's spec, as `arl run submit --set` (e.g.
+        /// `trainer.total_steps=12` to train longer, `optim.lr=1e-5`).
+        #[arg(long = "set", value_name = "KEY=VALUE", value_parser = parse_override)]
+        overrides: Vec<Override>,
+        /// Wait until the controller has accepted or rejected the new run.
+        #[arg(long)]
+        wait: bool,
+    },
     /// Show a run's state.
     Status {
         run_id: String,
@@ -216,6 +244,18 @@ pub enum RunCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// Reads `step-N` (or a bare `N`).
+fn parse_step(text: &str) -> Result<u32, String> {
+    let digits = text.strip_prefix("step-").unwrap_or(text);
+    digits
+        .parse::<u32>()
+        .ok()
+        .filter(|n| *n > 0)
+        .ok_or_else(|| {
+            format!("expected step-N with N ≥ 1 (as `arl run status` lists steps), got {text:?}")
+        })
 }
 
 /// Reads one `--set KEY=VALUE`.

@@ -8,8 +8,8 @@ use std::time::Duration;
 use arl_runtime::args::default_model_dir;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics};
-use arl_schemas::events::RunRequestedV1;
-use arl_schemas::spec::RunSpec;
+use arl_schemas::events::{RunCancelRequestedV1, RunRequestedV1};
+use arl_schemas::spec::{ResumeFrom, RunSpec};
 use arl_schemas::spec_layers::{self, Layered, Override};
 use arl_schemas::state::{RunStateV1, RunStatus};
 use arl_schemas::verl::IgnoredKey;
@@ -39,6 +39,9 @@ pub enum CliError {
     Missing(String),
     #[error("gave up waiting for run {0}")]
     TimedOut(String),
+    /// The run already ended: there is nothing to cancel (exit 1).
+    #[error("{0}")]
+    Ended(String),
 }
 
 impl CliError {
@@ -48,6 +51,7 @@ impl CliError {
             CliError::Bus(_) => 3,
             CliError::NotFound(_) | CliError::Missing(_) => 4,
             CliError::TimedOut(_) => 5,
+            CliError::Ended(_) => 1,
         })
     }
 }
@@ -86,6 +90,17 @@ pub async fn execute(args: &BusArgs, command: RunCommand) -> Result<ExitCode, Cl
             };
             submit(args, request).await
         }
+        RunCommand::Cancel {
+            run_id,
+            reason,
+            wait,
+        } => cancel(args, &run_id, reason, wait).await,
+        RunCommand::Resume {
+            run_id,
+            from,
+            overrides,
+            wait,
+        } => resume(args, &run_id, from, &overrides, wait).await,
         RunCommand::Status { run_id, json } => status(args, &run_id, json).await,
         RunCommand::Watch { run_id, timeout_s } => watch(args, &run_id, timeout_s).await,
         RunCommand::List { json } => list_runs(args, json).await,
@@ -202,19 +217,136 @@ async fn submit(args: &BusArgs, submit: Submit) -> Result<ExitCode, CliError> {
         submitted_at: chrono::Utc::now(),
         submitted_by: submitter(),
     };
+    request_run(&bus, request, submit.wait).await
+}
+
+/// Publishes the request and, with `wait`, follows it until the controller decides;
+/// exits 1 if it was rejected.
+async fn request_run(bus: &Bus, request: RunRequestedV1, wait: bool) -> Result<ExitCode, CliError> {
     bus.publish(&request).await?;
     println!("{}", request.run_id);
-    if !submit.wait {
+    if !wait {
         return Ok(ExitCode::SUCCESS);
     }
     // The controller writes the state only once it has decided.
-    let state = follow(&bus, &request.run_id, Duration::from_secs(120), |_| true).await?;
+    let state = follow(bus, &request.run_id, Duration::from_secs(120), |_| true).await?;
     eprintln!("{}", render_status(&state));
     Ok(if state.status == RunStatus::Rejected {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
     })
+}
+
+async fn cancel(
+    args: &BusArgs,
+    run_id: &str,
+    reason: String,
+    wait: bool,
+) -> Result<ExitCode, CliError> {
+    let run_id = parse_run_id(run_id)?;
+    let bus = connect(args).await?;
+    let state = read_state(&bus, &run_id)
+        .await?
+        .ok_or_else(|| CliError::NotFound(run_id.to_string()))?;
+    if state.status.is_terminal() {
+        return Err(CliError::Ended(format!(
+            "run {run_id} already ended ({}); there is nothing to cancel",
+            state.status.as_str()
+        )));
+    }
+    bus.publish(&RunCancelRequestedV1 {
+        run_id: run_id.clone(),
+        requested_at: chrono::Utc::now(),
+        requested_by: submitter(),
+        reason,
+    })
+    .await?;
+    eprintln!("cancel requested for run {run_id}");
+    if !wait {
+        return Ok(ExitCode::SUCCESS);
+    }
+    let state = follow(&bus, &run_id, Duration::from_secs(120), |s| {
+        s.status.is_terminal()
+    })
+    .await?;
+    eprintln!("{}", render_status(&state));
+    Ok(if state.status == RunStatus::Cancelled {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+async fn resume(
+    args: &BusArgs,
+    run_id: &str,
+    from: u32,
+    overrides: &[Override],
+    wait: bool,
+) -> Result<ExitCode, CliError> {
+    let source_id = parse_run_id(run_id)?;
+    let bus = connect(args).await?;
+    let source = read_state(&bus, &source_id)
+        .await?
+        .ok_or_else(|| CliError::NotFound(source_id.to_string()))?;
+    let spec = resumed_spec(&source, from, overrides)?;
+    let request = RunRequestedV1 {
+        run_id: RunId::generate(),
+        spec,
+        submitted_at: chrono::Utc::now(),
+        submitted_by: submitter(),
+    };
+    eprintln!("resuming run {source_id} from step-{from} as a new run");
+    request_run(&bus, request, wait).await
+}
+
+/// The spec of a run resumed from `source`'s checkpoint after step `from`: the source's
+/// spec, then `overrides`, then `trainer.resume_from`. Refused when `from` is not a
+/// checkpoint the source saved.
+fn resumed_spec(
+    source: &RunStateV1,
+    from: u32,
+    overrides: &[Override],
+) -> Result<RunSpec, CliError> {
+    let run_id = &source.run_id;
+    let spec = source.spec.as_ref().ok_or_else(|| {
+        CliError::Missing(format!(
+            "run {run_id} has no spec (its request could not be read), so it cannot be resumed"
+        ))
+    })?;
+    let saved_every = spec.trainer.save_every.max(1);
+    let is_checkpoint = from.is_multiple_of(saved_every) || from == spec.trainer.total_steps;
+    if from > source.step || !is_checkpoint {
+        let checkpoints: Vec<String> = (1..=source.step)
+            .filter(|s| s.is_multiple_of(saved_every) || *s == spec.trainer.total_steps)
+            .map(|s| format!("step-{s}"))
+            .collect();
+        return Err(CliError::Usage(format!(
+            "run {run_id} has no checkpoint step-{from}: it committed {} steps and saves one              every {saved_every} (trainer.save_every); its checkpoints: {}",
+            source.step,
+            if checkpoints.is_empty() {
+                "none".to_owned()
+            } else {
+                checkpoints.join(", ")
+            }
+        )));
+    }
+    let document = serde_json::to_value(spec).map_err(|e| CliError::Usage(e.to_string()))?;
+    let invalid = |errors| CliError::InvalidSpec {
+        path: format!("run {run_id}'s spec"),
+        errors,
+    };
+    let Layered { mut spec, .. } = spec_layers::build(document, overrides).map_err(invalid)?;
+    spec.trainer.resume_from = Some(ResumeFrom {
+        run_id: run_id.clone(),
+        step: from,
+    });
+    let errors = spec.check();
+    if !errors.is_empty() {
+        return Err(invalid(errors));
+    }
+    Ok(spec)
 }
 
 /// What `arl run submit` was asked, past the bus arguments.
@@ -276,7 +408,7 @@ async fn status(args: &BusArgs, run_id: &str, json: bool) -> Result<ExitCode, Cl
 
 fn exit_for(state: &RunStateV1) -> ExitCode {
     match state.status {
-        RunStatus::Rejected | RunStatus::Failed => ExitCode::from(1),
+        RunStatus::Rejected | RunStatus::Failed | RunStatus::Cancelled => ExitCode::from(1),
         _ => ExitCode::SUCCESS,
     }
 }
@@ -441,6 +573,16 @@ pub fn render_status(state: &RunStateV1) -> String {
             state.submitted_by
         ),
     ];
+    if let Some(from) = state
+        .spec
+        .as_ref()
+        .and_then(|s| s.trainer.resume_from.as_ref())
+    {
+        out.push(format!(
+            "resumed     from run {} step-{}",
+            from.run_id, from.step
+        ));
+    }
     if let Some(model) = &state.model_path {
         out.push(format!("model       {model}"));
     }
@@ -454,7 +596,12 @@ pub fn render_status(state: &RunStateV1) -> String {
         out.push(format!("checkpoint  {uri}"));
     }
     if let Some(reason) = &state.failure_reason {
-        out.push(format!("failure     {reason}"));
+        let label = if state.status == RunStatus::Cancelled {
+            "cancelled  "
+        } else {
+            "failure    "
+        };
+        out.push(format!("{label} {reason}"));
     }
     if !state.errors.is_empty() {
         out.push("errors:".into());

@@ -42,6 +42,8 @@ pub fn all_events() -> Vec<EventEntry> {
         entry::<events::RunProgressV1>(),
         entry::<events::RunCompletedV1>(),
         entry::<events::RunFailedV1>(),
+        entry::<events::RunCancelRequestedV1>(),
+        entry::<events::RunCancelledV1>(),
         entry::<events::TaskBatchV1>(),
         entry::<events::DatasetRegisteredV1>(),
         entry::<events::ImageReadyV1>(),

@@ -160,7 +160,14 @@ impl Namespace {
                 for domain in Domain::ALL {
                     p.publish(format!("$JS.API.STREAM.UPDATE.{}", stream(domain)));
                 }
-                for name in ["accepted", "rejected", "progress", "completed", "failed"] {
+                for name in [
+                    "accepted",
+                    "rejected",
+                    "progress",
+                    "completed",
+                    "failed",
+                    "cancelled",
+                ] {
                     p.publish(event(Domain::Run, name));
                 }
                 for domain in [
@@ -249,6 +256,8 @@ impl Namespace {
                 p.publish(event(Domain::Run, "failed"));
                 // Trajectories, and each step's own task.batch (how many it needs).
                 p.consume(&stream(Domain::Trajectory));
+                // run.accepted: a resumed run is opened (and its checkpoint published) at once.
+                p.consume(&stream(Domain::Run));
                 p.consume(&stream(Domain::Task));
                 write_kv(&mut p, Bucket::Trainers);
                 read_kv(&mut p, Bucket::Trials);
@@ -271,6 +280,7 @@ impl Namespace {
             }
             Role::Cli => {
                 p.publish(event(Domain::Run, "requested"));
+                p.publish(event(Domain::Run, "cancel_requested"));
                 for domain in [Domain::Run, Domain::Train, Domain::Eval, Domain::Trial] {
                     p.consume(&stream(domain));
                 }

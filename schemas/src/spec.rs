@@ -365,6 +365,26 @@ pub struct TrainerSpec {
     /// Tokens per micro-batch; gradients of micro-batches add up (VeRL
     /// `ppo_max_token_len_per_gpu`).
     pub micro_batch_tokens: u32,
+    /// Start from another run's checkpoint (`arl run resume`): its weights and optimizer
+    /// state after `step`; this run then trains steps `step + 1 ..= total_steps` with the
+    /// same batches and learning-rate schedule the other run would have had.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume_from: Option<ResumeFrom>,
+}
+
+/// A checkpoint of another run: `runs/<run_id>/step-<step>` on the trainer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResumeFrom {
+    pub run_id: crate::RunId,
+    pub step: u32,
+}
+
+impl TrainerSpec {
+    /// The step this run starts after: 0, or the checkpoint it resumes from.
+    pub fn first_step(&self) -> u32 {
+        self.resume_from.as_ref().map_or(0, |r| r.step)
+    }
 }
 
 impl Default for TrainerSpec {
@@ -378,6 +398,7 @@ impl Default for TrainerSpec {
             ppo_epochs: 1,
             ppo_mini_batches: 1,
             micro_batch_tokens: 4096,
+            resume_from: None,
         }
     }
 }
@@ -591,6 +612,18 @@ impl RunSpec {
         }
         if t.save_every == 0 {
             fail("trainer.save_every", "must be at least 1, got 0".into());
+        }
+        if let Some(resume) = &t.resume_from
+            && (resume.step == 0 || resume.step >= t.total_steps)
+        {
+            fail(
+                "trainer.resume_from.step",
+                format!(
+                    "must be a checkpoint step from 1 to total_steps - 1 ({}), got {}",
+                    t.total_steps.saturating_sub(1),
+                    resume.step
+                ),
+            );
         }
         if t.eval_every > t.total_steps && t.total_steps > 0 {
             fail(

@@ -19,6 +19,8 @@ pub enum RunStatus {
     Running,
     Completed,
     Failed,
+    /// Stopped by a user (`arl run cancel`) before it ended.
+    Cancelled,
 }
 
 impl RunStatus {
@@ -26,7 +28,7 @@ impl RunStatus {
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
-            RunStatus::Rejected | RunStatus::Completed | RunStatus::Failed
+            RunStatus::Rejected | RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled
         )
     }
 
@@ -37,6 +39,7 @@ impl RunStatus {
             RunStatus::Running => "running",
             RunStatus::Completed => "completed",
             RunStatus::Failed => "failed",
+            RunStatus::Cancelled => "cancelled",
         }
     }
 }

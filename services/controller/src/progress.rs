@@ -2,8 +2,9 @@
 //! the state, applies one event here, and writes it back with compare-and-set.
 
 use arl_schemas::events::{
-    DatasetRegisteredV1, EvaluationCompletedV1, FailureClass, RunCompletedV1, RunFailedV1,
-    RunPhase, RunProgressV1, Split, TrainStep, TrialFailedV1, WeightsPublishedV2,
+    DatasetRegisteredV1, EvaluationCompletedV1, FailureClass, RunCancelRequestedV1, RunCancelledV1,
+    RunCompletedV1, RunFailedV1, RunPhase, RunProgressV1, Split, TrainStep, TrialFailedV1,
+    WeightsPublishedV2,
 };
 use arl_schemas::state::{EvaluationSummary, RunStateV1, RunStatus, StepSummary};
 use chrono::Utc;
@@ -90,12 +91,45 @@ pub fn apply_weights(state: &mut RunStateV1, event: &WeightsPublishedV2) {
     state.checkpoint_uri = Some(event.uri());
 }
 
+/// A user's cancel ends a run that has not ended; a run that has keeps its end.
+pub fn apply_cancel_request(state: &mut RunStateV1, event: &RunCancelRequestedV1) {
+    if state.status.is_terminal() {
+        return;
+    }
+    state.status = RunStatus::Cancelled;
+    state.phase = RunPhase::Finishing;
+    let why = if event.reason.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", event.reason)
+    };
+    state.failure_reason = Some(format!("cancelled by {}{why}", event.requested_by));
+}
+
+/// The controller's `run.cancelled` for a run it ended so.
+pub fn cancelled_event(state: &RunStateV1, request: &RunCancelRequestedV1) -> RunCancelledV1 {
+    RunCancelledV1 {
+        run_id: state.run_id.clone(),
+        cancelled_at: state.updated_at,
+        requested_by: request.requested_by.clone(),
+        reason: request.reason.clone(),
+        step: state.step,
+    }
+}
+
 pub fn apply_run_failed(state: &mut RunStateV1, event: &RunFailedV1) {
     if state.status.is_terminal() {
         return;
     }
     state.status = RunStatus::Failed;
     state.failure_reason = Some(format!("{}: {}", event.service, event.reason));
+}
+
+/// Steps this run trains itself: all of them, or those after the checkpoint it resumed
+/// from.
+fn steps_to_train(state: &RunStateV1) -> u32 {
+    let first = state.spec.as_ref().map_or(0, |s| s.trainer.first_step());
+    state.total_steps.saturating_sub(first)
 }
 
 /// The service name the controller signs its own failure decisions with.
@@ -121,7 +155,7 @@ pub fn fail_if_fruitless(state: &mut RunStateV1) -> bool {
              `arl run status`'s failures), then submit the run again"
         )
     } else if state.total_steps > 0
-        && state.steps.len() >= state.total_steps as usize
+        && state.steps.len() >= steps_to_train(state) as usize
         && state.steps.iter().all(StepSummary::trained_nothing)
     {
         let groups: u32 = state
@@ -203,6 +237,26 @@ mod tests {
     use super::*;
     use arl_schemas::RunId;
     use arl_schemas::events::{Example, FailureCounts, TrainStepV1, TrainStepV2};
+
+    #[test]
+    fn a_cancel_ends_a_live_run_and_leaves_an_ended_one_alone() {
+        let mut request = RunCancelRequestedV1::example();
+        request.reason = String::new();
+        let mut state = accepted(3);
+        apply_cancel_request(&mut state, &request);
+        assert_eq!(state.status, RunStatus::Cancelled);
+        assert!(state.status.is_terminal());
+        assert_eq!(
+            state.failure_reason.as_deref(),
+            Some("cancelled by ada@workstation")
+        );
+        assert_eq!(cancelled_event(&state, &request).run_id, state.run_id);
+        let mut done = accepted(3);
+        done.status = RunStatus::Completed;
+        apply_cancel_request(&mut done, &request);
+        assert_eq!(done.status, RunStatus::Completed);
+        assert_eq!(done.failure_reason, None);
+    }
 
     fn failure(class: FailureClass, step: u32, will_retry: bool) -> TrialFailedV1 {
         let mut event = TrialFailedV1::example();

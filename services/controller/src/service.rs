@@ -7,8 +7,9 @@ use std::sync::Arc;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
-    DatasetRegisteredV1, EvaluationCompletedV1, RunAcceptedV1, RunFailedV1, RunPhase,
-    RunRejectedV1, RunRequestedV1, TrainStepV2, TrialFailedV1, TrialFinishedV1, WeightsPublishedV2,
+    DatasetRegisteredV1, EvaluationCompletedV1, RunAcceptedV1, RunCancelRequestedV1, RunFailedV1,
+    RunPhase, RunRejectedV1, RunRequestedV1, TrainStepV2, TrialFailedV1, TrialFinishedV1,
+    WeightsPublishedV2,
 };
 use arl_schemas::state::{RunStateV1, RunStatus};
 use arl_schemas::{Domain, Event, RunId};
@@ -108,6 +109,17 @@ impl Controller {
         );
         self.fold::<DatasetRegisteredV1>(shutdown, progress::apply_dataset);
         self.fold::<RunFailedV1>(shutdown, progress::apply_run_failed);
+        let cancels = ConsumerSpec::for_event::<RunCancelRequestedV1>(
+            &ns,
+            format!(
+                "{FOLD}-{}",
+                RunCancelRequestedV1::TYPE.trim_start_matches("run.")
+            ),
+        )
+        .ordered();
+        self.consume(shutdown, cancels, |c, d| async move {
+            c.on_cancel_requested(&d).await
+        });
         // Trial outcomes share one ordered consumer so their counts stay exact.
         let trials = ConsumerSpec::for_event::<TrialFinishedV1>(&ns, FOLD)
             .and_event::<TrialFailedV1>(&ns)
@@ -201,6 +213,25 @@ impl Controller {
                 .apply(&delivery, E::DOMAIN, &run_id, |state| apply(state, &event))
                 .await
         });
+    }
+
+    /// Ends the run `cancelled` (unless it already ended) and says so in `run.cancelled`.
+    async fn on_cancel_requested(&self, delivery: &Delivery) -> Result<(), HandlerError> {
+        let request: RunCancelRequestedV1 = delivery.decode()?;
+        let run_id = run_of(self, delivery)?;
+        self.apply(delivery, Domain::Run, &run_id, |state| {
+            progress::apply_cancel_request(state, &request);
+        })
+        .await?;
+        let stored = self.inner.store.get(&run_id).await.map_err(retry)?;
+        if let Some(stored) = stored
+            && stored.state.status == RunStatus::Cancelled
+        {
+            tracing::info!(run = %run_id, by = %request.requested_by, "run cancelled");
+            let cancelled = progress::cancelled_event(&stored.state, &request);
+            self.inner.bus.publish(&cancelled).await?;
+        }
+        Ok(())
     }
 
     async fn on_trial_outcome(&self, delivery: &Delivery) -> Result<(), HandlerError> {
@@ -306,6 +337,7 @@ impl Controller {
             &trainers,
         )
         .map_err(HandlerError::dead_letter)?;
+        let admission = self.check_resume(admission).await?;
         let fresh = initial_state(admission);
         // The first decision stands: a redelivered (or re-submitted) request only
         // re-announces it.
@@ -351,6 +383,36 @@ impl Controller {
     }
 }
 
+impl Controller {
+    /// A run that resumes from another's checkpoint needs that run here, with the step
+    /// committed (whether the trainer still keeps its folder is the trainer's to say).
+    async fn check_resume(&self, admission: Admission) -> Result<Admission, HandlerError> {
+        let Admission::Accept { request, resources } = admission else {
+            return Ok(admission);
+        };
+        let Some(from) = request.spec.trainer.resume_from.clone() else {
+            return Ok(Admission::Accept { request, resources });
+        };
+        let source = self.inner.store.get(&from.run_id).await.map_err(retry)?;
+        let problem = match source.map(|s| s.state) {
+            None => format!(
+                "no run {} on this deployment (`arl run list` shows them)",
+                from.run_id
+            ),
+            Some(source) if source.step < from.step => format!(
+                "run {} committed {} steps, so it has no step-{} to resume from",
+                from.run_id, source.step, from.step
+            ),
+            Some(_) => return Ok(Admission::Accept { request, resources }),
+        };
+        Ok(Admission::Reject {
+            run_id: request.run_id.clone(),
+            request: Some(request),
+            errors: vec![arl_schemas::FieldError::new("trainer.resume_from", problem)],
+        })
+    }
+}
+
 fn run_of(controller: &Controller, delivery: &Delivery) -> Result<RunId, HandlerError> {
     let token = controller
         .inner
@@ -377,6 +439,10 @@ fn initial_state(admission: Admission) -> RunStateV1 {
             errors,
         } => (run_id, request, errors, None),
     };
+    let request_first_step = request
+        .as_ref()
+        .filter(|_| resources.is_some())
+        .map_or(0, |r| r.spec.trainer.first_step());
     let status = if resources.is_some() {
         RunStatus::Accepted
     } else {
@@ -406,7 +472,8 @@ fn initial_state(admission: Admission) -> RunStateV1 {
             .map(|r| r.dataset_path.display().to_string()),
         dataset_digest: None,
         errors,
-        step: 0,
+        // A resumed run starts where its checkpoint ends.
+        step: request_first_step,
         policy_version: 0,
         trials_finished: 0,
         failures: Default::default(),

@@ -104,7 +104,10 @@ impl DatasetService {
             .await?;
         tracing::info!(run = %accepted.run_id, digest = %manifest.digest, train = manifest.train.len(), validation = manifest.validation.len(), "dataset registered");
         let ahead = spec.algorithm.max_staleness + 1;
-        for step in 1..=ahead.min(accepted.total_steps) {
+        // A resumed run's first step is the one after its checkpoint.
+        let first = spec.trainer.first_step() + 1;
+        let last = (first + ahead - 1).min(accepted.total_steps);
+        for step in first..=last {
             self.publish_batch(&accepted.run_id, &spec, &manifest, step)
                 .await?;
         }

@@ -179,16 +179,24 @@ impl Evaluator {
         }
     }
 
-    /// The run's dataset is registered: with `val_before_train`, the base model (policy
-    /// version 0) is evaluated as step 0.
+    /// The run's dataset is registered: with `val_before_train`, the policy it starts from
+    /// is evaluated — the base model (policy version 0) as step 0, or a resumed run's
+    /// checkpoint as its step.
     async fn on_dataset(&self, registered: DatasetRegisteredV1) -> Result<(), HandlerError> {
         let arl_runtime::RunContext { state, spec } =
             self.bus.run_context(&registered.run_id).await?;
         if !spec.trainer.val_before_train || state.status.is_terminal() {
             return Ok(());
         }
-        self.evaluate(&registered.run_id, 0, 0, &registered.digest, &spec)
-            .await
+        let first = spec.trainer.first_step();
+        self.evaluate(
+            &registered.run_id,
+            first,
+            u64::from(first),
+            &registered.digest,
+            &spec,
+        )
+        .await
     }
 
     async fn on_train_step(&self, trained: TrainStep) -> Result<(), HandlerError> {

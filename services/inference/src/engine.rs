@@ -341,10 +341,15 @@ impl Engine {
             if !self.active.is_empty() {
                 self.step();
             }
-            self.stats.active.store(self.active.len(), Ordering::SeqCst);
-            let cached: usize = self.active.iter().map(|seq| seq.fed).sum();
-            self.stats.kv_tokens.store(cached, Ordering::SeqCst);
+            self.publish_stats();
         }
+    }
+
+    /// The live gauges (`vllm:num_requests_running`, KV usage) from the batch as it is now.
+    fn publish_stats(&self) {
+        self.stats.active.store(self.active.len(), Ordering::SeqCst);
+        let cached: usize = self.active.iter().map(|seq| seq.fed).sum();
+        self.stats.kv_tokens.store(cached, Ordering::SeqCst);
     }
 
     fn receive(&mut self, message: Inbox) {
@@ -561,6 +566,9 @@ impl Engine {
         }
 
         let mut done = vec![false; self.active.len()];
+        // Finish events go out after the batch shrinks, so a client that saw its request end
+        // never scrapes it as still running.
+        let mut finished = Vec::new();
         for (i, seq) in self.active.iter_mut().enumerate() {
             let Some(l) = logits[i].take() else { continue };
             if seq.request.cancel[seq.choice].load(Ordering::SeqCst) {
@@ -582,9 +590,12 @@ impl Engine {
                 None
             };
             let choice = seq.choice;
-            let mut sent = seq.request.events.send(Event::Token { choice, token });
+            let sent = seq.request.events.send(Event::Token { choice, token });
             if let (Some(reason), Ok(())) = (finish, &sent) {
-                sent = seq.request.events.send(Event::Finished { choice, reason });
+                finished.push((
+                    seq.request.events.clone(),
+                    Event::Finished { choice, reason },
+                ));
                 done[i] = true;
             }
             if sent.is_err() {
@@ -617,6 +628,11 @@ impl Engine {
             }
             keep
         });
+        self.publish_stats();
+        for (events, event) in finished {
+            // A client gone by now loses nothing: its sequence has already left the batch.
+            let _ = events.send(event);
+        }
         tracing::trace!(
             batch = self.active.len(),
             ms = started.elapsed().as_millis() as u64,

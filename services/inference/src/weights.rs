@@ -12,7 +12,7 @@ use arl_runtime::consumer::run_consumer;
 use arl_runtime::digest::sha256_file;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
-    RunCompletedV1, RunFailedV1, WEIGHTS_FILE, WeightsLocation, WeightsPublishedV2,
+    RunCancelledV1, RunCompletedV1, RunFailedV1, WEIGHTS_FILE, WeightsLocation, WeightsPublishedV2,
 };
 use arl_schemas::{Domain, Event, RunId};
 
@@ -169,7 +169,7 @@ async fn serve(
     Ok(())
 }
 
-/// On `run.completed` / `run.failed` of the run whose weights are served: another live
+/// On `run.completed` / `run.failed` / `run.cancelled` of the run whose weights are served: another live
 /// run's newest version, else the base model.
 fn follow_run_ends(
     bus: &Bus,
@@ -184,6 +184,7 @@ fn follow_run_ends(
     let ns = bus.namespace();
     let mut spec = ConsumerSpec::for_event::<RunCompletedV1>(ns, format!("{durable}-run-ends"))
         .and_event::<RunFailedV1>(ns)
+        .and_event::<RunCancelledV1>(ns)
         .ordered();
     spec.keep_alive = true;
     let fetcher = bus.clone();
@@ -209,6 +210,7 @@ async fn on_run_end(
 ) -> Result<(), HandlerError> {
     let ended = match delivery.event_type().as_deref() {
         Some(RunFailedV1::TYPE) => delivery.decode::<RunFailedV1>()?.run_id,
+        Some(RunCancelledV1::TYPE) => delivery.decode::<RunCancelledV1>()?.run_id,
         _ => delivery.decode::<RunCompletedV1>()?.run_id,
     };
     let next = {

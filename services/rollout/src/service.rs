@@ -283,10 +283,19 @@ impl Rollout {
                 }
             }
             Err((error, calls)) => {
+                if self.run_is_over(&trial.request.run_id).await {
+                    // Nothing will train on or count it: the run was cancelled or failed.
+                    tracing::info!(trial = %trial.request.trial_id, message = %error.message, "run is over; trial dropped");
+                    return self.mark_done(&trial.request).await;
+                }
                 self.fail(&trial.request, &trial.spec, error, calls, true)
                     .await
             }
         }
+    }
+
+    async fn run_is_over(&self, run: &arl_schemas::RunId) -> bool {
+        matches!(self.bus.run_state(run).await, Ok(Some(s)) if s.status.is_terminal())
     }
 
     /// The agent's part: everything up to the patch and the recorded calls.
@@ -338,11 +347,17 @@ impl Rollout {
             deadline,
         };
         let budget = deadline.saturating_duration_since(Instant::now());
-        let agent = tokio::time::timeout(
-            budget,
-            self.agent(&ctx, spec, lease.as_ref(), &key.trial_key),
-        )
-        .await;
+        let agent = tokio::select! {
+            agent = tokio::time::timeout(
+                budget,
+                self.agent(&ctx, spec, lease.as_ref(), &key.trial_key),
+            ) => agent,
+            // A cancelled (or failed) run's trials stop now and give their sandboxes back.
+            () = self.run_ended(&req.run_id, budget) => Ok(Err(TrialError::new(
+                FailureClass::Infrastructure,
+                "the run ended while the trial ran",
+            ))),
+        };
         let outcome = match agent {
             Ok(result) => result,
             Err(_) => Err(TrialError::new(
@@ -398,6 +413,18 @@ impl Rollout {
         }
     }
 
+    /// Returns once the run has ended (cancelled, failed, completed) within `limit`;
+    /// otherwise never.
+    async fn run_ended(&self, run: &arl_schemas::RunId, limit: Duration) {
+        let state = self
+            .bus
+            .await_run_state(run, limit, |s| s.status.is_terminal())
+            .await;
+        if !matches!(state, Ok(Some(s)) if s.status.is_terminal()) {
+            std::future::pending::<()>().await;
+        }
+    }
+
     /// Waits until the run's weights are fresh enough for the trial: a training trial of
     /// step s needs version ≥ s - 1 - max_staleness, a validation trial of step s the
     /// weights of step s. Watches the run's state (no polling). Returns the version.
@@ -408,14 +435,23 @@ impl Rollout {
                 .saturating_sub(1 + u64::from(trial.spec.algorithm.max_staleness)),
             Split::Validation => u64::from(slot.step),
         };
+        // A resumed run has no version below its checkpoint's (its version 0 would be the
+        // base model, not the policy it resumed).
+        let needed = needed.max(u64::from(trial.spec.trainer.first_step()));
         let run = &trial.request.run_id;
         let state = self
             .bus
-            .await_run_state(run, self.config.wait_limit, |s| s.policy_version >= needed)
+            .await_run_state(run, self.config.wait_limit, |s| {
+                s.policy_version >= needed || s.status.is_terminal()
+            })
             .await
             .map_err(|e| infrastructure(e.to_string()))?;
         match state {
             Some(state) if state.policy_version >= needed => Ok(state.policy_version),
+            Some(state) if state.status.is_terminal() => Err(infrastructure(format!(
+                "the run ended ({}) before weights of version {needed} arrived",
+                state.status.as_str()
+            ))),
             Some(state) => Err(infrastructure(format!(
                 "weights of version {needed} never arrived within {} s (the run is at {})",
                 self.config.wait_limit.as_secs(),

@@ -159,6 +159,78 @@ pub fn latest_checkpoint(run_dir: &Path) -> Option<(PathBuf, TrainerState)> {
         .find(|(_, state)| state.optimizer_step.is_some())
 }
 
+/// Starts `run_dir` from another run's checkpoint at `step` (`trainer.resume_from`): the
+/// folder is linked (copied where links cannot be made) into `run_dir` under the same
+/// name, so the run opens from it as from its own. Does nothing when `run_dir` already
+/// holds a checkpoint (the run was opened before). Errors say which checkpoints the other
+/// run still has.
+pub fn seed_from(source_dir: &Path, step: u32, run_dir: &Path) -> Result<(), CheckpointError> {
+    if latest_checkpoint(run_dir).is_some() {
+        return Ok(());
+    }
+    let kept = versions(source_dir);
+    let found = kept.iter().find(|(_, state)| state.step == step);
+    let Some((source, _)) = found.filter(|(_, state)| state.optimizer_step.is_some()) else {
+        let checkpoints: Vec<String> = kept
+            .iter()
+            .filter(|(_, state)| state.optimizer_step.is_some())
+            .map(|(_, state)| format!("step-{}", state.step))
+            .collect();
+        let what = if found.is_some() {
+            "holds weights but no optimizer state (a checkpoint is saved every              trainer.save_every steps and at the end)"
+        } else {
+            "is not on this trainer (pruned, or never saved here)"
+        };
+        return Err(CheckpointError::Load {
+            path: version_dir(source_dir, step).display().to_string(),
+            reason: format!(
+                "step-{step} {what}; checkpoints kept: {}",
+                if checkpoints.is_empty() {
+                    "none".to_owned()
+                } else {
+                    checkpoints.join(", ")
+                }
+            ),
+        });
+    };
+    let dir = version_dir(run_dir, step);
+    let tmp = run_dir.join(format!(".step-{step:06}.tmp"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    }
+    link_tree(source, &tmp)?;
+    std::fs::rename(&tmp, &dir).map_err(io(&dir))
+}
+
+/// Hard-links every file of `from` into `to` (version folders are never written after
+/// they are renamed into place, so sharing their files is safe), copying across devices.
+fn link_tree(from: &Path, to: &Path) -> Result<(), CheckpointError> {
+    std::fs::create_dir_all(to).map_err(io(to))?;
+    for entry in std::fs::read_dir(from).map_err(io(from))? {
+        let entry = entry.map_err(io(from))?;
+        let (source, target) = (entry.path(), to.join(entry.file_name()));
+        if entry.file_type().map_err(io(&source))?.is_dir() {
+            link_tree(&source, &target)?;
+        } else if std::fs::hard_link(&source, &target).is_err() {
+            std::fs::copy(&source, &target).map_err(io(&source))?;
+        }
+    }
+    Ok(())
+}
+
+/// Describes a version folder already on disk, as [`save`] describes the one it wrote.
+pub fn describe(dir: &Path) -> Result<Saved, CheckpointError> {
+    let weights = dir.join(WEIGHTS_FILE);
+    let (sha256, size_bytes) = sha256_file(&weights).map_err(io(&weights))?;
+    let files = published_files(dir).map_err(io(dir))?;
+    Ok(Saved {
+        dir: dir.to_path_buf(),
+        sha256,
+        size_bytes,
+        files,
+    })
+}
+
 /// Every complete version folder, oldest first.
 fn versions(run_dir: &Path) -> Vec<(PathBuf, TrainerState)> {
     let Ok(entries) = std::fs::read_dir(run_dir) else {
@@ -256,6 +328,32 @@ mod tests {
             optimizer_step: checkpoint.then_some(u64::from(step)),
         };
         std::fs::write(dir.join(STATE_FILE), serde_json::to_vec(&state).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn a_resumed_run_starts_from_the_named_checkpoint_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (source, resumed) = (tmp.path().join("a"), tmp.path().join("b"));
+        version(&source, 2, true);
+        version(&source, 3, false);
+        version(&source, 4, true);
+        // Weights without optimizer state, and a step never kept: refused, naming what is.
+        for (step, says) in [(3, "no optimizer state"), (1, "is not on this trainer")] {
+            let error = seed_from(&source, step, &resumed).unwrap_err().to_string();
+            assert!(error.contains(says), "{error}");
+            assert!(
+                error.contains("checkpoints kept: step-2, step-4"),
+                "{error}"
+            );
+        }
+        seed_from(&source, 2, &resumed).unwrap();
+        let (dir, state) = latest_checkpoint(&resumed).unwrap();
+        assert_eq!((dir, state.step), (version_dir(&resumed, 2), 2));
+        assert!(version_dir(&resumed, 2).join("optimizer/m").is_dir());
+        // Opened before: the run's own checkpoints stand.
+        seed_from(&source, 4, &resumed).unwrap();
+        assert_eq!(latest_checkpoint(&resumed).unwrap().1.step, 2);
+        assert_eq!(describe(&version_dir(&resumed, 2)).unwrap().files.len(), 3);
     }
 
     #[test]

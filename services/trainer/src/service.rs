@@ -26,8 +26,8 @@ use arl_runtime::consumer::run_consumer;
 use arl_runtime::objects::ObjectError;
 use arl_runtime::{Bus, BusError, ConsumerSpec, Delivery, HandlerError, RunContext, Shutdown};
 use arl_schemas::events::{
-    BatchCounts, RunFailedV1, Split, StepTiming, TaskBatchV1, TrainMetrics, TrainStepV2,
-    TrajectoryV1, WEIGHTS_FILE, WeightsFormat, WeightsLocation, WeightsPublishedV2,
+    BatchCounts, RunAcceptedV1, RunFailedV1, Split, StepTiming, TaskBatchV1, TrainMetrics,
+    TrainStepV2, TrajectoryV1, WEIGHTS_FILE, WeightsFormat, WeightsLocation, WeightsPublishedV2,
 };
 use arl_schemas::spec::{Device, KlLossType, LossAggMode, LrScheduler, OldLogprobSource, RunSpec};
 use arl_schemas::state::{GpuDeviceV1, TRAINER_TTL_SECONDS, TrainerAnnouncementV1};
@@ -259,9 +259,22 @@ impl Trainer {
             ConsumerSpec::for_event::<TrajectoryV1>(ns, "trainer").held(self.config.capacity);
         spec.ack_wait = self.config.ack_wait;
         spec.max_deliver = 20;
+        let mut accepted = ConsumerSpec::for_event::<RunAcceptedV1>(ns, "trainer");
+        // Opening a run loads its model.
+        accepted.keep_alive = true;
         let bus = self.bus.clone();
         let trainer = Arc::new(self);
         shutdown.spawn(trainer.clone().announce(shutdown.clone()));
+        let on_accepted = trainer.clone();
+        shutdown.spawn(run_consumer(
+            bus.clone(),
+            accepted,
+            move |delivery: Delivery| {
+                let trainer = on_accepted.clone();
+                async move { trainer.on_run_accepted(delivery).await }
+            },
+            shutdown.clone(),
+        ));
         let stopping = shutdown.clone();
         shutdown.spawn(run_consumer(
             bus,
@@ -272,6 +285,48 @@ impl Trainer {
             },
             shutdown.clone(),
         ));
+    }
+
+    /// A run resumed from another's checkpoint (`trainer.resume_from`) is opened at once
+    /// and its checkpoint published as its first policy version: its first trials wait on
+    /// that version, so nothing else would open it.
+    async fn on_run_accepted(&self, delivery: Delivery) -> Result<(), HandlerError> {
+        let accepted: RunAcceptedV1 = delivery.decode()?;
+        let context = self.bus.run_context(&accepted.run_id).await?;
+        let Some(from) = context.spec.trainer.resume_from else {
+            return Ok(());
+        };
+        let Some(run) = self.run(&accepted.run_id).await? else {
+            return Ok(());
+        };
+        let run = run.lock().await;
+        // A run that failed to open said why (run.failed); one that trained past its
+        // checkpoint has published newer versions.
+        if run.failed.is_some() || run.trained != from.step {
+            return Ok(());
+        }
+        let dir = checkpoint::version_dir(&run.dir, from.step);
+        let saved = tokio::task::spawn_blocking(move || checkpoint::describe(&dir))
+            .await
+            .map_err(|e| HandlerError::retry(format!("describing the checkpoint: {e}")))?
+            .map_err(HandlerError::retry)?;
+        let location = self
+            .locate(&run.run_id, from.step, &saved)
+            .await
+            .map_err(HandlerError::retry)?;
+        let weights = WeightsPublishedV2 {
+            run_id: run.run_id.clone(),
+            policy_version: u64::from(from.step),
+            step: from.step,
+            format: WeightsFormat::HfSafetensors,
+            sha256: saved.sha256,
+            size_bytes: saved.size_bytes,
+            location,
+            at: chrono::Utc::now(),
+        };
+        self.bus.publish(&weights).await?;
+        tracing::info!(run = %run.run_id, from = %from.run_id, step = from.step, "resumed from a checkpoint");
+        Ok(())
     }
 
     async fn on_trajectory(
@@ -783,22 +838,31 @@ impl Trainer {
         };
         let total = spec.trainer.total_steps;
         let gpu = self.gpu.clone();
-        let loaded =
-            tokio::task::spawn_blocking(move || -> Result<_, crate::policy::PolicyError> {
-                let resume = checkpoint::latest_checkpoint(&dir);
-                if let Some((_, state)) = &resume
-                    && state.step >= total
-                {
-                    return Ok((None, state.step));
-                }
-                let step = resume.as_ref().map_or(0, |(_, state)| state.step);
-                let gpu = gpu.as_ref().as_ref().map_err(String::as_str);
-                let resume = resume.as_ref().map(|(path, state)| (path.as_path(), state));
-                Policy::open(&open, resume, gpu).map(|policy| (Some(policy), step))
-            })
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| e.to_string()));
+        let source = spec
+            .trainer
+            .resume_from
+            .as_ref()
+            .map(|from| (self.config.runs_dir.join(from.run_id.as_str()), from.step));
+        let loaded = tokio::task::spawn_blocking(move || -> Result<_, String> {
+            if let Some((source_dir, step)) = &source {
+                checkpoint::seed_from(source_dir, *step, &dir).map_err(|e| e.to_string())?;
+            }
+            let resume = checkpoint::latest_checkpoint(&dir);
+            if let Some((_, state)) = &resume
+                && state.step >= total
+            {
+                return Ok((None, state.step));
+            }
+            let step = resume.as_ref().map_or(0, |(_, state)| state.step);
+            let gpu = gpu.as_ref().as_ref().map_err(String::as_str);
+            let resume = resume.as_ref().map(|(path, state)| (path.as_path(), state));
+            Policy::open(&open, resume, gpu)
+                .map(|policy| (Some(policy), step))
+                .map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r);
         match loaded {
             Ok((policy, step)) => {
                 tracing::info!(run = %run_id, resumed_at = step, device = ?run.spec.trainer.device, "run opened");

@@ -1,4 +1,5 @@
-//! A run's life: requested → accepted | rejected → progress … → completed | failed.
+//! A run's life: requested → accepted | rejected → progress … → completed | failed |
+//! cancelled.
 
 use chrono::{DateTime, Utc};
 use schemars::JsonSchema;
@@ -101,6 +102,43 @@ event!(RunCompletedV1, run, "completed", 1, |e| format!(
     e.run_id
 ));
 
+/// A user asked to stop the run (`arl run cancel`). The controller ends it `cancelled`
+/// (unless it already ended); services start no new work for it, and trials in flight stop
+/// and release their sandboxes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunCancelRequestedV1 {
+    pub run_id: RunId,
+    pub requested_at: DateTime<Utc>,
+    /// Who asked (user@host), for the audit trail.
+    pub requested_by: String,
+    /// Why, in the user's words (may be empty).
+    #[serde(default)]
+    pub reason: String,
+}
+event!(
+    RunCancelRequestedV1,
+    run,
+    "cancel_requested",
+    1,
+    |e| format!("run.cancel_requested:{}", e.run_id)
+);
+
+/// The controller ended the run `cancelled`, as a user asked ([`RunCancelRequestedV1`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct RunCancelledV1 {
+    pub run_id: RunId,
+    pub cancelled_at: DateTime<Utc>,
+    pub requested_by: String,
+    pub reason: String,
+    /// Steps the trainer had committed when the run was cancelled.
+    pub step: u32,
+}
+event!(RunCancelledV1, run, "cancelled", 1, |e| format!(
+    "run.cancelled:{}",
+    e.run_id
+));
+
 /// The run stopped before completion.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct RunFailedV1 {
@@ -182,6 +220,29 @@ impl Example for RunCompletedV1 {
             final_policy_version: 2,
             checkpoint_uri: Some("file:///home/ada/.cache/arl/runs/run-0193a1b2c3d4/step-2".into()),
             final_resolution_rate: Some(0.25),
+        }
+    }
+}
+
+impl Example for RunCancelRequestedV1 {
+    fn example() -> Self {
+        Self {
+            run_id: example_run(),
+            requested_at: example_time(),
+            requested_by: "ada@workstation".into(),
+            reason: "the reward curve is flat; trying a higher lr".into(),
+        }
+    }
+}
+
+impl Example for RunCancelledV1 {
+    fn example() -> Self {
+        Self {
+            run_id: example_run(),
+            cancelled_at: example_time(),
+            requested_by: "ada@workstation".into(),
+            reason: "the reward curve is flat; trying a higher lr".into(),
+            step: 1,
         }
     }
 }
