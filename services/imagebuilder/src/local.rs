@@ -64,6 +64,9 @@ pub struct Built {
 pub struct LocalBuilder {
     config: LocalConfig,
     building: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Held while an interpreter is copied into the store: two builds of one batch that
+    /// need the same Python would otherwise copy it at once, and one would lose.
+    copying_interpreter: tokio::sync::Mutex<()>,
 }
 
 impl LocalBuilder {
@@ -74,6 +77,7 @@ impl LocalBuilder {
         Self {
             config,
             building: Mutex::default(),
+            copying_interpreter: tokio::sync::Mutex::default(),
         }
     }
 
@@ -138,6 +142,7 @@ impl LocalBuilder {
             });
         }
         let copy = self.config.root.join("python").join(version);
+        let _copying = self.copying_interpreter.lock().await;
         if !copy.is_dir() {
             let tmp = self
                 .config
