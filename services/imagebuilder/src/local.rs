@@ -51,6 +51,25 @@ pub struct LocalConfig {
     pub timeout: Duration,
 }
 
+impl LocalConfig {
+    /// Builds under `root`, with interpreters from `pyenv_root` (default `~/.pyenv`) and
+    /// pip's cache in `pip_cache` (default `~/.cache/arl/pip`), each stopped after `timeout`.
+    pub fn new(
+        root: PathBuf,
+        pyenv_root: Option<PathBuf>,
+        pip_cache: Option<PathBuf>,
+        timeout: Duration,
+    ) -> Self {
+        let home = PathBuf::from(std::env::var_os("HOME").unwrap_or_default());
+        Self {
+            root,
+            pyenv_root: pyenv_root.unwrap_or_else(|| home.join(".pyenv")),
+            pip_cache: pip_cache.unwrap_or_else(|| home.join(".cache/arl/pip")),
+            timeout,
+        }
+    }
+}
+
 /// A ready environment.
 #[derive(Clone, Debug)]
 pub struct Built {
