@@ -70,6 +70,7 @@ help:
 	@echo "make image-check  build the Dockerfile's image (buildah, debootstrap root), push it to a local registry, start it until /health answers"
 	@echo "make image  the image of release binaries, left in buildah's store $(ARL_CACHE)/image/storage as localhost/arl:latest"
 	@echo "make chaos    every service and nats-server SIGKILLed in turn during a run under arl up --supervise (tests/tests/chaos.rs; make test runs a reduced form)"
+	@echo "make validate-swebench  arl dataset validate examples/swebench-mini.toml: six environments built, every gold patch resolves, no empty patch does (make test runs a reduced form)"
 	@echo "make lint | fmt | bench | clean-cache"
 
 deps: $(TOOLS_STAMP) $(AGENTS_STAMP) system-deps
@@ -201,6 +202,17 @@ test: deps models data vllm observability lint chart build image-check
 .PHONY: chaos
 chaos: deps models build
 	cargo test -p arl-e2e --test chaos -- --ignored --test-threads=1
+
+# `arl dataset validate` on the six SWE-bench instances of examples/swebench-mini.toml:
+# each environment built (kept in $TMPDIR/arl-environments and reused by digest), each gold
+# patch must resolve and each empty patch must not. About 4 minutes cold and 2 warm on 2
+# shared cores — too long to repeat in `make test`, which runs a reduced form
+# (tests/tests/dataset_validate.rs: one instance, broken rows, Harbor and math tasks).
+.PHONY: validate-swebench
+validate-swebench: deps
+	@[ -n "$(ARL_SWEBENCH_RECIPES)" ] || { echo "needs ../shared/data/swebench/instances.json (ARL_SWEBENCH_RECIPES)"; exit 1; }
+	cargo build --quiet -p arl-cli --bin arl -p arl-sandbox --bin arl-sandbox-init
+	$(BIN)/arl dataset validate examples/swebench-mini.toml
 
 # The one image (Dockerfile) without a Docker daemon or a pullable base: buildah builds it on
 # a debootstrap root of this host's Debian, from the binaries `build` made; scripts/image-check.sh.

@@ -46,6 +46,9 @@ pub enum Command {
     /// Inspect a model and run it on CPU: what you reach for when debugging token truth.
     #[command(subcommand)]
     Model(ModelCommand),
+    /// Check a dataset before you train on it.
+    #[command(subcommand)]
+    Dataset(DatasetCommand),
     /// Start every ARL service on this machine (and a private nats-server when NATS_URL
     /// is not set); runs until Ctrl-C.
     Up(UpArgs),
@@ -55,6 +58,53 @@ pub enum Command {
     /// Run services in this process: `arl serve SERVICE [FLAGS…] [+ SERVICE [FLAGS…]]…`,
     /// each with the flags of its `arl-<service>` binary (`arl serve rollout --help`).
     Serve(ServeArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DatasetCommand {
+    /// What SWE-bench's harness does with the gold predictions, for a run spec's tasks:
+    /// build every task's environment, grade its reference solution (SWE-bench's gold
+    /// patch, a Harbor task's solution/solve.sh) — which must resolve it — and an empty
+    /// patch — which must not. Prints a table (or JSON lines) and exits 1 naming every bad
+    /// task. Math tasks have nothing to build: their answers are checked to parse and to
+    /// match.
+    Validate(ValidateArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ValidateArgs {
+    /// The run spec (TOML or JSON) whose data to check — data.dataset, data.source,
+    /// data.task_ids — read as `arl run submit` reads it.
+    pub spec: PathBuf,
+    /// Set one key after the file, as `arl run submit --set` does (e.g.
+    /// `--set 'data.task_ids=["django__django-11880"]'`). Repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = parse_override)]
+    pub overrides: Vec<Override>,
+    /// One JSON object per task per line, then a summary object.
+    #[arg(long)]
+    pub json: bool,
+    /// Tasks checked at once (default: this machine's cores).
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// SWE-bench instances with setup and test commands (`instances.json`); repeatable.
+    #[arg(long = "swebench-recipes", env = "ARL_SWEBENCH_RECIPES")]
+    pub swebench_recipes: Vec<PathBuf>,
+    /// Where environments are built and kept for the next validation (default:
+    /// `arl-environments` in the temporary folder). The sandbox user must be able to reach it.
+    #[arg(long, env = "ARL_ENVIRONMENTS_DIR")]
+    pub environments_dir: Option<PathBuf>,
+    /// pyenv's root, where the interpreters SWE-bench instances name are found.
+    #[arg(long, env = "PYENV_ROOT")]
+    pub pyenv_root: Option<PathBuf>,
+    /// pip's cache, shared by builds.
+    #[arg(long, env = "PIP_CACHE_DIR")]
+    pub pip_cache: Option<PathBuf>,
+    /// An environment build running longer is stopped and reported.
+    #[arg(long, default_value_t = 1800)]
+    pub build_timeout_s: u64,
+    /// A test run (or a Harbor solution) running longer is stopped and reported.
+    #[arg(long, default_value_t = 1800)]
+    pub test_timeout_s: u64,
 }
 
 #[derive(Debug, Subcommand)]

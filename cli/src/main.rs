@@ -1,7 +1,8 @@
 //! `arl`: the command line of ARL.
 //!
-//! Exit codes: 0 success; 1 the run was rejected or failed; 2 bad usage or an invalid
-//! spec; 3 the bus could not be reached or refused; 4 no such run; 5 timed out waiting.
+//! Exit codes: 0 success; 1 the run was rejected or failed (or a dataset has bad tasks);
+//! 2 bad usage, an invalid spec or an unreadable dataset; 3 the bus (or another part this
+//! machine must start) could not be reached or refused; 4 no such run; 5 timed out waiting.
 
 mod cli;
 mod image;
@@ -10,6 +11,7 @@ mod natsconf;
 mod run;
 mod serve;
 mod up;
+mod validate;
 
 use std::process::ExitCode;
 
@@ -32,6 +34,9 @@ fn main() -> ExitCode {
         match cli.command {
             cli::Command::Run(command) => run::execute(&cli.bus, command).await,
             cli::Command::Model(command) => model::execute(command),
+            cli::Command::Dataset(cli::DatasetCommand::Validate(args)) => {
+                validate::execute(args).await
+            }
             cli::Command::Image(command) => image::execute(command).await,
             cli::Command::Up(args) => up::execute(&cli.bus, args, nats_url_given).await,
             cli::Command::Serve(_) => Ok(ExitCode::SUCCESS),

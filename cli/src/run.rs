@@ -32,6 +32,10 @@ pub enum CliError {
     Usage(String),
     #[error("{0}")]
     Bus(String),
+    /// A part this command starts on this machine (a private nats-server, the sandbox)
+    /// could not start (exit 3, like an unreachable bus).
+    #[error("{0}")]
+    Unavailable(String),
     #[error("no run {0} in this deployment; `arl run list` shows the runs there are")]
     NotFound(String),
     /// Something else asked for is not there (exit 4, like a missing run).
@@ -48,7 +52,7 @@ impl CliError {
     pub fn exit_code(&self) -> ExitCode {
         ExitCode::from(match self {
             CliError::InvalidSpec { .. } | CliError::Unreadable { .. } | CliError::Usage(_) => 2,
-            CliError::Bus(_) => 3,
+            CliError::Bus(_) | CliError::Unavailable(_) => 3,
             CliError::NotFound(_) | CliError::Missing(_) => 4,
             CliError::TimedOut(_) => 5,
             CliError::Ended(_) => 1,

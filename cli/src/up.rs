@@ -130,7 +130,7 @@ fn services(
 
 /// Why the sandbox user (uid 65534, "others" to every folder here) cannot reach `dir`:
 /// the outermost folder on its path without the search (x) permission for others.
-fn untraversable(dir: &Path) -> Option<(PathBuf, u32)> {
+pub(crate) fn untraversable(dir: &Path) -> Option<(PathBuf, u32)> {
     use std::os::unix::fs::PermissionsExt;
     let absolute = std::path::absolute(dir).ok()?;
     let mut path: Vec<&Path> = absolute.ancestors().collect();
@@ -180,7 +180,7 @@ async fn probe(port: u16, path: &str) -> Result<(), String> {
 /// service opens connections; an ephemeral port (what port 0 gives) may meanwhile become
 /// the local end of one of those, and then the listener never binds — a restart loop under
 /// `--supervise`. Outside that range only another listener can take it.
-fn free_port() -> Result<u16, CliError> {
+pub(crate) fn free_port() -> Result<u16, CliError> {
     use std::hash::{BuildHasher, Hasher};
     const FLOOR: u16 = 10_000;
     let ceiling = ephemeral_floor();

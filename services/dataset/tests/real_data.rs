@@ -49,6 +49,33 @@ fn swebench_verified_splits_400_100_and_full_rows_load() {
     );
 }
 
+/// The loader keeps each row's gold patch (`arl dataset validate` grades it), but the
+/// manifest — what rollout, reward and evaluator read — never holds it: a policy must not
+/// be able to find the answer anywhere a trial can reach.
+#[test]
+fn the_gold_patch_never_reaches_the_manifest() {
+    use arl_dataset::manifest;
+    use arl_schemas::spec::{DataSource, DataSpec};
+    let file = data().join("verified_mini_50.jsonl");
+    let rows = load(&file, Completeness::Full).unwrap().rows;
+    let spec = DataSpec {
+        source: DataSource::Swebench,
+        val_size: 10,
+        ..DataSpec::default()
+    };
+    let registered = serde_json::to_string(&manifest::build(&spec, &file).unwrap()).unwrap();
+    for row in &rows {
+        assert!(!row.patch.trim().is_empty(), "{}", row.instance_id);
+        // As the manifest's JSON spells it (newlines escaped), without the quotes.
+        let encoded = serde_json::to_string(&row.patch).unwrap();
+        assert!(
+            !registered.contains(encoded.trim_matches('"')),
+            "{}'s gold patch is in the manifest",
+            row.instance_id
+        );
+    }
+}
+
 #[test]
 fn bad_rows_are_reported_with_file_row_field_and_reason() {
     let dir = tempfile::tempdir().unwrap();

@@ -11,7 +11,6 @@ use arl_runtime::http::Readiness;
 use crate::buildkit::BuildKit;
 use crate::jobs::{JobBuilds, JobConfig, Polling};
 use crate::local::{LocalBuilder, LocalConfig};
-use crate::recipe::load_instances;
 use crate::registry::{Credentials, Registry};
 use crate::service::{Builds, Cluster, ImageBuilder as ImageBuilderService, Recipes};
 
@@ -112,28 +111,14 @@ impl Service for ImageBuilder {
             Some(url) => Some(cluster(&args, url).await?),
             None => None,
         };
-        let home = PathBuf::from(std::env::var_os("HOME").unwrap_or_default());
-        let pyenv_root = args.pyenv_root.unwrap_or(home.join(".pyenv"));
-        let mut recipes = Recipes {
-            pyenv_root: pyenv_root.clone(),
-            ..Recipes::default()
-        };
-        for file in &args.swebench_recipes {
-            for instance in load_instances(file)? {
-                recipes
-                    .swebench
-                    .insert(instance.instance_id.clone(), instance);
-            }
-            if let Some(dir) = file.parent() {
-                recipes.swebench_dir = dir.to_path_buf();
-            }
-        }
-        let local = Arc::new(LocalBuilder::new(LocalConfig {
-            root: args.environments_dir,
-            pyenv_root,
-            pip_cache: args.pip_cache.unwrap_or(home.join(".cache/arl/pip")),
-            timeout: Duration::from_secs(args.build_timeout_s),
-        }));
+        let local_config = LocalConfig::new(
+            args.environments_dir,
+            args.pyenv_root,
+            args.pip_cache,
+            Duration::from_secs(args.build_timeout_s),
+        );
+        let recipes = Recipes::load(&args.swebench_recipes, local_config.pyenv_root.clone())?;
+        let local = Arc::new(LocalBuilder::new(local_config));
         let mut builder = ImageBuilderService::new(ctx.bus, local, recipes)
             .with_cache_limit((args.cache_limit_gb * 1e9) as u64);
         if let Some(cluster) = cluster {

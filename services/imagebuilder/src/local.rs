@@ -51,6 +51,25 @@ pub struct LocalConfig {
     pub timeout: Duration,
 }
 
+impl LocalConfig {
+    /// Builds under `root`, with interpreters from `pyenv_root` (default `~/.pyenv`) and
+    /// pip's cache in `pip_cache` (default `~/.cache/arl/pip`), each stopped after `timeout`.
+    pub fn new(
+        root: PathBuf,
+        pyenv_root: Option<PathBuf>,
+        pip_cache: Option<PathBuf>,
+        timeout: Duration,
+    ) -> Self {
+        let home = PathBuf::from(std::env::var_os("HOME").unwrap_or_default());
+        Self {
+            root,
+            pyenv_root: pyenv_root.unwrap_or_else(|| home.join(".pyenv")),
+            pip_cache: pip_cache.unwrap_or_else(|| home.join(".cache/arl/pip")),
+            timeout,
+        }
+    }
+}
+
 /// A ready environment.
 #[derive(Clone, Debug)]
 pub struct Built {
@@ -64,6 +83,9 @@ pub struct Built {
 pub struct LocalBuilder {
     config: LocalConfig,
     building: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Held while an interpreter is copied into the store: two builds of one batch that
+    /// need the same Python would otherwise copy it at once, and one would lose.
+    copying_interpreter: tokio::sync::Mutex<()>,
 }
 
 impl LocalBuilder {
@@ -74,6 +96,7 @@ impl LocalBuilder {
         Self {
             config,
             building: Mutex::default(),
+            copying_interpreter: tokio::sync::Mutex::default(),
         }
     }
 
@@ -138,6 +161,7 @@ impl LocalBuilder {
             });
         }
         let copy = self.config.root.join("python").join(version);
+        let _copying = self.copying_interpreter.lock().await;
         if !copy.is_dir() {
             let tmp = self
                 .config

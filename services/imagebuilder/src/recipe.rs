@@ -4,9 +4,11 @@
 //! commit, and one setup script. The recipe's digest (of everything that shapes the
 //! result) names the build, so a changed recipe is rebuilt and an unchanged one reused.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use arl_runtime::digest::sha256_hex;
+use arl_schemas::events::TaskKind;
 use serde::Deserialize;
 
 /// The fields of one `instances.json` entry the builder uses.
@@ -32,6 +34,14 @@ pub enum RecipeError {
     Read { path: String, reason: String },
     #[error("instance {0}: {1}")]
     Invalid(String, String),
+    #[error(
+        "no setup recipe for SWE-bench instance {0}: give the image builder an instances file that has it (--swebench-recipes)"
+    )]
+    NoSweRecipe(String),
+    #[error("run has no dataset path to find Harbor task {0}")]
+    NoDataset(String),
+    #[error("math tasks have no environment to build")]
+    NothingToBuild,
 }
 
 /// Where an environment's files come from.
@@ -76,6 +86,64 @@ pub fn load_instances(path: &Path) -> Result<Vec<SweInstance>, RecipeError> {
     };
     let bytes = std::fs::read(path).map_err(|e| read(e.to_string()))?;
     serde_json::from_slice(&bytes).map_err(|e| read(e.to_string()))
+}
+
+/// Where recipes come from.
+#[derive(Clone, Debug, Default)]
+pub struct Recipes {
+    /// SWE-bench instances with their setup commands (`instances.json` form), by id.
+    pub swebench: HashMap<String, SweInstance>,
+    /// Folder the instances' `source_repo` paths are relative to.
+    pub swebench_dir: PathBuf,
+    pub pyenv_root: PathBuf,
+}
+
+impl Recipes {
+    /// The SWE-bench instances of `files` (`instances.json` form; a later file's instance
+    /// replaces an earlier one of the same id); interpreters are found under `pyenv_root`.
+    pub fn load(files: &[PathBuf], pyenv_root: PathBuf) -> Result<Self, RecipeError> {
+        let mut recipes = Self {
+            pyenv_root,
+            ..Self::default()
+        };
+        for file in files {
+            for instance in load_instances(file)? {
+                recipes
+                    .swebench
+                    .insert(instance.instance_id.clone(), instance);
+            }
+            if let Some(dir) = file.parent() {
+                recipes.swebench_dir = dir.to_path_buf();
+            }
+        }
+        Ok(recipes)
+    }
+
+    /// The recipe of a task's environment (`swebench/<id>` from the instances,
+    /// `harbor/<task>` from the task's folder under `dataset`).
+    pub fn recipe(
+        &self,
+        kind: TaskKind,
+        environment: &str,
+        dataset: Option<&Path>,
+    ) -> Result<Recipe, RecipeError> {
+        match kind {
+            TaskKind::Swebench => {
+                let id = environment.strip_prefix("swebench/").unwrap_or(environment);
+                let instance = self
+                    .swebench
+                    .get(id)
+                    .ok_or_else(|| RecipeError::NoSweRecipe(id.to_owned()))?;
+                Recipe::from_swe(instance, &self.swebench_dir, &self.pyenv_root)
+            }
+            TaskKind::Harbor => {
+                let task = environment.strip_prefix("harbor/").unwrap_or(environment);
+                let dataset = dataset.ok_or_else(|| RecipeError::NoDataset(task.to_owned()))?;
+                Recipe::from_harbor(&dataset.join(task))
+            }
+            TaskKind::Math => Err(RecipeError::NothingToBuild),
+        }
+    }
 }
 
 impl Recipe {

@@ -8,7 +8,6 @@
 //! ([`Builds::Buildctl`]) or by a Kubernetes Job ([`Builds::Jobs`]) — and reported with the
 //! digest the registry then names for it (`…:latest@sha256:…`).
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -23,7 +22,8 @@ use arl_schemas::events::{
 use crate::buildkit::{BuildKit, prepare_context};
 use crate::jobs::{JobBuild, JobBuildError, JobBuilds, build_name};
 use crate::local::{BuildError, LocalBuilder};
-use crate::recipe::{Recipe, SweInstance};
+use crate::recipe::Recipe;
+pub use crate::recipe::Recipes;
 use crate::registry::Registry;
 
 /// Cluster mode: environments are OCI images in a registry, built by BuildKit when missing.
@@ -43,16 +43,6 @@ pub enum Builds {
     Buildctl(BuildKit),
     /// A Kubernetes Job per build, rootless BuildKit in the pod.
     Jobs(Arc<JobBuilds>),
-}
-
-/// Where recipes come from.
-#[derive(Clone, Debug, Default)]
-pub struct Recipes {
-    /// SWE-bench instances with their setup commands (`instances.json` form), by id.
-    pub swebench: HashMap<String, SweInstance>,
-    /// Folder the instances' `source_repo` paths are relative to.
-    pub swebench_dir: PathBuf,
-    pub pyenv_root: PathBuf,
 }
 
 pub struct ImageBuilder {
@@ -298,38 +288,17 @@ impl ImageBuilder {
     }
 
     fn recipe(&self, task: &TaskRef, dataset: Option<&PathBuf>) -> Result<Recipe, Failure> {
-        let name = &task.environment.name;
-        let no_recipe = |message: String| Failure {
-            reason: ImageFailureReason::InstallError,
-            message,
-            log_tail: String::new(),
-        };
-        match task.kind {
-            TaskKind::Swebench => {
-                let id = name.strip_prefix("swebench/").unwrap_or(name);
-                let instance = self.recipes.swebench.get(id).ok_or_else(|| {
-                    no_recipe(format!(
-                        "no setup recipe for SWE-bench instance {id}: give the image builder an instances file that has it (--swebench-recipes)"
-                    ))
-                })?;
-                Recipe::from_swe(
-                    instance,
-                    &self.recipes.swebench_dir,
-                    &self.recipes.pyenv_root,
-                )
-                .map_err(|e| no_recipe(e.to_string()))
-            }
-            TaskKind::Harbor => {
-                let task_name = name.strip_prefix("harbor/").unwrap_or(name);
-                let dataset = dataset.ok_or_else(|| {
-                    no_recipe(format!(
-                        "run has no dataset path to find Harbor task {task_name}"
-                    ))
-                })?;
-                Recipe::from_harbor(&dataset.join(task_name)).map_err(|e| no_recipe(e.to_string()))
-            }
-            TaskKind::Math => Err(no_recipe("math tasks have no environment to build".into())),
-        }
+        self.recipes
+            .recipe(
+                task.kind,
+                &task.environment.name,
+                dataset.map(PathBuf::as_path),
+            )
+            .map_err(|e| Failure {
+                reason: ImageFailureReason::InstallError,
+                message: e.to_string(),
+                log_tail: String::new(),
+            })
     }
 }
 

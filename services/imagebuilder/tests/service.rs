@@ -208,6 +208,44 @@ async fn one_build_per_environment_and_garbage_collection_by_size() {
     assert!(builder.collect_garbage(u64::MAX).await.unwrap().is_empty());
 }
 
+/// Two environments of one batch that need the same Python are built at once: the
+/// interpreter is copied into the store once, and both builds succeed (they raced for the
+/// copy, and one failed "publishing the interpreter copy", before the copy was locked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builds_needing_one_interpreter_share_its_copy() {
+    use arl_imagebuilder::recipe::{Recipe, Source};
+    let files = tempfile::tempdir().unwrap();
+    // A stand-in pyenv interpreter, large enough that copying it takes a moment.
+    let bin = files.path().join("pyenv/versions/9.9.9/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    for i in 0..2000 {
+        std::fs::write(bin.join(format!("module{i}.py")), "x = 1\n").unwrap();
+    }
+    let builder = LocalBuilder::new(LocalConfig {
+        root: files.path().join("environments"),
+        pyenv_root: files.path().join("pyenv"),
+        pip_cache: files.path().join("pip"),
+        timeout: Duration::from_secs(60),
+    });
+    let recipe = |name: &str| Recipe {
+        name: format!("swebench/{name}"),
+        workdir: "/testbed".into(),
+        python: Some("9.9.9".into()),
+        source: Source::Folder(examples().join("fix-mean/environment/app")),
+        script: "true".into(),
+        digest: name.into(),
+    };
+    let (first, second) = (recipe("first"), recipe("second"));
+    let (a, b) = tokio::join!(builder.ensure(&first), builder.ensure(&second));
+    a.unwrap();
+    b.unwrap();
+    let store: Vec<_> = std::fs::read_dir(files.path().join("environments/python"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(store, ["9.9.9"], "one copy, no leftovers");
+}
+
 /// A build past its time limit is stopped and reported as a timeout, with the log's tail,
 /// and nothing is published.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -147,6 +147,8 @@ pub struct HarborGrade {
     pub score: f64,
     /// Tests that passed and failed, when pytest's results decided.
     pub tests: Option<(usize, usize)>,
+    /// The failed (or skipped) tests by pytest's name, when pytest's results decided.
+    pub failed_tests: Vec<String>,
     /// A canary broke: the test run was tampered with, and scored 0.
     pub tampered: bool,
 }
@@ -157,6 +159,7 @@ pub fn grade(log: &str, guard: &Guard, verdict: &Verdict) -> Result<HarborGrade,
         Verdict::RewardFile => Ok(HarborGrade {
             score: reward_from_log(log, guard)?,
             tests: None,
+            failed_tests: Vec::new(),
             tampered: false,
         }),
         Verdict::Pytest(canaries) => {
@@ -189,7 +192,8 @@ pub fn grade(log: &str, guard: &Guard, verdict: &Verdict) -> Result<HarborGrade,
                     .iter()
                     .any(|c| c.must_pass == f || c.must_fail == f)
             };
-            let (mut passed, mut failed) = (0, 0);
+            let mut passed = 0;
+            let mut failed_tests = Vec::new();
             for (name, status) in &statuses {
                 if is_canary(name) {
                     continue;
@@ -197,13 +201,17 @@ pub fn grade(log: &str, guard: &Guard, verdict: &Verdict) -> Result<HarborGrade,
                 match status {
                     TestStatus::Passed | TestStatus::Xfail => passed += 1,
                     // A skipped test verified nothing.
-                    TestStatus::Failed | TestStatus::Error | TestStatus::Skipped => failed += 1,
+                    TestStatus::Failed | TestStatus::Error | TestStatus::Skipped => {
+                        failed_tests.push(name.clone())
+                    }
                 }
             }
-            let solved = held && passed > 0 && failed == 0;
+            failed_tests.sort();
+            let solved = held && passed > 0 && failed_tests.is_empty();
             Ok(HarborGrade {
                 score: if solved { 1.0 } else { 0.0 },
-                tests: Some((passed, failed)),
+                tests: Some((passed, failed_tests.len())),
+                failed_tests,
                 tampered: !held,
             })
         }
