@@ -4,6 +4,7 @@
 //! spec; 3 the bus could not be reached or refused; 4 no such run; 5 timed out waiting.
 
 mod cli;
+mod epochs;
 mod image;
 mod model;
 mod natsconf;
