@@ -5,6 +5,7 @@
 //! machine must start) could not be reached or refused; 4 no such run; 5 timed out waiting.
 
 mod cli;
+mod epochs;
 mod image;
 mod model;
 mod natsconf;

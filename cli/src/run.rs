@@ -18,6 +18,7 @@ use async_nats::jetstream::kv;
 use futures::StreamExt;
 
 use crate::cli::{BusArgs, RunCommand};
+use crate::epochs::{self, StepsFromEpochs};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
@@ -123,16 +124,26 @@ async fn connect(args: &BusArgs) -> Result<Bus, CliError> {
     Ok(bus)
 }
 
+/// The spec to submit, with what the user should be told about how it was read.
+#[derive(Debug)]
+pub struct LoadedSpec {
+    pub spec: RunSpec,
+    /// VeRL keys left out as meaningless here.
+    pub ignored: Vec<IgnoredKey>,
+    /// How `trainer.total_steps` came from VeRL's `trainer.total_epochs`, when it did.
+    pub steps_from_epochs: Option<StepsFromEpochs>,
+}
+
 /// Builds and checks the spec to submit: the file (if any), then the `--set` overrides.
 /// Relative paths are resolved against the file's folder, or the current folder without a
-/// file. Returns the VeRL keys that were left out as meaningless here (an error when
-/// `strict`).
+/// file. VeRL keys left out as meaningless here are an error when `strict`; epochs without
+/// steps are turned into steps over the dataset's training split (see [`crate::epochs`]).
 pub fn load_spec(
     path: Option<&Path>,
     overrides: &[Override],
     strict: bool,
     check_resources: bool,
-) -> Result<(RunSpec, Vec<IgnoredKey>), CliError> {
+) -> Result<LoadedSpec, CliError> {
     let shown = path.map_or("--set".into(), |p| p.display().to_string());
     let invalid = |errors| CliError::InvalidSpec {
         path: shown.clone(),
@@ -142,7 +153,11 @@ pub fn load_spec(
         Some(path) => read_document(path)?,
         None => serde_json::Value::Object(Default::default()),
     };
-    let Layered { mut spec, ignored } = spec_layers::build(document, overrides).map_err(invalid)?;
+    let Layered {
+        mut spec,
+        ignored,
+        total_epochs,
+    } = spec_layers::build(document, overrides).map_err(invalid)?;
     if strict && !ignored.is_empty() {
         let errors = ignored
             .iter()
@@ -156,17 +171,41 @@ pub fn load_spec(
         .unwrap_or(Path::new("."));
     let base = std::fs::canonicalize(base).unwrap_or_else(|_| base.to_path_buf());
     spec.resolve_relative_paths(&base);
+    let resource_errors = |spec: &RunSpec| -> Vec<FieldError> {
+        if !check_resources {
+            return Vec::new();
+        }
+        arl_controller::resources::check(spec, &default_model_dir())
+            .err()
+            .unwrap_or_default()
+    };
+    // A zero batch counts no steps; the spec's check below says what is wrong with it.
+    let steps_from_epochs = match total_epochs {
+        Some(epochs) if spec.data.train_batch_size > 0 => {
+            // Admission's question first: a dataset file that is not there is that, not a
+            // missing step count.
+            let missing = resource_errors(&spec);
+            if !missing.is_empty() {
+                return Err(invalid(missing));
+            }
+            let derived = epochs::derive(&spec, epochs).map_err(|e| invalid(vec![e]))?;
+            spec.trainer.total_steps = derived.steps;
+            Some(derived)
+        }
+        _ => None,
+    };
     let mut errors = spec.check();
-    if check_resources
-        && errors.is_empty()
-        && let Err(resource_errors) = arl_controller::resources::check(&spec, &default_model_dir())
-    {
-        errors.extend(resource_errors);
+    if errors.is_empty() && steps_from_epochs.is_none() {
+        errors.extend(resource_errors(&spec));
     }
     if !errors.is_empty() {
         return Err(invalid(errors));
     }
-    Ok((spec, ignored))
+    Ok(LoadedSpec {
+        spec,
+        ignored,
+        steps_from_epochs,
+    })
 }
 
 /// A spec file's keys as a document: JSON by its extension, TOML otherwise.
@@ -189,12 +228,19 @@ fn read_document(path: &Path) -> Result<serde_json::Value, CliError> {
 }
 
 async fn submit(args: &BusArgs, submit: Submit) -> Result<ExitCode, CliError> {
-    let (spec, ignored) = load_spec(
+    let LoadedSpec {
+        spec,
+        ignored,
+        steps_from_epochs,
+    } = load_spec(
         submit.spec.as_deref(),
         &submit.overrides,
         submit.strict,
         submit.check_resources,
     )?;
+    if let Some(derived) = &steps_from_epochs {
+        eprintln!("{derived}");
+    }
     if !ignored.is_empty() {
         eprintln!(
             "warning: these VeRL keys mean nothing in ARL and were left out (--strict refuses them):\n{}",

@@ -62,9 +62,50 @@ pub struct TaskRecord {
     pub task_id: TaskId,
     pub kind: TaskKind,
     pub environment: EnvironmentRef,
-    /// The problem statement / instruction / question.
+    /// The problem statement / instruction / question. For a task with `messages`, the
+    /// last user message (for people and logs; the agent sends `messages`).
     pub instruction: String,
     pub grading: Grading,
+    /// The prompt exactly as the dataset wrote it (VeRL's `prompt` column): the agent sends
+    /// these messages as they are, with no prompt of its own. Absent for tasks whose agent
+    /// builds the prompt from `instruction` (every manifest written before this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub messages: Option<Vec<ChatMessage>>,
+}
+
+/// One message of a task's prompt.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ChatMessage {
+    pub role: ChatRole,
+    pub content: String,
+}
+
+/// The roles of OpenAI's chat format that a dataset's prompt may hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ChatRole {
+    System,
+    User,
+    Assistant,
+    Tool,
+}
+
+impl ChatRole {
+    pub const ALL: [ChatRole; 4] = [Self::System, Self::User, Self::Assistant, Self::Tool];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::System => "system",
+            Self::User => "user",
+            Self::Assistant => "assistant",
+            Self::Tool => "tool",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|role| role.as_str() == name)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -171,6 +212,34 @@ fn numbers(text: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Manifests written before `messages` existed read as tasks without them, and a task
+    /// without them is written exactly as before (so its manifest's digest is unchanged).
+    #[test]
+    fn messages_are_optional_on_the_wire() {
+        let before = serde_json::json!({
+            "task_id": "math-1",
+            "kind": "math",
+            "environment": {"name": "math"},
+            "instruction": "What is 5 + 7?",
+            "grading": {"kind": "math", "answer": "12"}
+        });
+        let task: TaskRecord = serde_json::from_value(before.clone()).unwrap();
+        assert_eq!(task.messages, None);
+        assert_eq!(serde_json::to_value(&task).unwrap(), before);
+
+        let mut with = task;
+        with.messages = Some(vec![ChatMessage {
+            role: ChatRole::User,
+            content: "What is 5 + 7?".into(),
+        }]);
+        let written = serde_json::to_value(&with).unwrap();
+        assert_eq!(
+            written["messages"],
+            serde_json::json!([{"role": "user", "content": "What is 5 + 7?"}])
+        );
+        assert_eq!(serde_json::from_value::<TaskRecord>(written).unwrap(), with);
+    }
 
     #[test]
     fn answers_match_by_final_line_or_number() {

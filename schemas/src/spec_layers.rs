@@ -76,6 +76,10 @@ pub fn toml_document(text: &str) -> Result<Value, FieldError> {
 pub struct Layered {
     pub spec: RunSpec,
     pub ignored: Vec<IgnoredKey>,
+    /// VeRL's `trainer.total_epochs`, given without a step count. Then `spec.trainer.total_steps`
+    /// is not settled (it holds the default): the caller must set it to
+    /// [`verl::steps_for_epochs`] over the dataset's training split, or refuse the spec.
+    pub total_epochs: Option<u32>,
 }
 
 /// Builds the spec from a file's document (an empty object when there is no file) and the
@@ -98,10 +102,11 @@ pub fn build(document: Value, overrides: &[Override]) -> Result<Layered, Vec<Fie
     for o in overrides {
         errors.extend(layers.place_override(&ours, o).err());
     }
-    errors.extend(verl::resolve_combined(
-        &mut layers.settings,
-        &mut layers.ignored,
-    ));
+    let total_epochs = verl::resolve_combined(&mut layers.settings, &mut layers.ignored)
+        .unwrap_or_else(|combined| {
+            errors.extend(combined);
+            None
+        });
     if !errors.is_empty() {
         return Err(errors);
     }
@@ -114,6 +119,7 @@ pub fn build(document: Value, overrides: &[Override]) -> Result<Layered, Vec<Fie
     Ok(Layered {
         spec,
         ignored: layers.ignored,
+        total_epochs,
     })
 }
 
@@ -256,7 +262,7 @@ fn as_written(error: FieldError, settings: &BTreeMap<String, Setting>) -> FieldE
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::{AdvEstimator, KlLossType, LossAggMode};
+    use crate::spec::{AdvEstimator, DataSource, KlLossType, LossAggMode};
 
     fn set(args: &[&str]) -> Vec<Override> {
         args.iter().map(|a| a.parse().unwrap()).collect()
@@ -472,14 +478,90 @@ mod tests {
     }
 
     #[test]
-    fn epochs_need_steps() {
-        assert_eq!(
-            error_paths(build_set(&["trainer.total_epochs=15"])),
-            ["trainer.total_epochs"]
-        );
+    fn epochs_alone_are_handed_back_and_steps_decide_when_given() {
+        let layered = build_set(&["trainer.total_epochs=15"]).unwrap();
+        assert_eq!(layered.total_epochs, Some(15));
         let layered =
             build_set(&["trainer.total_epochs=15", "trainer.total_training_steps=3"]).unwrap();
         assert_eq!(layered.spec.trainer.total_steps, 3);
+        assert_eq!(layered.total_epochs, None);
         assert_eq!(layered.ignored[0].path, "trainer.total_epochs");
+        for bad in ["trainer.total_epochs=0", "trainer.total_epochs=1.5"] {
+            assert_eq!(
+                error_paths(build_set(&[bad])),
+                ["trainer.total_epochs"],
+                "{bad}"
+            );
+        }
+        // A client writing the spec itself has no such key: steps only.
+        let errors = RunSpec::from_json_value(serde_json::json!({"trainer": {"total_epochs": 15}}))
+            .unwrap_err();
+        assert_eq!(errors[0].path, "trainer.total_epochs");
+    }
+
+    #[test]
+    fn train_and_val_files_are_our_datasets_read_as_verl_rows() {
+        let layered = build_set(&[
+            "data.train_files=data/gsm8k/train.parquet",
+            "data.val_files=[\"data/gsm8k/test.parquet\"]",
+        ])
+        .unwrap();
+        let data = &layered.spec.data;
+        assert_eq!(data.source, DataSource::Verl);
+        assert_eq!(data.dataset, "data/gsm8k/train.parquet");
+        assert_eq!(data.val_dataset, "data/gsm8k/test.parquet");
+        // VeRL validates on the whole val file: no default caps it.
+        assert_eq!(data.val_size, 0);
+        assert!(data.validates_on_all_of_val_dataset());
+        let fewer = build_set(&["data.val_files=test.parquet", "data.val_size=100"]).unwrap();
+        assert_eq!(fewer.spec.data.val_size, 100);
+        let explicit = build_set(&["data.train_files=t.parquet", "data.source=verl"]).unwrap();
+        assert_eq!(explicit.spec.data.source, DataSource::Verl);
+
+        for args in [
+            &["data.train_files=t.parquet", "data.source=gsm8k"][..],
+            &["data.train_files=t.parquet", "data.dataset=u.parquet"],
+            &["data.val_files=v.parquet", "data.val_dataset=w.parquet"],
+            &["data.train_files=[\"a.parquet\", \"b.parquet\"]"],
+            &["data.train_files=[]"],
+            &["data.train_files=\"\""],
+            &["data.train_files=3"],
+        ] {
+            let paths = error_paths(build_set(args));
+            assert_eq!(paths.len(), 1, "{args:?}: {paths:?}");
+            assert!(
+                paths[0].starts_with("data.") && paths[0].ends_with("_files"),
+                "{paths:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn clip_ratio_is_the_fallback_of_both_bounds() {
+        let both = build_set(&["actor_rollout_ref.actor.clip_ratio=0.25"]).unwrap();
+        let a = &both.spec.algorithm;
+        assert_eq!((a.clip_ratio_low, a.clip_ratio_high), (0.25, 0.25));
+        let high_given = build_set(&[
+            "actor_rollout_ref.actor.clip_ratio=0.25",
+            "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        ])
+        .unwrap();
+        let a = &high_given.spec.algorithm;
+        assert_eq!((a.clip_ratio_low, a.clip_ratio_high), (0.25, 0.28));
+        let ours_given = build_set(&[
+            "actor_rollout_ref.actor.clip_ratio=0.25",
+            "algorithm.clip_ratio_low=0.1",
+            "algorithm.clip_ratio_high=0.3",
+        ])
+        .unwrap();
+        let a = &ours_given.spec.algorithm;
+        assert_eq!((a.clip_ratio_low, a.clip_ratio_high), (0.1, 0.3));
+        assert_eq!(
+            ours_given.ignored[0].path,
+            "actor_rollout_ref.actor.clip_ratio"
+        );
+        // A bad value is reported under the key the user wrote.
+        let errors = build_set(&["actor_rollout_ref.actor.clip_ratio=wide"]).unwrap_err();
+        assert_eq!(errors[0].path, "actor_rollout_ref.actor.clip_ratio");
     }
 }

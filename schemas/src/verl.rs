@@ -225,18 +225,7 @@ const REWARD_KL: &str = "VeRL's algorithm.kl_ctrl / use_kl_in_reward subtract a 
      from the reward; ARL has no reward-side KL. ARL's algorithm.kl_coef is the KL loss \
      term, VeRL's actor_rollout_ref.actor.kl_loss_coef (with use_kl_loss=true)";
 
-const REFUSED: &[(&str, &str)] = &[
-    ("algorithm.kl_ctrl.", REWARD_KL),
-    (
-        "data.train_files",
-        "ARL reads datasets itself, not VeRL's preprocessed parquet: set data.dataset and \
-         data.source",
-    ),
-    (
-        "data.val_files",
-        "ARL splits validation from data.dataset: set data.val_size",
-    ),
-];
+const REFUSED: &[(&str, &str)] = &[("algorithm.kl_ctrl.", REWARD_KL)];
 
 const COMBINED: &[&str] = &[
     USE_KL_IN_REWARD,
@@ -245,6 +234,9 @@ const COMBINED: &[&str] = &[
     NORM_ADV_BY_STD,
     TOTAL_EPOCHS,
     PPO_MINI_BATCH_SIZE,
+    CLIP_RATIO,
+    TRAIN_FILES,
+    VAL_FILES,
 ];
 
 const USE_KL_IN_REWARD: &str = "algorithm.use_kl_in_reward";
@@ -253,6 +245,9 @@ const KL_LOSS_COEF: &str = "actor_rollout_ref.actor.kl_loss_coef";
 const NORM_ADV_BY_STD: &str = "algorithm.norm_adv_by_std_in_grpo";
 const TOTAL_EPOCHS: &str = "trainer.total_epochs";
 const PPO_MINI_BATCH_SIZE: &str = "actor_rollout_ref.actor.ppo_mini_batch_size";
+const CLIP_RATIO: &str = "actor_rollout_ref.actor.clip_ratio";
+const TRAIN_FILES: &str = "data.train_files";
+const VAL_FILES: &str = "data.val_files";
 
 /// The rule for a VeRL key; None when `path` is not a VeRL key ARL knows (it may be ours).
 pub fn rule(path: &str) -> Option<Rule> {
@@ -324,10 +319,12 @@ impl std::fmt::Display for IgnoredKey {
 /// Settles the keys that only mean something together, replacing them by ours in
 /// `settings` (keyed by our path, or by the VeRL path for [`Rule::Combined`] keys).
 /// Keys that end up with no effect (as they would have none in VeRL) go to `ignored`.
+/// Returns `trainer.total_epochs` when it is given without a step count: the steps are
+/// then epochs × batches per epoch, which only the dataset can tell (see [`steps_for_epochs`]).
 pub fn resolve_combined(
     settings: &mut BTreeMap<String, Setting>,
     ignored: &mut Vec<IgnoredKey>,
-) -> Vec<FieldError> {
+) -> Result<Option<u32>, Vec<FieldError>> {
     let mut errors = Vec::new();
     // false (VeRL's default) is what ARL does: nothing to map.
     match take_bool(settings, USE_KL_IN_REWARD) {
@@ -341,13 +338,20 @@ pub fn resolve_combined(
     if let Err(e) = resolve_std_normalisation(settings, ignored) {
         errors.push(e);
     }
-    if let Err(e) = resolve_epochs(settings, ignored) {
+    resolve_clip_ratio(settings, ignored);
+    errors.extend(resolve_files(settings));
+    let epochs = resolve_epochs(settings, ignored).unwrap_or_else(|e| {
         errors.push(e);
-    }
+        None
+    });
     if let Err(e) = resolve_mini_batch_size(settings) {
         errors.push(e);
     }
-    errors
+    if errors.is_empty() {
+        Ok(epochs)
+    } else {
+        Err(errors)
+    }
 }
 
 fn take_bool(
@@ -476,26 +480,132 @@ fn resolve_std_normalisation(
 }
 
 /// VeRL derives the steps from `total_epochs` unless `total_training_steps` is given;
-/// ARL counts steps only.
+/// ARL counts steps only, so epochs alone are handed back to be turned into steps by
+/// whoever can read the dataset (`arl run submit`). They never reach the spec.
 fn resolve_epochs(
     settings: &mut BTreeMap<String, Setting>,
     ignored: &mut Vec<IgnoredKey>,
-) -> Result<(), FieldError> {
-    if settings.remove(TOTAL_EPOCHS).is_none() {
-        return Ok(());
-    }
+) -> Result<Option<u32>, FieldError> {
+    let Some(epochs) = settings.remove(TOTAL_EPOCHS) else {
+        return Ok(None);
+    };
     if settings.contains_key("trainer.total_steps") {
         ignored.push(IgnoredKey {
             path: TOTAL_EPOCHS.into(),
             why: "trainer.total_training_steps decides, as in VeRL".into(),
         });
-        return Ok(());
+        return Ok(None);
     }
-    Err(FieldError::new(
-        TOTAL_EPOCHS,
-        "ARL counts optimizer steps, not epochs: give trainer.total_training_steps \
-         (epochs × training tasks ÷ data.train_batch_size)",
-    ))
+    match epochs.value.as_u64().map(u32::try_from) {
+        Some(Ok(n)) if n >= 1 => Ok(Some(n)),
+        _ => Err(FieldError::new(
+            TOTAL_EPOCHS,
+            format!(
+                "must be a whole number of epochs, at least 1, got {}",
+                epochs.value
+            ),
+        )),
+    }
+}
+
+/// The optimizer steps of `epochs` passes over `train_tasks` in batches of `batch_size`,
+/// as VeRL counts them and as the dataset service batches (a partial last batch is a
+/// step: `services/dataset/src/split.rs::batch`). None when there is nothing to count
+/// (no task, a zero batch) or the count does not fit.
+pub fn steps_for_epochs(epochs: u32, train_tasks: usize, batch_size: u32) -> Option<u32> {
+    if train_tasks == 0 || batch_size == 0 {
+        return None;
+    }
+    let per_epoch = u32::try_from(train_tasks.div_ceil(batch_size as usize)).ok()?;
+    epochs.checked_mul(per_epoch)
+}
+
+/// VeRL's `clip_ratio` is the fallback of `clip_ratio_low` and `clip_ratio_high`: each bound
+/// that is not given takes it.
+fn resolve_clip_ratio(settings: &mut BTreeMap<String, Setting>, ignored: &mut Vec<IgnoredKey>) {
+    let Some(ratio) = settings.remove(CLIP_RATIO) else {
+        return;
+    };
+    let mut used = false;
+    for bound in ["algorithm.clip_ratio_low", "algorithm.clip_ratio_high"] {
+        if !settings.contains_key(bound) {
+            set(settings, bound, CLIP_RATIO, ratio.value.clone());
+            used = true;
+        }
+    }
+    if !used {
+        ignored.push(IgnoredKey {
+            path: CLIP_RATIO.into(),
+            why: "no effect: both clip_ratio_low and clip_ratio_high are given, as in VeRL".into(),
+        });
+    }
+}
+
+/// VeRL's `data.train_files` / `val_files` are our `data.dataset` / `data.val_dataset`
+/// read as VeRL's preprocessed rows (`data.source = "verl"`, which they set; another source
+/// would read the same file as something else, so it is an error).
+fn resolve_files(settings: &mut BTreeMap<String, Setting>) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    for (key, ours) in [
+        (TRAIN_FILES, "data.dataset"),
+        (VAL_FILES, "data.val_dataset"),
+    ] {
+        let Some(files) = settings.remove(key) else {
+            continue;
+        };
+        if let Some(also) = settings.get(ours) {
+            errors.push(FieldError::new(
+                key,
+                format!("is the same setting as {}, also given", also.written),
+            ));
+            continue;
+        }
+        let path = match one_path(&files.value) {
+            Ok(path) => path,
+            Err(why) => {
+                errors.push(FieldError::new(key, why));
+                continue;
+            }
+        };
+        match settings.get("data.source").map(|s| (&s.value, &s.written)) {
+            None => set(settings, "data.source", key, Value::from("verl")),
+            Some((Value::String(source), _)) if source == "verl" => {}
+            Some((source, written)) => errors.push(FieldError::new(
+                key,
+                format!(
+                    "holds VeRL's preprocessed rows (data.source = \"verl\"), but {written} \
+                     is {source}; leave data.source out or set it to \"verl\""
+                ),
+            )),
+        }
+        set(settings, ours, key, Value::from(path));
+    }
+    errors
+}
+
+/// The one path of a files key: VeRL takes a path or a list of paths; ARL reads one file
+/// per split.
+fn one_path(value: &Value) -> Result<String, String> {
+    let path = match value {
+        Value::String(path) => path,
+        Value::Array(items) => match items.as_slice() {
+            [Value::String(path)] => path,
+            [] => return Err("is an empty list; give the parquet file".into()),
+            [_] => return Err(format!("must be a path, got {value}")),
+            more => {
+                return Err(format!(
+                    "lists {} files, but ARL reads one file per split: concatenate them \
+                     (datasets' concatenate_datasets(...).to_parquet) and give that file",
+                    more.len()
+                ));
+            }
+        },
+        other => return Err(format!("must be a path or a list of one path, got {other}")),
+    };
+    if path.trim().is_empty() {
+        return Err("is empty; give the parquet file".into());
+    }
+    Ok(path.clone())
 }
 
 /// VeRL's `ppo_mini_batch_size` counts prompts per optimizer update; ours counts the
@@ -527,5 +637,27 @@ fn resolve_mini_batch_size(settings: &mut BTreeMap<String, Setting>) -> Result<(
                 mini.value
             ),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// As the dataset service batches: ceil(tasks ÷ batch) steps per epoch, the last
+    /// batch partial.
+    #[test]
+    fn epochs_count_every_batch_of_the_split() {
+        assert_eq!(steps_for_epochs(15, 5, 4), Some(30));
+        assert_eq!(steps_for_epochs(15, 8, 4), Some(30));
+        assert_eq!(steps_for_epochs(1, 7473, 1024), Some(8));
+        assert_eq!(
+            steps_for_epochs(3, 2, 4),
+            Some(3),
+            "a batch larger than the split"
+        );
+        assert_eq!(steps_for_epochs(3, 0, 4), None);
+        assert_eq!(steps_for_epochs(3, 5, 0), None);
+        assert_eq!(steps_for_epochs(u32::MAX, 5, 1), None, "does not fit");
     }
 }

@@ -619,6 +619,63 @@ async fn a_failure_under_fail_group_masks_the_whole_group() {
     stack.shutdown.wait().await;
 }
 
+/// A VeRL-format run (issue 28): GSM8K rows as VeRL's preprocessing writes them (nested
+/// Parquet) are math trials whose one LLM call is the row's prompt exactly as written — no
+/// prompt of ours — graded against the row's ground truth into token-true trajectories.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verl_rows_are_prompted_as_written_and_graded() {
+    use arl_testkit::verl::{GSM8K_TRAIN, VerlRow, write_verl_parquet};
+    let stack = Stack::start().await;
+    let _rollout = Children(vec![stack.rollout()]);
+    let rows = VerlRow::gsm8k_split("train", &GSM8K_TRAIN[..2]);
+    let data = stack.files.path().join("train.parquet");
+    write_verl_parquet(&data, &rows).unwrap();
+    let run = stack
+        .submit_with(2, |spec| {
+            spec.data.dataset = data.display().to_string();
+            spec.data.source = arl_schemas::spec::DataSource::Verl;
+            spec.rollout.max_response_tokens = 16;
+        })
+        .await;
+    // One task trains (n = 2), the other validates (before and after the step).
+    let trajectories = wait_for("two trajectories", Duration::from_secs(180), || async {
+        let t: Vec<TrajectoryV1> = stack.events(&run, Domain::Trajectory, "ready").await;
+        (t.len() >= 2).then_some(t)
+    })
+    .await;
+    let prompts: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|row| {
+            let (role, content) = &row.prompt[0];
+            serde_json::json!([{"role": role, "content": content}])
+        })
+        .collect();
+    let calls = stack.calls(&run).await;
+    let scored: Vec<RewardScoredV2> = stack.events(&run, Domain::Reward, "scored").await;
+    for trajectory in &trajectories {
+        assert_eq!(trajectory.status, SampleStatus::Scored, "{trajectory:?}");
+        let mine: Vec<LlmCallV2> = calls
+            .iter()
+            .filter(|c| c.trial_id == trajectory.trial_id)
+            .cloned()
+            .collect();
+        assert_eq!(mine.len(), 1, "a math trial is one call");
+        assert!(
+            prompts.contains(&mine[0].request_messages),
+            "sent as written: {}",
+            mine[0].request_messages
+        );
+        let grade = scored
+            .iter()
+            .find(|s| s.trial_id == trajectory.trial_id)
+            .unwrap();
+        assert_eq!(trajectory.reward, grade.reward);
+        check_token_truth(trajectory, &mine);
+    }
+    stack.shutdown.trigger();
+    stack.shutdown.wait().await;
+}
+
 /// The engine comes up 30 s after everything else (as when it loads a large model): the
 /// trials that started meanwhile wait for it — none fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -37,7 +37,7 @@ pub async fn execute(args: ValidateArgs) -> Result<ExitCode, CliError> {
     let started = Instant::now();
     // The spec as `arl run submit` reads it; whether this machine has the model is no
     // concern of the data's.
-    let (spec, _) = load_spec(Some(&args.spec), &args.overrides, false, false)?;
+    let spec = load_spec(Some(&args.spec), &args.overrides, false, false)?.spec;
     let plan = plan::load(&spec.data)?;
     let jobs = args.jobs.unwrap_or_else(cores).max(1);
     eprintln!(

@@ -70,7 +70,7 @@ pub fn load(data: &DataSpec) -> Result<Plan, CliError> {
     let registered = manifest::build(&every_row, &dataset).map_err(|e| load_error(&dataset, e))?;
     let mut gold = match data.source {
         DataSource::Swebench => gold_patches(&dataset)?,
-        DataSource::Harbor | DataSource::Gsm8k => HashMap::new(),
+        DataSource::Harbor | DataSource::Gsm8k | DataSource::Verl => HashMap::new(),
     };
     let tasks = registered
         .tasks
@@ -88,7 +88,7 @@ pub fn load(data: &DataSpec) -> Result<Plan, CliError> {
     let kind = match data.source {
         DataSource::Swebench => TaskKind::Swebench,
         DataSource::Harbor => TaskKind::Harbor,
-        DataSource::Gsm8k => TaskKind::Math,
+        DataSource::Gsm8k | DataSource::Verl => TaskKind::Math,
     };
     Ok(Plan {
         dataset,

@@ -117,7 +117,7 @@ pub fn proxy_request(data: &[u8]) {
 }
 
 /// A dataset file: the first byte picks its format (JSONL, JSON, Parquet, Arrow), the rest
-/// is the file, read by the math and SWE-bench loaders.
+/// is the file, read by the math, SWE-bench and VeRL loaders.
 pub fn dataset(data: &[u8]) {
     let Some((format, body)) = data.split_first() else {
         return;
@@ -136,6 +136,7 @@ pub fn dataset(data: &[u8]) {
 fn read_dataset(path: &Path) {
     use arl_dataset::swebench::{Completeness, load};
     let _ = arl_dataset::math::load(path);
+    let _ = arl_dataset::verl::load(path);
     let _ = load(path, Completeness::Full);
     let _ = load(path, Completeness::ProblemsOnly);
 }

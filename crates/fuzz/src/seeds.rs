@@ -208,10 +208,22 @@ pub fn dataset() -> Vec<Vec<u8>> {
         "\n"
     );
     let json = format!("[{}]", jsonl.trim_end().replace('\n', ","));
+    let verl_jsonl = concat!(
+        r#"{"data_source":"openai/gsm8k","prompt":[{"content":"What is 2 + 3?","role":"user"}],"ability":"math","reward_model":{"ground_truth":"5","style":"rule"},"extra_info":{"answer":"2 + 3 = 5","index":0,"question":"What is 2 + 3?","split":"train"}}"#,
+        "\n"
+    );
+    // VeRL's GSM8K as its preprocessing writes it: lists of structs, structs, a null
+    // inside a list.
+    let mut rows =
+        arl_testkit::verl::VerlRow::gsm8k_split("train", &arl_testkit::verl::GSM8K_TRAIN[..2]);
+    rows[1].prompt.insert(0, ("system".into(), None));
+    let verl_parquet = arl_testkit::verl::verl_parquet(&rows).unwrap_or_default();
     vec![
         [&[0u8][..], jsonl.as_bytes()].concat(),
         [&[1u8][..], json.as_bytes()].concat(),
         [&[2u8][..], b"PAR1\0\0\0\0PAR1"].concat(),
         [&[3u8][..], b"ARROW1\0\0"].concat(),
+        [&[0u8][..], verl_jsonl.as_bytes()].concat(),
+        [&[2u8][..], &verl_parquet].concat(),
     ]
 }

@@ -66,6 +66,16 @@ fn the_seeds_are_valid() {
         arl_schemas::spec::RunSpec::from_toml(std::str::from_utf8(&toml).unwrap()).unwrap();
     }
     assert_eq!(arl_fuzz::seeds::run_spec_json().len(), 3);
+    // The VeRL seeds load: a JSONL row, and nested Parquet with one row's null message.
+    let seeds = arl_fuzz::seeds::dataset();
+    for (seed, extension, (rows, errors)) in
+        [(&seeds[4], "jsonl", (1, 0)), (&seeds[5], "parquet", (1, 1))]
+    {
+        let path = dir.path().join(format!("verl.{extension}"));
+        std::fs::write(&path, &seed[1..]).unwrap();
+        let loaded = arl_dataset::verl::load(&path).unwrap();
+        assert_eq!((loaded.rows.len(), loaded.errors.len()), (rows, errors));
+    }
     for body in arl_fuzz::seeds::proxy_request() {
         let chat = arl_proxy::api::parse_request(&body, arl_proxy::api::Kind::Chat);
         let completion = arl_proxy::api::parse_request(&body, arl_proxy::api::Kind::Completion);

@@ -6,6 +6,7 @@
 //! - [`wait_for`]: poll a condition with a deadline — tests never sleep blindly.
 //! - [`built_binary`], [`Children`], [`ProcessGroup`], [`free_port`]: end-to-end tests start the real
 //!   binaries on free ports and never leave them running.
+//! - [`verl`]: VeRL-format dataset files (GSM8K rows with VeRL's nested Parquet schema).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::{TcpListener, TcpStream};
@@ -15,6 +16,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use arl_schemas::Namespace;
+
+pub mod verl;
 
 /// The oldest server with the JetStream features ARL uses.
 const MIN_VERSION: (u32, u32) = (2, 10);

@@ -23,12 +23,23 @@ pub fn check(spec: &RunSpec, model_dir: &Path) -> Result<ResolvedResources, Vec<
         .map_err(|reason| FieldError::new("model.path", reason));
     let dataset = check_dataset(&spec.data.dataset, spec.data.source)
         .map_err(|reason| FieldError::new("data.dataset", reason));
-    match (model, dataset) {
-        (Ok(model_path), Ok(dataset_path)) => Ok(ResolvedResources {
+    // The dataset service reads the validation file at the path the spec gives, with the
+    // same source.
+    let val_dataset = match spec.data.val_dataset.as_str() {
+        "" => Ok(()),
+        path => check_dataset(path, spec.data.source)
+            .map(drop)
+            .map_err(|reason| FieldError::new("data.val_dataset", reason)),
+    };
+    match (model, dataset, val_dataset) {
+        (Ok(model_path), Ok(dataset_path), Ok(())) => Ok(ResolvedResources {
             model_path,
             dataset_path,
         }),
-        (model, dataset) => Err([model.err(), dataset.err()].into_iter().flatten().collect()),
+        (model, dataset, val_dataset) => Err([model.err(), dataset.err(), val_dataset.err()]
+            .into_iter()
+            .flatten()
+            .collect()),
     }
 }
 
@@ -108,13 +119,13 @@ fn check_dataset(spec_path: &str, source: DataSource) -> Result<PathBuf, String>
             }
         }
         DataSource::Gsm8k if path.is_dir() => {}
-        DataSource::Swebench | DataSource::Gsm8k => {
+        DataSource::Swebench | DataSource::Gsm8k | DataSource::Verl => {
             let ext = path
                 .extension()
                 .and_then(|e| e.to_str())
                 .unwrap_or_default();
             let allowed: &[&str] = match source {
-                DataSource::Swebench => &["jsonl", "json", "parquet", "arrow"],
+                DataSource::Swebench | DataSource::Verl => &["jsonl", "json", "parquet", "arrow"],
                 _ => &["jsonl", "json"],
             };
             if !path.is_file() || !allowed.contains(&ext) {
@@ -166,6 +177,35 @@ mod tests {
         let paths: Vec<_> = errors.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(paths, ["model.path", "data.dataset"]);
         assert!(errors[0].reason.contains("not a GGUF file"));
+    }
+
+    /// VeRL's files: Parquet (or rows of the same shape), and the validation file is
+    /// checked as the dataset is.
+    #[test]
+    fn verl_files_and_the_validation_file_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let models = dir.path().join("models");
+        std::fs::create_dir_all(&models).unwrap();
+        let model = dir.path().join("m.gguf");
+        std::fs::write(&model, b"GGUF\x03\0\0\0").unwrap();
+        let train = dir.path().join("train.parquet");
+        std::fs::write(&train, b"PAR1").unwrap();
+        let mut spec = RunSpec::default();
+        spec.model.path = model.to_string_lossy().into_owned();
+        spec.data.source = DataSource::Verl;
+        spec.data.dataset = train.to_string_lossy().into_owned();
+        spec.data.val_dataset = dir
+            .path()
+            .join("test.parquet")
+            .to_string_lossy()
+            .into_owned();
+        let errors = check(&spec, &models).unwrap_err();
+        let paths: Vec<_> = errors.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(paths, ["data.val_dataset"]);
+        spec.data.val_dataset = train.to_string_lossy().into_owned();
+        assert_eq!(check(&spec, &models).unwrap().dataset_path, train);
+        spec.data.dataset = models.to_string_lossy().into_owned();
+        assert_eq!(check(&spec, &models).unwrap_err()[0].path, "data.dataset");
     }
 
     /// A Hub name is looked up in the local Hugging Face cache; one that is not there is

@@ -3,6 +3,7 @@
 //!
 //! - [`swebench`]: SWE-bench rows (JSONL / JSON, the official field names);
 //! - [`harbor`]: Harbor task folders; [`math`]: GSM8K-style problems (`#### N` answers);
+//! - [`verl`]: VeRL's preprocessed rows (chat prompts, rule-graded numeric ground truths);
 //! - [`split`]: train / validation by seed, stable across machines, and step batches.
 
 pub mod harbor;
@@ -13,6 +14,7 @@ pub mod service;
 pub mod split;
 pub mod swebench;
 mod tabular;
+pub mod verl;
 
 /// One problem with one row of a dataset.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

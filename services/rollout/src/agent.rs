@@ -7,6 +7,7 @@
 use std::time::{Duration, Instant};
 
 use arl_sandbox_client::Lease;
+use arl_schemas::dataset::ChatMessage;
 use arl_schemas::events::{AgentExit, FailureClass};
 use arl_schemas::rpc::ExecRequest;
 use serde_json::{Value, json};
@@ -30,6 +31,8 @@ pub struct AgentContext<'a> {
     pub llm: &'a LlmClient,
     pub base_url: &'a str,
     pub instruction: &'a str,
+    /// The task's own prompt (VeRL's rows), sent as written in place of the agent's.
+    pub messages: Option<&'a [ChatMessage]>,
     pub sampling: Sampling,
     pub max_turns: u32,
     pub max_observation_chars: usize,
@@ -334,10 +337,7 @@ const MINI_SWE_AGENT_RUNNER: &str = include_str!("mini_swe_agent.py");
 
 /// One question, one answer.
 pub async fn run_math(ctx: &AgentContext<'_>) -> Result<AgentOutcome, TrialError> {
-    let messages = vec![
-        json!({"role": "system", "content": MATH_SYSTEM}),
-        user(ctx.instruction.to_owned()),
-    ];
+    let messages = math_prompt(ctx.instruction, ctx.messages);
     let answer = ctx
         .llm
         .chat(ctx.base_url, &messages, None, &ctx.sampling, ctx.deadline)
@@ -354,6 +354,23 @@ pub async fn run_math(ctx: &AgentContext<'_>) -> Result<AgentOutcome, TrialError
                 .to_owned(),
         ),
     })
+}
+
+/// A math task's prompt: the task's own messages exactly as the dataset wrote them (they
+/// carry their instruction, e.g. VeRL's "output the final answer after ####", and a prompt
+/// of ours beside it would change what the policy is trained on), else our instruction and
+/// the question.
+fn math_prompt(instruction: &str, messages: Option<&[ChatMessage]>) -> Vec<Value> {
+    match messages {
+        Some(messages) => messages
+            .iter()
+            .map(|m| json!({"role": m.role.as_str(), "content": m.content}))
+            .collect(),
+        None => vec![
+            json!({"role": "system", "content": MATH_SYSTEM}),
+            user(instruction.to_owned()),
+        ],
+    }
 }
 
 async fn tool(
@@ -492,6 +509,39 @@ mod tests {
                 "tk-1"
             ),
             "http://10.0.0.5:8000/tk-1/v1"
+        );
+    }
+
+    #[test]
+    fn a_math_task_with_messages_sends_them_as_written() {
+        use arl_schemas::dataset::ChatRole;
+        let question = "Natalia sold clips to 48 of her friends in April, and then she sold half \
+                        as many clips in May. How many clips did Natalia sell altogether? Let's \
+                        think step by step and output the final answer after \"####\".";
+        let messages = [
+            ChatMessage {
+                role: ChatRole::System,
+                content: "You are a careful tutor.".into(),
+            },
+            ChatMessage {
+                role: ChatRole::User,
+                content: question.into(),
+            },
+        ];
+        assert_eq!(
+            math_prompt(question, Some(&messages)),
+            [
+                json!({"role": "system", "content": "You are a careful tutor."}),
+                json!({"role": "user", "content": question}),
+            ]
+        );
+        // Without them, ours: the system prompt asking for `#### <number>`, then the question.
+        let ours = math_prompt("What is 5 + 7?", None);
+        assert_eq!(ours.len(), 2);
+        assert_eq!(ours[0]["content"], MATH_SYSTEM);
+        assert_eq!(
+            ours[1],
+            json!({"role": "user", "content": "What is 5 + 7?"})
         );
     }
 

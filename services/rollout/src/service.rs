@@ -334,6 +334,7 @@ impl Rollout {
             llm: &self.llm,
             base_url: &key.base_url,
             instruction: &trial.task.instruction,
+            messages: trial.task.messages.as_deref(),
             sampling: Sampling {
                 temperature: match trial.request.slot.split {
                     Split::Train => spec.rollout.temperature,
