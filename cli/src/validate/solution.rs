@@ -68,9 +68,11 @@ pub async fn run(
     };
     let lease = sandboxes.lease(&request, Duration::from_secs(300)).await?;
     let result = async {
-        for (path, content) in &files {
-            lease.write(&format!("{STAGED}/{path}"), content).await?;
-        }
+        let staged: Vec<(String, String)> = files
+            .iter()
+            .map(|(path, content)| (format!("{STAGED}/{path}"), content.clone()))
+            .collect();
+        lease.write_all(&staged).await?;
         let ran = lease
             .exec(&ExecRequest {
                 command: solve_command(),

@@ -17,6 +17,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tracing::Instrument;
 
+mod archive;
+pub use archive::ArchiveError;
+
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
     #[error("lease of {environment} refused: {source}")]
@@ -104,6 +107,16 @@ impl Lease {
         )
         .await
         .map(|_| ())
+    }
+
+    /// Writes several files (paths relative to the work tree) in one upload, creating their
+    /// folders: one process in the sandbox instead of one per file.
+    pub async fn write_all(&self, files: &[(String, String)]) -> Result<(), SandboxError> {
+        let tar = archive::ustar(files).map_err(|e| self.error("write", e.to_string()))?;
+        let url = format!("{}/tar?path=.", self.grant.endpoint);
+        self.call("write", hyper::Method::PUT, &url, Bytes::from(tar))
+            .await
+            .map(|_| ())
     }
 
     /// Reads a file (path relative to the work tree) as text.

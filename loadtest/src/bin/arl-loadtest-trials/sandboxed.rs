@@ -49,11 +49,12 @@ pub fn write_tasks(dir: &Path, environments: &Path, count: u32) -> anyhow::Resul
 }
 
 /// What the sandbox service alone does per second of one sandboxed trial's sandbox work,
-/// straight over its API with no other service in the way: a lease for the agent, its
-/// command (`touch done`, as the stand-in's agent runs it), a release; then a lease for
-/// the grader, the verifier's script run in it, a release. `total` such trials,
-/// `concurrency` at a time. Returns (trials per second, every lease's latency in ms,
-/// failures); a lease not granted within 30 s counts as failed (said), not as a rate.
+/// straight over its API with no other service in the way — the calls a trial makes: a
+/// lease for the agent, its command (`touch done`, as the stand-in's agent runs it), the
+/// diff, a release; then a lease for the grader, the tests and the patch uploaded, the
+/// verifier's script run, a release. `total` such trials, `concurrency` at a time.
+/// Returns (trials per second, every lease's latency in ms, failures); a lease not
+/// granted within 30 s counts as failed (said), not as a rate.
 pub async fn sandbox_work_rate(
     bus: &Bus,
     environments: u32,
@@ -77,8 +78,12 @@ pub async fn sandbox_work_rate(
             };
             let client = client.clone();
             async move {
-                let agent = leased(&client, &request, "touch done").await?;
-                let grader = leased(&client, &request, VERIFY).await?;
+                let (agent, patch) = leased(&client, &request, &[], "touch done").await?;
+                let staged = [
+                    (STAGED_TEST.to_owned(), TEST_SH.to_owned()),
+                    ("candidate.diff".to_owned(), patch),
+                ];
+                let (grader, _) = leased(&client, &request, &staged, VERIFY).await?;
                 Ok([agent, grader])
             }
         })
@@ -104,34 +109,53 @@ pub async fn sandbox_work_rate(
     Ok((done as f64 / elapsed, latencies, failed.len()))
 }
 
-/// The verifier as the grader runs it: the task's `tests/test.sh`, staged beside the tree.
-const VERIFY: &str = "v=$(mktemp -d) && cat > $v/test.sh && \
-APP_DIR=$PWD LOGS_DIR=$v/logs bash $v/test.sh && cat $v/logs/verifier/reward.txt";
+/// The verifier as the grader runs it: the task's `tests/test.sh`, uploaded beside the
+/// tree with the candidate patch, applied first.
+const STAGED_TEST: &str = ".arl-eval/tests/test.sh";
+const VERIFY: &str = "v=$(mktemp -d) && mv .arl-eval/tests $v/tests && \
+git apply candidate.diff && rm candidate.diff && \
+APP_DIR=$PWD LOGS_DIR=$v/logs bash $v/tests/test.sh && cat $v/logs/verifier/reward.txt";
 
-/// One lease: granted, `command` run in it, released. Returns the grant's latency (ms).
+/// One lease: granted, `files` uploaded (when there are any), `command` run in it, its
+/// diff taken (an agent's lease) and released. Returns the grant's latency (ms) and the
+/// diff (empty for a grader's lease).
 async fn leased(
     client: &SandboxClient,
     request: &LeaseRequestV1,
+    files: &[(String, String)],
     command: &str,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<(f64, String)> {
     let asked = Instant::now();
     let lease = client.lease(request, Duration::from_secs(30)).await?;
     let took = asked.elapsed().as_secs_f64() * 1e3;
-    let result = lease
-        .exec(&ExecRequest {
-            command: command.to_owned(),
-            timeout_s: 60.0,
-            env: Default::default(),
-            stdin: Some(TEST_SH.to_owned()),
-        })
-        .await;
+    let result = async {
+        if !files.is_empty() {
+            lease.write_all(files).await?;
+        }
+        let ran = lease
+            .exec(&ExecRequest {
+                command: command.to_owned(),
+                timeout_s: 60.0,
+                env: Default::default(),
+                stdin: None,
+            })
+            .await?;
+        let diff = if files.is_empty() {
+            lease.diff().await?
+        } else {
+            String::new()
+        };
+        Ok::<_, arl_sandbox_client::SandboxError>((ran, diff))
+    }
+    .await;
     lease.release().await;
-    let result = result?;
+    let (ran, diff) = result?;
     anyhow::ensure!(
-        result.exit_code == 0,
-        "`{command}` exited {} in the sandbox: {}",
-        result.exit_code,
-        result.stdout
+        ran.exit_code == 0,
+        "`{command}` exited {} in the sandbox: {}{}",
+        ran.exit_code,
+        ran.stdout,
+        ran.stderr
     );
-    Ok(took)
+    Ok((took, diff))
 }
