@@ -180,8 +180,15 @@ async fn probe(port: u16, path: &str) -> Result<(), String> {
 /// service opens connections; an ephemeral port (what port 0 gives) may meanwhile become
 /// the local end of one of those, and then the listener never binds — a restart loop under
 /// `--supervise`. Outside that range only another listener can take it.
+///
+/// A port is free when drawn but bound only later, so two draws of one `arl up` could name
+/// the same port (one chance in a few hundred for a dozen services): the ports handed out
+/// are remembered and never handed out again by this process.
 pub(crate) fn free_port() -> Result<u16, CliError> {
     use std::hash::{BuildHasher, Hasher};
+    static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     const FLOOR: u16 = 10_000;
     let ceiling = ephemeral_floor();
     if ceiling > FLOOR + 1_000 {
@@ -191,13 +198,21 @@ pub(crate) fn free_port() -> Result<u16, CliError> {
                 .build_hasher()
                 .finish();
             let port = FLOOR + (draw % u64::from(ceiling - FLOOR)) as u16;
-            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            if !handed_out.contains(&port)
+                && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+            {
+                handed_out.insert(port);
                 return Ok(port);
             }
         }
     }
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io)?;
-    Ok(listener.local_addr().map_err(io)?.port())
+    loop {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io)?;
+        let port = listener.local_addr().map_err(io)?.port();
+        if handed_out.insert(port) {
+            return Ok(port);
+        }
+    }
 }
 
 /// The lowest ephemeral port (`/proc/sys/net/ipv4/ip_local_port_range`; Linux's default
@@ -767,6 +782,17 @@ mod tests {
             let port = free_port().unwrap();
             assert!(port < floor || floor <= 11_000, "{port} ≥ {floor}");
             std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+        }
+    }
+
+    #[test]
+    fn no_port_is_handed_out_twice() {
+        // 1,000 draws over ~20,000 ports: without the memory of handed-out ports, two
+        // would name the same one with near certainty (birthday bound).
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..1_000 {
+            let port = free_port().unwrap();
+            assert!(seen.insert(port), "port {port} handed out twice");
         }
     }
 

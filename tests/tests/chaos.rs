@@ -126,7 +126,7 @@ impl Supervised {
             .prefix("arl-chaos-")
             .tempdir()
             .unwrap();
-        let up = Children(vec![
+        let mut up = Children(vec![
             Command::new(built_binary("arl"))
                 .args(["up", "--supervise", "--state-dir"])
                 .arg(state.path())
@@ -138,13 +138,7 @@ impl Supervised {
                 .unwrap(),
         ]);
         // Written only once every service reports ready.
-        let url_file = state.path().join("nats-url");
-        let url = wait_for("arl up", Duration::from_secs(300), || async {
-            std::fs::read_to_string(&url_file)
-                .ok()
-                .filter(|u| !u.is_empty())
-        })
-        .await;
+        let url = arl_testkit::wait_for_arl_up(&mut up.0[0], state.path(), Duration::from_secs(300)).await;
         let mut config = BusConfig::new(&url, Namespace::default(), "chaos");
         config.publish_timeout = Duration::from_secs(5);
         let bus = Bus::connect(config, Metrics::new()).await.unwrap();

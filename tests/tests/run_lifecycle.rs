@@ -46,14 +46,7 @@ async fn a_run_is_cancelled_and_another_resumes_from_its_checkpoint() {
             .spawn()
             .unwrap(),
     ]);
-    let url_file = state.path().join("nats-url");
-    arl_testkit::wait_for("arl up", Duration::from_secs(300), || async {
-        std::fs::read_to_string(&url_file)
-            .ok()
-            .filter(|u| !u.is_empty())
-    })
-    .await;
-    let url = std::fs::read_to_string(&url_file).unwrap();
+    let url = arl_testkit::wait_for_arl_up(&mut up.0[0], state.path(), Duration::from_secs(300)).await;
     let cli = |args: &[&str]| -> Output {
         Command::new(&arl)
             .args(args)

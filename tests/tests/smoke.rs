@@ -105,14 +105,7 @@ async fn reduced_run(least_privilege: bool) -> (tempfile::TempDir, String, Child
             .unwrap(),
     ]);
     // Written only once every service reports ready.
-    let url_file = state.path().join("nats-url");
-    arl_testkit::wait_for("arl up", Duration::from_secs(180), || async {
-        std::fs::read_to_string(&url_file)
-            .ok()
-            .filter(|u| !u.is_empty())
-    })
-    .await;
-    let url = std::fs::read_to_string(&url_file).unwrap();
+    let url = arl_testkit::wait_for_arl_up(&mut up.0[0], state.path(), Duration::from_secs(180)).await;
 
     let tasks = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tasks");
     let spec = state.path().join("reduced.toml");

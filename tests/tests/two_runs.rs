@@ -55,14 +55,7 @@ async fn two_runs_at_once_never_share_a_policy_or_state() {
             .spawn()
             .unwrap(),
     ]);
-    let url_file = state.path().join("nats-url");
-    arl_testkit::wait_for("arl up", Duration::from_secs(300), || async {
-        std::fs::read_to_string(&url_file)
-            .ok()
-            .filter(|u| !u.is_empty())
-    })
-    .await;
-    let url = std::fs::read_to_string(&url_file).unwrap();
+    let url = arl_testkit::wait_for_arl_up(&mut up.0[0], state.path(), Duration::from_secs(300)).await;
 
     // Two runs over the same problems: another name and seed, so another split and
     // another dataset digest.

@@ -256,6 +256,29 @@ impl Drop for Children {
     }
 }
 
+/// Waits for `arl up` (the child `up`, on `state_dir`) to write `nats-url`, which it does
+/// once every service reports ready; the bus URL. Fails at once, with the exit status, when
+/// `arl up` stops first (a service that could not start stops it) rather than at `timeout`.
+pub async fn wait_for_arl_up(up: &mut Child, state_dir: &Path, timeout: Duration) -> String {
+    let url_file = state_dir.join("nats-url");
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(url) = std::fs::read_to_string(&url_file)
+            .ok()
+            .filter(|url| !url.is_empty())
+        {
+            return url;
+        }
+        if let Ok(Some(status)) = up.try_wait() {
+            panic!("arl up stopped before it was ready ({status}); its log is above");
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {timeout:?} waiting for arl up");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A child started as the leader of its own process group
 /// (`std::os::unix::process::CommandExt::process_group(0)`), killed with every process it
 /// started when dropped — for servers whose workers would outlive it (vLLM's engine).
