@@ -188,7 +188,9 @@ pub(crate) fn free_port() -> Result<u16, CliError> {
     use std::hash::{BuildHasher, Hasher};
     static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
         std::sync::Mutex::new(std::collections::BTreeSet::new());
-    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut handed_out = HANDED_OUT
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     const FLOOR: u16 = 10_000;
     let ceiling = ephemeral_floor();
     if ceiling > FLOOR + 1_000 {
