@@ -138,7 +138,9 @@ impl Supervised {
                 .unwrap(),
         ]);
         // Written only once every service reports ready.
-        let url = arl_testkit::wait_for_arl_up(&mut up.0[0], state.path(), Duration::from_secs(300)).await;
+        let url =
+            arl_testkit::wait_for_arl_up(&mut up.0[0], state.path(), Duration::from_secs(300))
+                .await;
         let mut config = BusConfig::new(&url, Namespace::default(), "chaos");
         config.publish_timeout = Duration::from_secs(5);
         let bus = Bus::connect(config, Metrics::new()).await.unwrap();

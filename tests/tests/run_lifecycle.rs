@@ -46,7 +46,8 @@ async fn a_run_is_cancelled_and_another_resumes_from_its_checkpoint() {
             .spawn()
             .unwrap(),
     ]);
-    let url = arl_testkit::wait_for_arl_up(&mut up.0[0], state.path(), Duration::from_secs(300)).await;
+    let url =
+        arl_testkit::wait_for_arl_up(&mut up.0[0], state.path(), Duration::from_secs(300)).await;
     let cli = |args: &[&str]| -> Output {
         Command::new(&arl)
             .args(args)

@@ -105,7 +105,8 @@ async fn reduced_run(least_privilege: bool) -> (tempfile::TempDir, String, Child
             .unwrap(),
     ]);
     // Written only once every service reports ready.
-    let url = arl_testkit::wait_for_arl_up(&mut up.0[0], state.path(), Duration::from_secs(180)).await;
+    let url =
+        arl_testkit::wait_for_arl_up(&mut up.0[0], state.path(), Duration::from_secs(180)).await;
 
     let tasks = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tasks");
     let spec = state.path().join("reduced.toml");

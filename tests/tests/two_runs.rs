@@ -55,7 +55,8 @@ async fn two_runs_at_once_never_share_a_policy_or_state() {
             .spawn()
             .unwrap(),
     ]);
-    let url = arl_testkit::wait_for_arl_up(&mut up.0[0], state.path(), Duration::from_secs(300)).await;
+    let url =
+        arl_testkit::wait_for_arl_up(&mut up.0[0], state.path(), Duration::from_secs(300)).await;
 
     // Two runs over the same problems: another name and seed, so another split and
     // another dataset digest.
