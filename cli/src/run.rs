@@ -121,6 +121,7 @@ async fn connect(args: &BusArgs) -> Result<Bus, CliError> {
     config.wait_for_server = false;
     config.publish_timeout = Duration::from_secs(15);
     let bus = Bus::connect(config, Metrics::new()).await?;
+    bus.check_server().await?;
     Ok(bus)
 }
 
@@ -693,6 +694,19 @@ pub fn render_status(state: &RunStateV1) -> String {
             .filter(|s| s.trained_nothing())
             .map(|s| s.step.to_string())
             .collect();
+        let unproven: u64 = state
+            .steps
+            .iter()
+            .filter_map(|s| s.batch.as_ref())
+            .map(|b| u64::from(b.unproven_tokens))
+            .sum();
+        if unproven > 0 {
+            out.push(format!(
+                "warning:    {unproven} completion tokens were not trained on: their serving policy \
+                 version is not known (a vLLM or SGLang behind the proxy without \
+                 --follow-weights, or a call across a weight update) or they carry no logprobs"
+            ));
+        }
         if !idle.is_empty() {
             out.push(format!(
                 "warning:    {} of {} steps trained nothing (step {}): every group's trials got \
@@ -921,7 +935,19 @@ mod tests {
             groups: 2,
             zero_advantage_groups: 2,
             samples_trained: 0,
+            unproven_tokens: 0,
         });
+        assert!(!render_status(&counted).contains("completion tokens were not trained on"));
+        let mut unproven = counted.clone();
+        if let Some(batch) = unproven.steps[2].batch.as_mut() {
+            batch.unproven_tokens = 37;
+        }
+        assert!(
+            render_status(&unproven)
+                .contains("warning:    37 completion tokens were not trained on"),
+            "{}",
+            render_status(&unproven)
+        );
         let status = render_status(&counted);
         assert!(status.contains("0/8") && status.contains("2/2"), "{status}");
         assert!(

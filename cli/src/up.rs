@@ -175,6 +175,34 @@ async fn probe(port: u16, path: &str) -> Result<(), String> {
     Err(format!("waiting for {waiting}"))
 }
 
+/// The nats-server to start ([`arl_runtime::nats_server::find`]), refused when it cannot
+/// run or reports a version older than ARL needs — before anything starts on it.
+pub(crate) fn nats_server_program() -> Result<PathBuf, String> {
+    use arl_runtime::nats_server::{MIN_VERSION, find, version_of};
+    let program = find();
+    let named_by = if std::env::var_os("ARL_NATS_SERVER").is_some_and(|p| !p.is_empty()) {
+        "ARL_NATS_SERVER"
+    } else {
+        "the nats-server found"
+    };
+    match version_of(&program) {
+        Some(version) if version >= MIN_VERSION => Ok(program),
+        Some(version) => Err(format!(
+            "{named_by} ({}) is {version}, too old: ARL needs nats-server {MIN_VERSION} or \
+             newer; run `make deps` (it installs one into ~/.cache/arl/tools/bin) or set \
+             ARL_NATS_SERVER to a newer one",
+            program.display()
+        )),
+        None => Err(format!(
+            "{named_by} ({}) does not run or report its version (`{} --version`); run \
+             `make deps` (it installs nats-server {MIN_VERSION}+ into ~/.cache/arl/tools/bin) \
+             or set ARL_NATS_SERVER to a nats-server {MIN_VERSION} or newer",
+            program.display(),
+            program.display()
+        )),
+    }
+}
+
 /// A free TCP port on loopback, below the kernel's range of ephemeral ports. A port picked
 /// here is bound by its service only seconds later (and again at each restart), while every
 /// service opens connections; an ephemeral port (what port 0 gives) may meanwhile become
@@ -501,9 +529,7 @@ pub async fn execute(
     let url = if nats_url_given {
         bus.nats_url.clone()
     } else {
-        let server = std::env::var_os("ARL_NATS_SERVER")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from("nats-server"));
+        let server = nats_server_program().map_err(CliError::Usage)?;
         let port = free_port()?;
         let mut server_args = vec![
             "-js".into(),

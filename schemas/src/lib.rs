@@ -10,6 +10,7 @@ pub mod event;
 pub mod events;
 pub mod ids;
 pub mod namespace;
+pub mod openai;
 pub mod permissions;
 pub mod rpc;
 pub mod spec;

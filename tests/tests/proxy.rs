@@ -14,7 +14,9 @@ use std::time::Duration;
 use arl_model::load::LoadedModel;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics};
-use arl_schemas::events::LlmCallV2;
+use arl_schemas::events::{
+    LlmCallV2, WEIGHTS_FILE, WeightsFormat, WeightsLocation, WeightsPublishedV2,
+};
 use arl_schemas::rpc::{ProxyOp, TrialKeyGrantV1, TrialKeyRequestV1};
 use arl_schemas::{Domain, Event, Namespace, RunId, TrialId};
 use arl_testkit::{
@@ -38,6 +40,8 @@ enum Engine {
 
 /// A private nats-server with a real engine and the real proxy in front of it.
 struct Stack {
+    /// The folder the proxy loads versions into a followed engine from (`--weights-dir`).
+    runs: tempfile::TempDir,
     _proxy: Children,
     _engine: ProcessGroup,
     ns: Namespace,
@@ -51,6 +55,7 @@ impl Stack {
         let server = NatsServer::start().unwrap();
         let ns = test_namespace();
         let logs = tempfile::tempdir().unwrap();
+        let runs = tempfile::tempdir().unwrap();
         let (engine_port, proxy_port) = (free_port().unwrap(), free_port().unwrap());
         let spawn = |name: &str, args: &[String]| {
             Command::new(built_binary(name))
@@ -90,15 +95,21 @@ impl Stack {
             ),
         };
         let mut engine = ProcessGroup(engine_child);
-        let proxy = Children(vec![spawn(
-            "arl-proxy",
-            &[
-                "--backend".into(),
-                format!("{dialect}=http://127.0.0.1:{engine_port}"),
-                "--listen".into(),
-                format!("127.0.0.1:{proxy_port}"),
-            ],
-        )]);
+        let mut proxy_args = vec![
+            "--backend".into(),
+            format!("{dialect}=http://127.0.0.1:{engine_port}"),
+            "--listen".into(),
+            format!("127.0.0.1:{proxy_port}"),
+        ];
+        if dialect == "vllm" {
+            // ARL loads each version into vLLM and knows what it serves.
+            proxy_args.extend([
+                "--follow-weights".into(),
+                "--weights-dir".into(),
+                runs.path().display().to_string(),
+            ]);
+        }
+        let proxy = Children(vec![spawn("arl-proxy", &proxy_args)]);
         wait_for_engine(engine_port, &mut engine.0, log, startup).await;
         let bus = Bus::connect(
             BusConfig::new(server.url(), ns.clone(), "test"),
@@ -107,6 +118,7 @@ impl Stack {
         .await
         .unwrap();
         Self {
+            runs,
             _proxy: proxy,
             _engine: engine,
             ns,
@@ -165,7 +177,8 @@ fn model_dir() -> PathBuf {
         .unwrap_or(home_cache("models"))
 }
 
-/// vLLM's OpenAI server on CPU, serving SmolLM2 as `policy`; its output goes to `log`.
+/// vLLM's OpenAI server on CPU, serving SmolLM2 as `policy` and as
+/// `smollm2-135m-instruct`, with its weight-update API; its output goes to `log`.
 fn start_vllm(port: u16, log: &Path) -> std::process::Child {
     let python = std::env::var_os("ARL_VLLM_PYTHON")
         .map(PathBuf::from)
@@ -186,6 +199,7 @@ fn start_vllm(port: u16, log: &Path) -> std::process::Child {
         .args([
             "--served-model-name",
             "policy",
+            "smollm2-135m-instruct",
             "--host",
             "127.0.0.1",
             "--port",
@@ -204,6 +218,9 @@ fn start_vllm(port: u16, log: &Path) -> std::process::Child {
         .env("VLLM_CPU_KVCACHE_SPACE", "1")
         .env("HF_HUB_OFFLINE", "1")
         .env("VLLM_NO_USAGE_STATS", "1")
+        // Its weight-update API (/pause, /collective_rpc, /weight_info …), which the
+        // proxy's --follow-weights drives.
+        .env("VLLM_SERVER_DEV_MODE", "1")
         .env("DO_NOT_TRACK", "1")
         .stdout(log.try_clone().unwrap())
         .stderr(log)
@@ -285,13 +302,23 @@ async fn the_openai_sdk_through_the_proxy_to_vllm_is_recorded_token_for_token() 
         tokenizer.decode(&calls[2].prompt_token_ids, true).unwrap(),
         "1, 2, 3,"
     );
+    assert_eq!(
+        calls[2].served_version,
+        Some(0),
+        "made before any new version"
+    );
     for call in &calls {
         assert_eq!(call.logprobs.len(), call.completion_token_ids.len());
         assert!(call.backend.starts_with("http://127.0.0.1:"), "{call:?}");
         assert_eq!(call.model, "policy");
         assert_eq!(
-            call.policy_version, 0,
-            "vLLM does not say: the trial's version"
+            (
+                call.policy_version,
+                call.served_version,
+                &call.served_run_id
+            ),
+            (0, Some(0), &None),
+            "vLLM does not say; the proxy read what it serves (its start weights)"
         );
         assert!(
             call.logprobs.iter().all(|l| *l <= 0.0),
@@ -299,6 +326,131 @@ async fn the_openai_sdk_through_the_proxy_to_vllm_is_recorded_token_for_token() 
             call.logprobs
         );
     }
+    a_published_version_is_loaded_into_vllm_and_recorded(
+        &stack,
+        &calls[2].prompt_token_ids,
+        &calls[2].completion_token_ids,
+    )
+    .await;
+}
+
+/// A new policy version reaches vLLM through the proxy's weight follower: SmolLM2 with
+/// two tokens' (tied) embedding rows swapped — the first token vLLM answered `prompt`
+/// with and one it never used — so that, greedy, the new weights answer exactly the old
+/// answer with those two tokens exchanged. The proxy routes the version-1 trial only
+/// once vLLM serves it, and records the call as served by run-sdk's version 1.
+async fn a_published_version_is_loaded_into_vllm_and_recorded(
+    stack: &Stack,
+    prompt_ids: &[u32],
+    old_answer: &[u32],
+) {
+    let run = RunId::new("run-sdk").unwrap();
+    let first = old_answer[0];
+    let vocab = smollm2_tokenizer().vocab_size() as u32;
+    let unused = (1..vocab)
+        .rev()
+        .find(|t| !prompt_ids.contains(t) && !old_answer.contains(t))
+        .unwrap();
+    assert!(
+        !prompt_ids.contains(&first),
+        "the prompt must not hold the swapped token"
+    );
+    let mut model = LoadedModel::open(&model_dir().join("SmolLM2-135M-Instruct-hf")).unwrap();
+    let width = model.model.config.hidden_size;
+    let weights = model.model.weights_mut();
+    let swap = |data: &mut Vec<f32>| {
+        for c in 0..width {
+            data.swap(first as usize * width + c, unused as usize * width + c);
+        }
+    };
+    swap(&mut weights.embed.data);
+    if let Some(head) = weights.lm_head.as_mut() {
+        swap(&mut head.data);
+    }
+    let dir = stack.runs.path().join("run-sdk/version-1");
+    model.save_hf(&dir).unwrap();
+    let (sha256, size_bytes) = arl_runtime::digest::sha256_file(&dir.join(WEIGHTS_FILE)).unwrap();
+    stack
+        .bus
+        .publish(&WeightsPublishedV2 {
+            run_id: run.clone(),
+            policy_version: 1,
+            step: 1,
+            format: WeightsFormat::HfSafetensors,
+            sha256,
+            size_bytes,
+            location: WeightsLocation::Folder {
+                path: dir.display().to_string(),
+            },
+            at: chrono::Utc::now(),
+        })
+        .await
+        .unwrap();
+
+    // A trial of version 1: refused (429) until vLLM serves it, then answered by it.
+    let request = TrialKeyRequestV1 {
+        run_id: run.clone(),
+        trial_id: TrialId::new("trial-v1").unwrap(),
+        policy_version: 1,
+        max_staleness: None,
+    };
+    let grant: TrialKeyGrantV1 = stack
+        .bus
+        .request(
+            stack.ns.proxy_rpc("any", ProxyOp::Issue),
+            &request,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    let body = serde_json::json!({"model": "policy", "prompt": prompt_ids, "max_tokens": old_answer.len(), "temperature": 0});
+    let answer = wait_for(
+        "vLLM serving version 1",
+        Duration::from_secs(300),
+        || async {
+            let answer = http(
+                &format!("{}/completions", grant.base_url),
+                "POST",
+                &[("content-type", "application/json")],
+                body.to_string().as_bytes(),
+            )
+            .await
+            .ok()?;
+            assert!(
+                answer.status == 200 || answer.status == 429,
+                "{} {}",
+                answer.status,
+                answer.text()
+            );
+            (answer.status == 200).then_some(answer)
+        },
+    )
+    .await;
+    let calls = stack.recorded_calls(4).await;
+    let call = &calls[3];
+    let expected: Vec<u32> = old_answer
+        .iter()
+        .map(|&t| match t {
+            t if t == first => unused,
+            t if t == unused => first,
+            t => t,
+        })
+        .collect();
+    assert_eq!(
+        call.completion_token_ids,
+        expected,
+        "vLLM answers with the new weights: {}",
+        answer.text()
+    );
+    assert_eq!(
+        (
+            call.policy_version,
+            call.served_version,
+            call.served_run_id.as_ref()
+        ),
+        (1, Some(1), Some(&run)),
+        "recorded as served by the version ARL loaded"
+    );
 }
 
 /// Two turns with the SDK through the proxy to `engine`; checks the records and returns
@@ -308,6 +460,19 @@ async fn sdk_conversation_is_recorded_token_for_token(
 ) -> (Stack, TrialKeyGrantV1, Vec<LlmCallV2>) {
     let stack = Stack::start(engine).await;
     let grant = stack.key("run-sdk", "trial-sdk").await;
+    // The proxy lists the trial's engine's models once it routes to it (a followed vLLM:
+    // once the proxy has read what it serves).
+    wait_for(
+        "the proxy's models list",
+        Duration::from_secs(60),
+        || async {
+            http(&format!("{}/models", grant.base_url), "GET", &[], b"")
+                .await
+                .ok()
+                .filter(|r| r.status == 200)
+        },
+    )
+    .await;
 
     let python = std::env::var_os("ARL_TOOLS_PYTHON")
         .map(PathBuf::from)
@@ -316,6 +481,8 @@ async fn sdk_conversation_is_recorded_token_for_token(
     let output = tokio::process::Command::new(python)
         .arg(script)
         .arg(&grant.base_url)
+        // The model's own name, as the engine was started with it.
+        .arg("smollm2-135m-instruct")
         .output()
         .await
         .unwrap();

@@ -153,8 +153,8 @@ async fn start_sandboxes(
 }
 
 /// A nats-server of this process's own (JetStream on, loopback only, a throwaway store),
-/// killed when dropped. The program is `ARL_NATS_SERVER`, else `nats-server` on PATH, as
-/// for `arl up`.
+/// killed when dropped. The program is found and checked as for `arl up`
+/// ([`crate::up::nats_server_program`]).
 struct PrivateServer {
     url: String,
     _child: tokio::process::Child,
@@ -162,9 +162,7 @@ struct PrivateServer {
 
 impl PrivateServer {
     async fn start(store: &Path) -> Result<Self, CliError> {
-        let program = std::env::var_os("ARL_NATS_SERVER")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from("nats-server"));
+        let program = crate::up::nats_server_program().map_err(CliError::Unavailable)?;
         let port = crate::up::free_port()?;
         let log = store.with_extension("log");
         let unavailable = |reason: String| {

@@ -30,6 +30,16 @@ pub enum BusError {
     Auth { url: String, reason: String },
     #[error("cannot provision {what}: {reason}")]
     Provision { what: String, reason: String },
+    #[error(
+        "the NATS server at {url}: {problem}; run `make deps` (it installs a current \
+         nats-server into ~/.cache/arl/tools/bin, which `arl up` finds) or point NATS_URL at \
+         a server {min} or newer"
+    )]
+    UnsupportedServer {
+        url: String,
+        problem: String,
+        min: crate::nats_server::Version,
+    },
     #[error("cannot encode {event_type}: {source}")]
     Encode {
         event_type: &'static str,
@@ -131,6 +141,8 @@ pub struct Bus {
     stream_max_bytes: Option<u64>,
     /// The client name given at connect ("arl-rollout"): who speaks in `run.failed`.
     client_name: std::sync::Arc<str>,
+    /// The server's URL without credentials, for errors.
+    shown_url: std::sync::Arc<str>,
     /// Registered datasets read so far, by digest: immutable, so never stale; a few
     /// runs' worth, so thousands of trials of a run read the object store once.
     manifests: std::sync::Arc<
@@ -189,7 +201,7 @@ impl Bus {
             .connect(config.url.as_str())
             .await
             .map_err(|source| BusError::Connect {
-                url: shown_url,
+                url: shown_url.clone(),
                 source,
             })?;
         let jetstream = jetstream::new(client.clone());
@@ -202,6 +214,7 @@ impl Bus {
             stream_replicas: config.stream_replicas.max(1),
             stream_max_bytes: config.stream_max_bytes,
             client_name: config.client_name.as_str().into(),
+            shown_url: shown_url.as_str().into(),
             manifests: Default::default(),
             run_watch: Default::default(),
         })
@@ -232,9 +245,33 @@ impl Bus {
         self.client.connection_state() == async_nats::connection::State::Connected
     }
 
+    /// Refuses a server older than ARL needs ([`crate::nats_server::MIN_VERSION`]), whose
+    /// JetStream answers the client cannot read. Waits up to 30 s for the first connection
+    /// (a service may start before its server); a server still unreachable then is left to
+    /// the caller's next request to report.
+    pub async fn check_server(&self) -> Result<(), BusError> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.is_connected() {
+            if Instant::now() > deadline {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let reported = self.client.server_info().version;
+        match crate::nats_server::problem(&reported) {
+            None => Ok(()),
+            Some(problem) => Err(BusError::UnsupportedServer {
+                url: self.shown_url.to_string(),
+                problem,
+                min: crate::nats_server::MIN_VERSION,
+            }),
+        }
+    }
+
     /// Creates or updates every stream and bucket of the namespace. Idempotent: every
     /// service calls it at start, in any order.
     pub async fn provision(&self) -> Result<(), BusError> {
+        self.check_server().await?;
         for domain in Domain::ALL {
             self.provision_stream(domain).await?;
         }

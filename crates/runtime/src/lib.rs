@@ -12,7 +12,8 @@
 //! - the SHA-256 form digests are exchanged in ([`digest`]);
 //! - files in JetStream object stores, streamed and checked by digest, and the policy
 //!   versions of `ARL_WEIGHTS` ([`objects`]);
-//! - comparing secrets in constant time ([`secret`]).
+//! - comparing secrets in constant time ([`secret`]);
+//! - the oldest nats-server ARL runs on, and where `arl up` finds one ([`nats_server`]).
 
 pub mod args;
 pub mod auth;
@@ -23,6 +24,7 @@ pub mod headers;
 pub mod host;
 pub mod http;
 pub mod metrics;
+pub mod nats_server;
 pub mod objects;
 pub mod rpc;
 mod run_watch;

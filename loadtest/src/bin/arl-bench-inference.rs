@@ -142,6 +142,7 @@ async fn main() -> anyhow::Result<()> {
     let state = AppState {
         engine,
         model_name: "policy".into(),
+        aliases: Vec::new(),
         metrics,
     };
     let arl =

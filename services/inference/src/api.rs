@@ -22,8 +22,11 @@ use crate::request::{Endpoint, chat_job, completion_job};
 #[derive(Clone)]
 pub struct AppState {
     pub engine: EngineHandle,
-    /// The name `/v1/models` reports and requests may use.
+    /// The name `/v1/models` reports first and responses carry (`--served-model-name`).
     pub model_name: String,
+    /// Other names requests may use: the `--model` the engine was started with, as given
+    /// (`smollm2-135m-instruct`, a folder), as vLLM serves a model under its `--model`.
+    pub aliases: Vec<String>,
     pub metrics: InferenceMetrics,
 }
 
@@ -37,23 +40,39 @@ pub fn router(state: AppState) -> Router {
     )
 }
 
+impl AppState {
+    /// Every name requests may use: the served name, then the aliases.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.model_name.as_str()).chain(self.aliases.iter().map(String::as_str))
+    }
+
+    pub fn serves(&self, name: &str) -> bool {
+        self.names().any(|served| served == name)
+    }
+}
+
+/// One entry per name the model answers to, as vLLM lists a model under each of its names.
 async fn models(State(state): State<AppState>) -> Json<Value> {
     let current = state.engine.current();
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "arl",
-            "max_model_len": state.engine.max_len(),
-            "policy_version": current.as_ref().map(|m| m.version),
-            // With the version, the policy's identity: whose trained weights (null for
-            // the model the engine started with).
-            "run_id": current.as_ref().and_then(|m| m.run_id.as_ref()),
-            "ready": current.is_some(),
-        }],
-    }))
+    let data: Vec<Value> = state
+        .names()
+        .map(|name| {
+            json!({
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "arl",
+                "root": state.model_name,
+                "max_model_len": state.engine.max_len(),
+                "policy_version": current.as_ref().map(|m| m.version),
+                // With the version, the policy's identity: whose trained weights (null
+                // for the model the engine started with).
+                "run_id": current.as_ref().and_then(|m| m.run_id.as_ref()),
+                "ready": current.is_some(),
+            })
+        })
+        .collect();
+    Json(json!({ "object": "list", "data": data }))
 }
 
 async fn chat_completions(
@@ -62,6 +81,7 @@ async fn chat_completions(
     body: Bytes,
 ) -> Response {
     let result = async {
+        crate::protocol::refuse_unhonoured(&body, arl_schemas::openai::Endpoint::Chat)?;
         let request: ChatRequest = parse_body(&body)?;
         let job = chat_job(&state, &headers, request)?;
         run(&state, job, Endpoint::Chat).await
@@ -72,6 +92,7 @@ async fn chat_completions(
 
 async fn completions(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
     let result = async {
+        crate::protocol::refuse_unhonoured(&body, arl_schemas::openai::Endpoint::Completion)?;
         let request: CompletionRequest = parse_body(&body)?;
         let job = completion_job(&state, &headers, request)?;
         run(&state, job, Endpoint::Completion).await

@@ -19,7 +19,8 @@ pub struct Args {
     #[arg(long, env = "ARL_MODEL")]
     model: Option<String>,
 
-    /// The name `/v1/models` reports.
+    /// The name `/v1/models` reports first and responses carry; requests may also name
+    /// the model by its `--model`.
     #[arg(long, default_value = "policy")]
     served_model_name: String,
 
@@ -125,9 +126,16 @@ impl Service for Inference {
             &ctx.shutdown,
         );
         let metrics = InferenceMetrics::register(&ctx.metrics, &args.served_model_name, &engine);
+        let aliases = args
+            .model
+            .iter()
+            .filter(|model| **model != args.served_model_name)
+            .cloned()
+            .collect();
         let state = AppState {
             engine,
             model_name: args.served_model_name,
+            aliases,
             metrics,
         };
         let router = api::router(state).merge(arl_runtime::http::ops_router(

@@ -178,6 +178,73 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiE
     })
 }
 
+/// Request fields this engine honours; every other field ARL knows
+/// ([`arl_schemas::openai`]) is accepted only at a value that asks nothing of it.
+const HONOURED: &[&str] = &[
+    "model",
+    "stream",
+    "stream_options",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "logprobs",
+    "user",
+    "ignore_eos",
+    "skip_special_tokens",
+    "prompt_token_ids",
+    "return_token_ids",
+    "messages",
+    "tools",
+    "tool_choice",
+    "top_logprobs",
+    "max_completion_tokens",
+    "prompt",
+    "echo",
+    "metadata",
+    "store",
+];
+
+/// Refuses a request field this engine does not know, or cannot honour at the value given
+/// (`frequency_penalty: 0.5`, `response_format` JSON, `chat_template_kwargs` with
+/// variables): a 400 naming it, never an answer that silently ignored it.
+pub fn refuse_unhonoured(
+    body: &[u8],
+    endpoint: arl_schemas::openai::Endpoint,
+) -> Result<(), ApiError> {
+    // A body that is no JSON object is refused, with where, by the typed parse after.
+    let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(body) else {
+        return Ok(());
+    };
+    for (name, value) in &fields {
+        let Some(field) = arl_schemas::openai::field(endpoint, name) else {
+            return Err(ApiError::invalid(
+                format!(
+                    "unknown field {name:?}: not a field of this endpoint that ARL knows (a typo?)"
+                ),
+                None,
+            ));
+        };
+        if HONOURED.contains(&field.name) || field.inert.holds(value) {
+            continue;
+        }
+        return Err(ApiError::invalid(
+            format!(
+                "{name} = {value} is not supported by ARL's engine (it accepts {} only); \
+                 leave it out, or serve the model with vLLM or SGLang behind the proxy",
+                field.inert.describe()
+            ),
+            Some(field.name),
+        )
+        .with_code("unsupported_parameter"));
+    }
+    Ok(())
+}
+
 /// What a choice shows after one more token.
 #[derive(Debug, Default)]
 pub struct Delta {

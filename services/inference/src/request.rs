@@ -243,15 +243,13 @@ pub(crate) fn job(
     tools: bool,
 ) -> Result<Job, ApiError> {
     if let Some(name) = &common.model
-        && name != &state.model_name
+        && !state.serves(name)
     {
+        let served: Vec<&str> = state.names().collect();
         return Err(ApiError::new(
             axum::http::StatusCode::NOT_FOUND,
             "invalid_request_error",
-            format!(
-                "the model {name:?} does not exist; this server serves {:?}",
-                state.model_name
-            ),
+            format!("the model {name:?} does not exist; this server serves {served:?}"),
         )
         .with_param("model")
         .with_code("model_not_found"));

@@ -81,6 +81,7 @@ impl Server {
         let state = AppState {
             engine: engine.clone(),
             model_name: "policy".into(),
+            aliases: vec!["model-as-started".into()],
             metrics: InferenceMetrics::register(&metrics, "policy", &engine),
         };
         let router = api::router(state).merge(arl_runtime::http::ops_router(
@@ -166,6 +167,19 @@ async fn responses_carry_token_ids_versions_and_true_logprobs() {
     assert_eq!(
         (status, models["data"][0]["id"].as_str()),
         (200, Some("policy"))
+    );
+    // The name the engine was started with is listed too, and answers.
+    assert_eq!(models["data"][1]["id"], "model-as-started", "{models}");
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"model": "model-as-started", "prompt": "Paris is", "max_tokens": 2, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["model"], "policy",
+        "answered under the served name, as vLLM answers under its first"
     );
 
     // Greedy chat answers, with every token's log-probability and the ids.
@@ -458,6 +472,17 @@ async fn bad_requests_get_openai_errors() {
             404,
             "invalid_request_error",
         ),
+        // A field the engine cannot honour at this value, and one nobody knows.
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5}),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "temprature": 0}),
+            400,
+            "invalid_request_error",
+        ),
         (
             json!({"messages": [{"role": "user", "content": "word ".repeat(80)}]}),
             400,
@@ -482,6 +507,43 @@ async fn bad_requests_get_openai_errors() {
         )
         .await;
     assert_eq!(error["error"]["code"], "context_length_exceeded", "{error}");
+    let (_, error) = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}),
+        )
+        .await;
+    assert_eq!(error["error"]["code"], "model_not_found", "{error}");
+    let (_, error) = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "x"}],
+                    "chat_template_kwargs": {"enable_thinking": false}}),
+        )
+        .await;
+    assert_eq!(
+        (&error["error"]["code"], &error["error"]["param"]),
+        (
+            &json!("unsupported_parameter"),
+            &json!("chat_template_kwargs")
+        ),
+        "{error}"
+    );
+    // The same fields at values that ask nothing (what SDKs send by default) are fine.
+    let (status, body) = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                    "frequency_penalty": 0, "presence_penalty": 0.0, "response_format": {"type": "text"},
+                    "chat_template_kwargs": {}, "skip_special_tokens": true, "logit_bias": null}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("policy") && message.contains("model-as-started"),
+        "the 404 names what is served: {message}"
+    );
     let response = http(
         &format!("{}/v1/completions", server.base),
         "POST",

@@ -1,4 +1,5 @@
 //! The gateway: `/{trial_key}/v1/...` or `/v1/...` with `Authorization: Bearer <key>`.
+//! `GET /v1/models` lists what the trial's engine serves.
 //! Each chat or text completion is checked, sent to a backend (asking it for token ids and
 //! logprobs), returned to the client — streamed chunk by chunk as it arrives — and recorded
 //! as an `llm.call` event. The record is stored before the client sees the end of the
@@ -18,13 +19,13 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use futures::StreamExt;
 use http_body_util::BodyExt;
 use serde_json::{Map, Value, json};
 use tracing::Instrument;
 
-use crate::backends::{Backends, Served};
+use crate::backends::{Backends, Dialect, Served};
 use crate::client::{ClientError, HttpClient};
 use crate::keys::{Keys, Trial};
 use crate::metrics::{ProxyMetrics, StatusLabel};
@@ -95,12 +96,105 @@ pub fn router(proxy: Proxy) -> Router {
         .route("/v1/completions", post(completion_bearer))
         .route("/{key}/v1/chat/completions", post(chat_path))
         .route("/{key}/v1/completions", post(completion_path))
+        .route("/v1/models", get(models_bearer))
+        .route("/{key}/v1/models", get(models_path))
         .with_state(proxy)
+}
+
+/// How long `/v1/models` waits for an engine's list.
+const MODELS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+async fn models_bearer(State(p): State<Arc<Proxy>>, headers: HeaderMap) -> Response {
+    models(&p, bearer(&headers).as_deref()).await
+}
+
+async fn models_path(State(p): State<Arc<Proxy>>, Path(key): Path<String>) -> Response {
+    models(&p, Some(&key)).await
+}
+
+/// `GET /v1/models` for a trial (an OpenAI client lists models before it calls): the list
+/// of the first engine serving the trial's policy, as that engine gives it — so the names
+/// a client sees are the names the engine accepts.
+async fn models(p: &Proxy, key: Option<&str>) -> Response {
+    let Some(trial) = key.and_then(|k| p.keys.get(k)) else {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "invalid_api_key",
+            "unknown or revoked trial key: use the base URL the rollout service issued for this trial",
+        );
+    };
+    for index in p.backends.candidates(&trial.trial_id) {
+        let backend = &p.backends.list[index];
+        if !backend.serves(&trial.run_id, trial.policy_version) {
+            continue;
+        }
+        let url = format!("{}/v1/models", backend.url);
+        match tokio::time::timeout(MODELS_TIMEOUT, p.client.get(&url)).await {
+            Ok(Ok((200, body))) => {
+                return ([(header::CONTENT_TYPE, "application/json")], body).into_response();
+            }
+            Ok(Ok((status, _))) => {
+                tracing::warn!(backend = %backend.url, status, "the engine's /v1/models failed; trying another");
+            }
+            Ok(Err(err)) => {
+                tracing::warn!(backend = %backend.url, error = %err, "the engine's /v1/models failed; trying another");
+            }
+            Err(_) => {
+                tracing::warn!(backend = %backend.url, "the engine's /v1/models did not answer in 10 s; trying another");
+            }
+        }
+    }
+    no_backend()
 }
 
 /// OpenAI's error body.
 pub fn error(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Response {
     arl_runtime::http::ApiError::new(status, kind, message).into_response()
+}
+
+/// A 429 that asks the caller to wait `retry_after` seconds; `code` says why, for callers
+/// that act on the reason (never the message text): `run_capacity` (the run's calls in
+/// flight are at their limit), `policy_loading` (no engine serves the trial's policy
+/// yet), `policy_swapped` (the engine changed policy during the call), or
+/// `policy_too_stale` (the trial is too far behind; waiting does not help).
+fn wait_and_retry(
+    code: &'static str,
+    retry_after: &'static str,
+    message: impl Into<String>,
+) -> Response {
+    let mut response = arl_runtime::http::ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        "rate_limit_exceeded",
+        message,
+    )
+    .with_code(code)
+    .into_response();
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static(retry_after));
+    response
+}
+
+/// An engine's refusal, passed on — with OpenAI's `context_length_exceeded` code where
+/// the engine says the prompt is too long in its own way (vLLM: `param` `input_tokens`
+/// or `input_text`), so that callers decide by the code.
+fn engine_refusal(status: StatusCode, dialect: Dialect, body: Bytes) -> Response {
+    let mut value: Value = match serde_json::from_slice(&body) {
+        Ok(value) => value,
+        Err(_) => {
+            return (status, [(header::CONTENT_TYPE, "application/json")], body).into_response();
+        }
+    };
+    let too_long = dialect == Dialect::Vllm
+        && status == StatusCode::BAD_REQUEST
+        && matches!(
+            value["error"]["param"].as_str(),
+            Some("input_tokens" | "input_text")
+        );
+    if too_long && let Some(error) = value["error"].as_object_mut() {
+        error.insert("code".into(), json!("context_length_exceeded"));
+    }
+    (status, axum::Json(value)).into_response()
 }
 
 fn bearer(headers: &HeaderMap) -> Option<String> {
@@ -153,47 +247,14 @@ impl Kind {
         }
     }
 
-    /// Request fields passed on; anything else is refused (a typo must not be ignored).
+    /// Request fields passed on: the ones ARL knows ([`arl_schemas::openai`]); anything
+    /// else is refused (a typo must not be ignored).
     fn allowed(self, field: &str) -> bool {
-        const COMMON: &[&str] = &[
-            "model",
-            "stream",
-            "stream_options",
-            "n",
-            "temperature",
-            "top_p",
-            "top_k",
-            "max_tokens",
-            "stop",
-            "stop_token_ids",
-            "seed",
-            "logprobs",
-            "user",
-            "frequency_penalty",
-            "presence_penalty",
-            "logit_bias",
-            "ignore_eos",
-            "prompt_token_ids",
-            "min_tokens",
-            "repetition_penalty",
-        ];
-        const CHAT: &[&str] = &[
-            "messages",
-            "tools",
-            "tool_choice",
-            "parallel_tool_calls",
-            "top_logprobs",
-            "max_completion_tokens",
-            "response_format",
-            "metadata",
-            "store",
-        ];
-        const COMPLETION: &[&str] = &["prompt", "echo", "suffix", "best_of"];
-        COMMON.contains(&field)
-            || match self {
-                Kind::Chat => CHAT.contains(&field),
-                Kind::Completion => COMPLETION.contains(&field),
-            }
+        let endpoint = match self {
+            Kind::Chat => arl_schemas::openai::Endpoint::Chat,
+            Kind::Completion => arl_schemas::openai::Endpoint::Completion,
+        };
+        arl_schemas::openai::field(endpoint, field).is_some()
     }
 }
 
@@ -278,18 +339,14 @@ async fn forward(
         .filter(|&i| p.backends.list[i].serves(&trial.run_id, trial.policy_version))
         .collect();
     if candidates.is_empty() {
-        let mut response = error(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_exceeded",
+        return wait_and_retry(
+            "policy_loading",
+            "1",
             format!(
                 "no engine serves run {}'s policy version {} yet (it is loading, or serves another run); retry shortly",
                 trial.run_id, trial.policy_version
             ),
         );
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        return response;
     }
     let guard = InFlight::enter(&load);
 
@@ -328,6 +385,11 @@ async fn forward(
         backend.dialect.decorate(&mut body, kind == Kind::Chat);
         let bytes = Bytes::from(Value::Object(body).to_string());
         let on_backend = InFlight::enter(&backend);
+        // What a followed engine serves is known for this call only if no weight update
+        // begins before its answer is complete.
+        let attestation = backend
+            .followed
+            .then(|| (backend.clone(), backend.update_count()));
         let sent = p
             .client
             .post_json(&format!("{}{}", backend.url, kind.path()), bytes)
@@ -348,17 +410,13 @@ async fn forward(
         if !status.is_success() {
             // The engine refused the request (bad input, overload): nothing was generated.
             let body = response.into_body().collect().await.map(|b| b.to_bytes());
-            return (
-                status,
-                [(header::CONTENT_TYPE, "application/json")],
-                body.unwrap_or_default(),
-            )
-                .into_response();
+            return engine_refusal(status, backend.dialect, body.unwrap_or_default());
         }
         let recorder = Recorder {
             proxy: p.clone(),
             call,
             backend: backend.url.clone(),
+            attestation,
             record: Record::default(),
             span: span.clone(),
             _in_flight: (guard, on_backend),
@@ -446,25 +504,21 @@ fn backpressure(p: &Proxy, trial: &Trial, load: &RunLoad) -> Option<Response> {
     let stale = trial
         .max_staleness
         .is_some_and(|limit| latest > trial.policy_version + limit);
-    let (message, retry_after) = if busy {
-        ("the run's LLM-call capacity is in use", "1")
+    if busy {
+        Some(wait_and_retry(
+            "run_capacity",
+            "1",
+            "the run's LLM-call capacity is in use",
+        ))
     } else if stale {
-        (
-            "the trial's policy version is too stale for this run (max_staleness)",
+        Some(wait_and_retry(
+            "policy_too_stale",
             "5",
-        )
+            "the trial's policy version is too stale for this run (max_staleness)",
+        ))
     } else {
-        return None;
-    };
-    let mut response = error(
-        StatusCode::TOO_MANY_REQUESTS,
-        "rate_limit_exceeded",
-        message,
-    );
-    response
-        .headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from_static(retry_after));
-    Some(response)
+        None
+    }
 }
 
 /// What counts its calls in flight: a run's load, a backend.
@@ -623,6 +677,9 @@ struct Recorder {
     proxy: Arc<Proxy>,
     call: CallContext,
     backend: String,
+    /// A followed backend and its update count when the call was sent
+    /// ([`crate::backends::Backend::attest`]).
+    attestation: Option<(Arc<crate::backends::Backend>, u64)>,
     record: Record,
     /// The call's span: the record is stored in it, whenever the stream ends.
     span: tracing::Span,
@@ -647,8 +704,29 @@ impl Unrecorded {
 }
 
 impl Recorder {
+    /// For a followed engine (which names no policy), the policy ARL loaded into it —
+    /// when no weight update overlapped the call; otherwise the call stays recorded with
+    /// no serving version (and is not trained on).
+    fn attest(&mut self) {
+        let Some((backend, sent_at)) = &self.attestation else {
+            return;
+        };
+        match backend.attest(*sent_at) {
+            Some(Served::Base) => {
+                self.record.policy_version = Some(0);
+                self.record.served_run = Some(None);
+            }
+            Some(Served::Run { run, version }) => {
+                self.record.policy_version = Some(version);
+                self.record.served_run = Some(Some(run.to_string()));
+            }
+            Some(Served::Unknown | Served::Pending) | None => {}
+        }
+    }
+
     /// Stores the call's record; why not when it cannot be.
     async fn store(&mut self) -> Result<(), Unrecorded> {
+        self.attest();
         let r = &self.record;
         if r.completion_token_ids.is_empty() && r.prompt_token_ids.is_empty() {
             return Err(Unrecorded::Unavailable(
@@ -762,17 +840,13 @@ impl Recorder {
                 },
             );
         }
-        let mut response = error(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_exceeded",
+        wait_and_retry(
+            "policy_swapped",
+            "1",
             format!(
                 "{reason} (the engine swapped after routing); nothing was recorded; retry shortly"
             ),
-        );
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        response
+        )
     }
 
     async fn whole(mut self, body: hyper::body::Incoming) -> Response {

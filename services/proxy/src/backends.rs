@@ -3,7 +3,7 @@
 //! speaks for token ids and logprobs.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -58,8 +58,14 @@ pub struct Backend {
     pub dialect: Dialect,
     pub in_flight: AtomicUsize,
     healthy: AtomicBool,
-    /// The policy the backend serves, from its `/v1/models`.
+    /// The policy the backend serves: from its `/v1/models` (ARL's engine), or as ARL
+    /// loaded it (a followed vLLM or SGLang, [`crate::follow`]).
     served: Mutex<Served>,
+    /// Whether ARL loads each new policy version into it and so knows what it serves.
+    pub followed: bool,
+    /// Weight updates begun plus ended (odd while one is under way): a call that saw the
+    /// same even count when sent and when answered was served by one known policy.
+    updates: AtomicU64,
 }
 
 /// The policy a backend says it serves. A policy is (run, version): two runs' version 3
@@ -73,6 +79,31 @@ pub enum Served {
     Base,
     /// A run's trained version.
     Run { run: RunId, version: u64 },
+    /// Not known yet, or lost (a followed engine before ARL has read its weight version,
+    /// or after a weight update failed half-way): nothing is routed to it.
+    Pending,
+}
+
+impl Served {
+    /// How a `weight_version` of an engine ARL loads reads: `arl:<run>:<version>` as
+    /// [`Served::weight_version`] wrote it; anything else (vLLM and SGLang start at
+    /// `"default"`) is the model the engine was started with.
+    pub fn from_weight_version(text: &str) -> Self {
+        text.strip_prefix("arl:")
+            .and_then(|rest| rest.rsplit_once(':'))
+            .and_then(|(run, version)| {
+                Some(Served::Run {
+                    run: RunId::new(run).ok()?,
+                    version: version.parse().ok()?,
+                })
+            })
+            .unwrap_or(Served::Base)
+    }
+
+    /// The `weight_version` ARL gives an engine it loaded `run`'s `version` into.
+    pub fn weight_version(run: &RunId, version: u64) -> String {
+        format!("arl:{run}:{version}")
+    }
 }
 
 impl Backend {
@@ -86,6 +117,7 @@ impl Backend {
     pub fn serves(&self, run: &RunId, version: u64) -> bool {
         match &*self.served.lock().unwrap_or_else(|e| e.into_inner()) {
             Served::Unknown => true,
+            Served::Pending => false,
             Served::Base => version == 0,
             Served::Run {
                 run: served_run,
@@ -103,6 +135,33 @@ impl Backend {
 
     pub fn set_served(&self, served: Served) {
         *self.served.lock().unwrap_or_else(|e| e.into_inner()) = served;
+    }
+
+    /// Marks a weight update begun: calls in flight now can no longer be attested.
+    pub fn begin_update(&self) {
+        self.updates.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Marks the update ended, with what the engine serves now.
+    pub fn end_update(&self, served: Served) {
+        self.set_served(served);
+        self.updates.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Taken when a call is sent to a followed backend; [`Self::attest`] at its end.
+    pub fn update_count(&self) -> u64 {
+        self.updates.load(Ordering::SeqCst)
+    }
+
+    /// The policy that served a call sent when [`Self::update_count`] was `sent_at`: known
+    /// only for a followed backend with no weight update begun or under way since (a
+    /// call overlapping an update may have been served by either version, or both).
+    pub fn attest(&self, sent_at: u64) -> Option<Served> {
+        let unchanged = sent_at.is_multiple_of(2) && self.update_count() == sent_at;
+        match self.served() {
+            Served::Base | Served::Run { .. } if self.followed && unchanged => Some(self.served()),
+            _ => None,
+        }
     }
 }
 
@@ -156,10 +215,18 @@ pub struct Backends {
 
 impl Backends {
     pub fn new(specs: Vec<(Dialect, String)>) -> Self {
+        Self::with_following(specs, false)
+    }
+
+    /// Backends of which ARL loads every policy version into the vLLM and SGLang ones
+    /// when `follow` (`--follow-weights`): those serve nothing until ARL has read what
+    /// they serve ([`Served::Pending`]).
+    pub fn with_following(specs: Vec<(Dialect, String)>, follow: bool) -> Self {
         Self {
             list: specs
                 .into_iter()
                 .map(|(dialect, url)| {
+                    let followed = follow && dialect != Dialect::Arl;
                     Arc::new(Backend {
                         url,
                         dialect,
@@ -167,7 +234,13 @@ impl Backends {
                         // Healthy once a health check has answered (the first runs at
                         // start); until then a backend is still tried, last.
                         healthy: AtomicBool::new(false),
-                        served: Mutex::default(),
+                        served: Mutex::new(if followed {
+                            Served::Pending
+                        } else {
+                            Served::Unknown
+                        }),
+                        followed,
+                        updates: AtomicU64::new(0),
                     })
                 })
                 .collect(),
@@ -236,7 +309,10 @@ impl Backends {
                     let url = format!("{}/v1/models", b.url);
                     let answer = tokio::time::timeout(period, client.get(&url)).await;
                     let ok = matches!(&answer, Ok(Ok((status, _))) if *status == 200);
-                    if let Ok(Ok((200, body))) = &answer {
+                    // A followed engine does not say what it serves: ARL knows.
+                    if let Ok(Ok((200, body))) = &answer
+                        && !b.followed
+                    {
                         b.set_served(served_policy(body));
                     }
                     if ok != b.is_healthy() {
@@ -290,6 +366,63 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn a_followed_backend_serves_what_arl_loaded_and_attests_only_calls_clear_of_updates() {
+        let b = Backends::with_following(
+            vec![
+                (Dialect::Vllm, "http://v".into()),
+                (Dialect::Arl, "http://a".into()),
+            ],
+            true,
+        );
+        let (vllm, arl) = (&b.list[0], &b.list[1]);
+        assert!(
+            vllm.followed && !arl.followed,
+            "ARL's engine reports its own"
+        );
+        let run = RunId::new("run-a").unwrap();
+        assert!(
+            !vllm.serves(&run, 0),
+            "nothing until its weight version is read"
+        );
+        assert_eq!(vllm.attest(vllm.update_count()), None);
+
+        vllm.set_served(Served::from_weight_version("default"));
+        assert!(vllm.serves(&run, 0) && !vllm.serves(&run, 1));
+        let before = vllm.update_count();
+        assert_eq!(vllm.attest(before), Some(Served::Base));
+
+        // A call sent before an update and answered after it: either version.
+        vllm.begin_update();
+        let during = vllm.update_count();
+        assert_eq!(vllm.attest(before), None);
+        assert_eq!(
+            vllm.attest(during),
+            None,
+            "sent while the update was under way"
+        );
+        let version = Served::weight_version(&run, 1);
+        assert_eq!(version, "arl:run-a:1");
+        vllm.end_update(Served::from_weight_version(&version));
+        let after = vllm.update_count();
+        assert_eq!(
+            vllm.attest(after),
+            Some(Served::Run {
+                run: run.clone(),
+                version: 1
+            })
+        );
+        assert!(vllm.serves(&run, 1) && !vllm.serves(&RunId::new("run-b").unwrap(), 0));
+        assert_eq!(vllm.attest(before), None);
+        assert_eq!(
+            arl.attest(arl.update_count()),
+            None,
+            "not followed: it says itself"
+        );
+        assert_eq!(Served::from_weight_version("arl:x"), Served::Base);
+        assert_eq!(Served::from_weight_version("arl:run-a:v2"), Served::Base);
+    }
 
     #[test]
     fn routing_prefers_the_trials_backend_then_the_least_loaded() {

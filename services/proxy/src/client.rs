@@ -55,6 +55,24 @@ impl HttpClient {
         Ok((status, body))
     }
 
+    /// POST a JSON body: the status and the whole answer.
+    pub async fn post_collected(
+        &self,
+        url: &str,
+        body: Bytes,
+    ) -> Result<(u16, Bytes), ClientError> {
+        use http_body_util::BodyExt;
+        let response = self.post_json(url, body).await?;
+        let status = response.status().as_u16();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| ClientError::Other(e.to_string()))?
+            .to_bytes();
+        Ok((status, body))
+    }
+
     pub async fn post_json(
         &self,
         url: &str,

@@ -32,6 +32,23 @@ pub struct Args {
     #[arg(long = "backend", required = true)]
     backends: Vec<String>,
 
+    /// Load every new policy version into the vllm= and sglang= backends (through their
+    /// weight-update APIs; vLLM must run with VLLM_SERVER_DEV_MODE=1) and route a trial
+    /// to one only once it serves the trial's policy. Without it, such a backend's calls
+    /// name no serving version and are not trained on.
+    #[arg(long)]
+    follow_weights: bool,
+
+    /// With --follow-weights: follow only this run's versions (default: every run's).
+    #[arg(long, requires = "follow_weights")]
+    follow_run: Option<String>,
+
+    /// With --follow-weights: the only folder versions are loaded from (the trainer's
+    /// --runs-dir, at the same path on the engines' machines). Default: $ARL_RUNS_DIR,
+    /// else ~/.cache/arl/runs.
+    #[arg(long, requires = "follow_weights")]
+    weights_dir: Option<std::path::PathBuf>,
+
     /// Name of this instance (revoke requests are addressed to it).
     #[arg(long, default_value = "proxy")]
     instance: String,
@@ -70,7 +87,13 @@ impl Service for Proxy {
             &ctx.shutdown,
         )
         .await?;
-        let backends = Arc::new(Backends::new(backends));
+        let follow_run = args
+            .follow_run
+            .as_deref()
+            .map(arl_schemas::RunId::new)
+            .transpose()
+            .map_err(|e| format!("--follow-run: {e}"))?;
+        let backends = Arc::new(Backends::with_following(backends, args.follow_weights));
         let proxy = ProxyService::new(
             ctx.bus.clone(),
             keys,
@@ -81,6 +104,18 @@ impl Service for Proxy {
             },
         );
         backends.watch_health(proxy.client.clone(), Duration::from_secs(2), &ctx.shutdown);
+        if args.follow_weights {
+            crate::follow::follow(
+                &ctx.bus,
+                backends.clone(),
+                proxy.client.clone(),
+                &args.instance,
+                follow_run.as_ref(),
+                args.weights_dir
+                    .unwrap_or_else(arl_runtime::args::default_runs_dir),
+                &ctx.shutdown,
+            );
+        }
         let healthy = backends.clone();
         let readiness = arl_runtime::http::Readiness::probe(move || {
             if healthy.any_healthy() {

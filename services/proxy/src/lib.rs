@@ -5,11 +5,13 @@
 //! - [`keys`]: per-trial keys; [`service`]: issuing and revoking them over NATS;
 //! - [`api`]: authentication, checks, backpressure, forwarding and recording;
 //! - [`backends`]: routing, affinity, health and dialects; [`client`]: the HTTP client;
+//! - [`follow`]: loading each new policy version into vLLM and SGLang (`--follow-weights`);
 //! - [`metrics`]: every call as the proxy saw it (status, latency, tokens).
 
 pub mod api;
 pub mod backends;
 pub mod client;
+pub mod follow;
 pub mod hosted;
 pub mod keys;
 pub mod metrics;

@@ -12,7 +12,9 @@ use arl_proxy::backends::{Backends, Dialect};
 use arl_proxy::keys::Keys;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown};
-use arl_schemas::events::LlmCallV2;
+use arl_schemas::events::{
+    LlmCallV2, WEIGHTS_FILE, WeightsFormat, WeightsLocation, WeightsPublishedV2,
+};
 use arl_schemas::rpc::{
     ProxyOp, TrialKeyGrantV1, TrialKeyRequestV1, TrialKeyRevokeV1, TrialKeyRevokedV1,
 };
@@ -60,7 +62,13 @@ async fn fake_backend_in(shutdown: &Shutdown, dialect: Dialect) -> (SocketAddr, 
     let seen: Seen = Arc::default();
     let record = seen.clone();
     let router = axum::Router::new()
-        .route("/v1/models", axum::routing::get(|| async { Json(json!({"data": []})) }))
+        // Names only, no policy: the proxy cannot tell what it serves (as with vLLM).
+        .route(
+            "/v1/models",
+            axum::routing::get(|| async {
+                Json(json!({"object": "list", "data": [{"id": "policy"}, {"id": "tiny-model"}]}))
+            }),
+        )
         .route(
             "/v1/chat/completions",
             axum::routing::post(move |Json(body): Json<Value>| {
@@ -94,6 +102,33 @@ async fn fake_backend_in(shutdown: &Shutdown, dialect: Dialect) -> (SocketAddr, 
                 }
             }),
         );
+    // SGLang's weight API: what it serves, and loading a folder.
+    let serving = Arc::new(Mutex::new("default".to_owned()));
+    let (asked, loading) = (serving.clone(), seen.clone());
+    let router =
+        router
+            .route(
+                "/model_info",
+                axum::routing::get(move || {
+                    let version = asked.lock().unwrap().clone();
+                    async move {
+                        Json(json!({"model_path": "/models/policy", "weight_version": version}))
+                    }
+                }),
+            )
+            .route(
+                "/update_weights_from_disk",
+                axum::routing::post(move |Json(body): Json<Value>| {
+                    loading.lock().unwrap().push(body.clone());
+                    *serving.lock().unwrap() = body["weight_version"].as_str().unwrap().to_owned();
+                    async move {
+                        Json(
+                            json!({"success": true, "message": "Succeeded to update model weights.",
+                                "num_paused_requests": 0}),
+                        )
+                    }
+                }),
+            );
     let record = seen.clone();
     let router = router.route(
         "/v1/completions",
@@ -124,6 +159,16 @@ async fn setup(config: ProxyConfig, dead_backend_first: bool) -> Setup {
 }
 
 async fn setup_with(config: ProxyConfig, dead_backend_first: bool, dialect: Dialect) -> Setup {
+    setup_following(config, dead_backend_first, dialect, None).await
+}
+
+/// With `weights_dir`, the proxy follows weights into its vLLM and SGLang backends.
+async fn setup_following(
+    config: ProxyConfig,
+    dead_backend_first: bool,
+    dialect: Dialect,
+    weights_dir: Option<&std::path::Path>,
+) -> Setup {
     let server = NatsServer::start().unwrap();
     let ns = test_namespace();
     let mut bus_config = BusConfig::new(server.url(), ns, "proxy-test");
@@ -143,12 +188,20 @@ async fn setup_with(config: ProxyConfig, dead_backend_first: bool, dialect: Dial
     }
     specs.push((dialect, format!("http://{backend}")));
     let keys = Arc::new(Keys::default());
-    let proxy = Proxy::new(
-        bus.clone(),
-        keys.clone(),
-        Arc::new(Backends::new(specs)),
-        config,
-    );
+    let backends = Arc::new(Backends::with_following(specs, weights_dir.is_some()));
+    let proxy = Proxy::new(bus.clone(), keys.clone(), backends.clone(), config);
+    if let Some(dir) = weights_dir {
+        backends.watch_health(proxy.client.clone(), Duration::from_millis(200), &shutdown);
+        arl_proxy::follow::follow(
+            &bus,
+            backends,
+            proxy.client.clone(),
+            "p1",
+            None,
+            dir.to_path_buf(),
+            &shutdown,
+        );
+    }
     let addr = arl_runtime::http::serve(
         "127.0.0.1:0".parse().unwrap(),
         api::router(proxy),
@@ -296,6 +349,29 @@ async fn calls_are_forwarded_recorded_and_keys_scope_them() {
         assert_eq!(call.request_messages[0]["role"], "user");
     }
 
+    // `/v1/models` for the trial (path key or bearer): the engine's own list.
+    for (url, headers) in [
+        (format!("{}/models", grant.base_url), vec![]),
+        (
+            format!("{}/v1/models", s.base),
+            vec![("authorization", auth.as_str())],
+        ),
+    ] {
+        let models = http(&url, "GET", &headers, b"").await.unwrap();
+        assert_eq!(models.status, 200, "{}", models.text());
+        let ids: Vec<String> = models.json::<Value>()["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(ids, ["policy", "tiny-model"]);
+    }
+    let anonymous = http(&format!("{}/v1/models", s.base), "GET", &[], b"")
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status, 401, "{}", anonymous.text());
+
     // Unknown and revoked keys get 401; revoke reports the calls made.
     let (status, _, _) = s
         .post(
@@ -411,6 +487,8 @@ async fn a_trial_past_its_staleness_limit_is_held_back() {
     let (status, body, headers) = s.post(&url, &[], &chat("two")).await;
     assert_eq!(status, 429, "{body}");
     assert!(body.contains("stale"));
+    let code: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(code["error"]["code"], "policy_too_stale", "{body}");
     assert!(headers.iter().any(|(k, _)| k == "retry-after"));
     s.shutdown.trigger();
 }
@@ -473,5 +551,149 @@ async fn sglang_answers_are_recorded_from_its_own_fields() {
             "SGLang names no version: the trial's"
         );
     }
+    s.shutdown.trigger();
+}
+
+/// `--follow-weights` with an SGLang backend (a stand-in in SGLang's documented shapes):
+/// the proxy reads what it serves (`/model_info`), loads each published version through
+/// `/update_weights_from_disk` with ARL's weight version, routes a trial of the new version
+/// only then, and records each call with the version that served it. A version in the
+/// object store, which SGLang cannot read, is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_followed_sglang_serves_each_published_version_and_calls_carry_it() {
+    let weights = tempfile::tempdir().unwrap();
+    let s = setup_following(
+        ProxyConfig::default(),
+        false,
+        Dialect::Sglang,
+        Some(weights.path()),
+    )
+    .await;
+    let grant = s.key("trial-base", None).await;
+    let (status, body, _) = wait_for(
+        "the engine's weights read",
+        Duration::from_secs(10),
+        || async {
+            let answer = s
+                .post(
+                    &format!("{}/chat/completions", grant.base_url),
+                    &[],
+                    &chat("hello"),
+                )
+                .await;
+            (answer.0 != 429).then_some(answer)
+        },
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+
+    // Version 1 of the run, as the trainer publishes it (a folder under --runs-dir).
+    let run = RunId::new("run-proxy").unwrap();
+    let dir = weights.path().join("run-proxy/version-1");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join(WEIGHTS_FILE), b"new weights").unwrap();
+    let (sha256, size_bytes) = arl_runtime::digest::sha256_file(&dir.join(WEIGHTS_FILE)).unwrap();
+    let published = |version: u64, location: WeightsLocation| WeightsPublishedV2 {
+        run_id: run.clone(),
+        policy_version: version,
+        step: version as u32,
+        format: WeightsFormat::HfSafetensors,
+        sha256: sha256.clone(),
+        size_bytes,
+        location,
+        at: chrono::Utc::now(),
+    };
+    s.bus
+        .publish(&published(
+            1,
+            WeightsLocation::Folder {
+                path: dir.display().to_string(),
+            },
+        ))
+        .await
+        .unwrap();
+    let request = TrialKeyRequestV1 {
+        run_id: run.clone(),
+        trial_id: TrialId::new("trial-v1").unwrap(),
+        policy_version: 1,
+        max_staleness: None,
+    };
+    let v1: TrialKeyGrantV1 = s
+        .bus
+        .request(
+            s.bus.namespace().proxy_rpc("any", ProxyOp::Issue),
+            &request,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    let (status, body, _) = wait_for("version 1 served", Duration::from_secs(10), || async {
+        let answer = s
+            .post(
+                &format!("{}/chat/completions", v1.base_url),
+                &[],
+                &chat("again"),
+            )
+            .await;
+        (answer.0 != 429).then_some(answer)
+    })
+    .await;
+    assert_eq!(status, 200, "{body}");
+
+    let update = s
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|b| b.get("model_path").is_some())
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        update["model_path"],
+        json!(dir.canonicalize().unwrap().display().to_string())
+    );
+    assert_eq!(update["weight_version"], "arl:run-proxy:1");
+    let calls = wait_for("two records", Duration::from_secs(10), || async {
+        let calls = s.calls().await;
+        (calls.len() == 2).then_some(calls)
+    })
+    .await;
+    let served: Vec<_> = calls
+        .iter()
+        .map(|c| (c.policy_version, c.served_version, c.served_run_id.clone()))
+        .collect();
+    assert_eq!(
+        served,
+        [(0, Some(0), None), (1, Some(1), Some(run.clone()))]
+    );
+
+    // A version SGLang could not read is refused, and nothing changes.
+    s.bus
+        .publish(&published(
+            2,
+            WeightsLocation::ObjectStore {
+                bucket: "ARL_WEIGHTS".into(),
+                files: Vec::new(),
+            },
+        ))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let updates = s
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|b| b.get("model_path").is_some())
+        .count();
+    assert_eq!(updates, 1);
+    let (status, _, _) = s
+        .post(
+            &format!("{}/chat/completions", v1.base_url),
+            &[],
+            &chat("still"),
+        )
+        .await;
+    assert_eq!(status, 200);
     s.shutdown.trigger();
 }

@@ -128,15 +128,16 @@ impl LlmClient {
                 || String::from_utf8_lossy(&bytes).into_owned(),
                 str::to_owned,
             );
+            // The class is decided by the error's code (the proxy gives vLLM's
+            // context errors OpenAI's code), never by the message's wording.
+            let code = value["error"]["code"].as_str();
             match status.as_u16() {
-                400 if value["error"]["code"] == "context_length_exceeded"
-                    || message.contains("context") =>
-                {
+                400 if code == Some("context_length_exceeded") => {
                     return Err(TrialError::new(FailureClass::ContextOverflow, message));
                 }
-                // Over the run's capacity: wait. Too stale: a fresh attempt gets a newer
-                // policy version.
-                429 if !message.contains("stale") => {
+                // Over the run's capacity, or the policy is loading: wait. Too stale: a
+                // fresh attempt gets a newer policy version.
+                429 if code != Some("policy_too_stale") => {
                     let wait = Duration::from_secs(retry_after.unwrap_or(1).clamp(1, 30));
                     if Instant::now() + wait >= deadline {
                         return Err(TrialError::new(

@@ -4,8 +4,10 @@
 //! tokens (tool output, the next user turn) go in with loss mask 0, the completion with
 //! mask 1. A prompt that does not extend it (history compaction, a template that drops
 //! earlier reasoning, retokenization drift) starts a new branch. Completion tokens whose
-//! log-probabilities were not recorded cannot be proven to come from the policy: they are
-//! masked and counted.
+//! log-probabilities were not recorded, or whose serving policy version is not known (a
+//! vLLM or SGLang the proxy does not follow, or a call that overlapped a weight update),
+//! cannot be proven to come from the policy they would be trained as: they are masked and
+//! counted.
 
 use arl_schemas::events::{CallSpan, LlmCallV2, TrajectoryBranch};
 
@@ -59,7 +61,8 @@ pub fn assemble(calls: &[LlmCallV2]) -> Assembled {
             .logprobs
             .extend(std::iter::repeat_n(0.0f32, fresh.len()));
         let start = branch.token_ids.len();
-        let proven = call.logprobs.len() == call.completion_token_ids.len();
+        let proven =
+            call.logprobs.len() == call.completion_token_ids.len() && call.served_version.is_some();
         branch
             .token_ids
             .extend_from_slice(&call.completion_token_ids);
@@ -173,6 +176,15 @@ mod tests {
         let a = assemble(&[c, call(1, &[1, 2, 3, 4, 5, 6], &[7], 1)]);
         assert_eq!(a.unproven_tokens, 3);
         assert_eq!(a.branches[0].loss_mask, [0, 0, 0, 0, 0, 0, 1]);
+    }
+
+    #[test]
+    fn completions_of_an_unknown_serving_version_are_masked_as_unproven() {
+        let mut unknown = call(1, &[1, 2, 3, 4, 5, 6], &[7, 8], 1);
+        unknown.served_version = None;
+        let a = assemble(&[call(0, &[1, 2, 3], &[4, 5], 1), unknown]);
+        assert_eq!(a.unproven_tokens, 2);
+        assert_eq!(a.branches[0].loss_mask, [0, 0, 0, 1, 1, 0, 0, 0]);
     }
 
     #[test]

@@ -35,6 +35,9 @@ pub struct Assembled {
     pub masked: usize,
     pub stale: usize,
     pub num_turns_mean: f64,
+    /// Completion tokens the rollout masked as unproven (no logprobs, or no known
+    /// serving policy version), over every trajectory of the batch.
+    pub unproven_tokens: usize,
 }
 
 impl StepBatch {
@@ -101,6 +104,7 @@ impl StepBatch {
         let mut turns = 0u64;
         for ((task, _), trajectory) in &self.trajectories {
             turns += u64::from(trajectory.num_turns);
+            out.unproven_tokens += trajectory.unproven_tokens as usize;
             let next_group = groups.len() as u64;
             let group = *groups.entry(task).or_insert(next_group);
             if trajectory.status == SampleStatus::Masked || failed.contains(task) {

@@ -549,6 +549,7 @@ impl Trainer {
                 groups: count(step_metrics.groups),
                 zero_advantage_groups: count(step_metrics.zero_advantage_groups),
                 samples_trained: count(step_metrics.samples_trained),
+                unproven_tokens: count(assembled.unproven_tokens),
             },
             timing: StepTiming {
                 wait_for_trajectories: waited,

@@ -33,8 +33,10 @@ pub struct LlmCallV2 {
     /// (the base model, or a backend that does not say).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub served_run_id: Option<RunId>,
-    /// The policy version the backend said answered; None when it did not say (vLLM and
-    /// SGLang name none).
+    /// The policy version that answered, as the backend said it (ARL's engine) or as the
+    /// proxy loaded it into a followed vLLM or SGLang; None when not known (a backend
+    /// that does not say and is not followed, or a weight update during the call):
+    /// such a call is not trained on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub served_version: Option<u64>,
     pub finish_reason: FinishReason,

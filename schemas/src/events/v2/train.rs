@@ -27,6 +27,12 @@ pub struct BatchCounts {
     pub zero_advantage_groups: u32,
     /// Samples whose loss carried a non-zero advantage.
     pub samples_trained: u32,
+    /// Completion tokens of the batch's trajectories kept out of the loss because their
+    /// origin is not proven: no log-probabilities, or no known serving policy version (a
+    /// vLLM or SGLang the proxy does not follow, a call across a weight update). Absent
+    /// in steps of trainers before it was counted.
+    #[serde(default)]
+    pub unproven_tokens: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -61,6 +67,7 @@ impl Example for TrainStepV2 {
                 groups: 4,
                 zero_advantage_groups: 1,
                 samples_trained: 11,
+                unproven_tokens: 12,
             },
             timing: v1.timing,
             at: v1.at,
