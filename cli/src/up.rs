@@ -188,7 +188,7 @@ pub(crate) fn nats_server_program() -> Result<PathBuf, String> {
     match version_of(&program) {
         Some(version) if version >= MIN_VERSION => Ok(program),
         Some(version) => Err(format!(
-            "{named_by} ({}) is {version}, too old: ARL needs nats-server {MIN_VERSION} or \
+            "{named_by} ({}): nats-server {version} is too old: ARL needs {MIN_VERSION} or \
              newer; run `make deps` (it installs one into ~/.cache/arl/tools/bin) or set \
              ARL_NATS_SERVER to a newer one",
             program.display()

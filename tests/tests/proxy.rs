@@ -42,6 +42,8 @@ enum Engine {
 struct Stack {
     /// The folder the proxy loads versions into a followed engine from (`--weights-dir`).
     runs: tempfile::TempDir,
+    /// The model folder vLLM serves (the untied copy).
+    served_model: PathBuf,
     _proxy: Children,
     _engine: ProcessGroup,
     ns: Namespace,
@@ -88,7 +90,7 @@ impl Stack {
                 Duration::from_secs(60),
             ),
             Engine::Vllm => (
-                start_vllm(engine_port, &vllm_log),
+                start_vllm(engine_port, &untied_smollm2(logs.path()), &vllm_log),
                 "vllm",
                 Some(vllm_log.as_path()),
                 Duration::from_secs(420),
@@ -119,6 +121,7 @@ impl Stack {
         .unwrap();
         Self {
             runs,
+            served_model: logs.path().join("smollm2-untied"),
             _proxy: proxy,
             _engine: engine,
             ns,
@@ -179,12 +182,11 @@ fn model_dir() -> PathBuf {
 
 /// vLLM's OpenAI server on CPU, serving SmolLM2 as `policy` and as
 /// `smollm2-135m-instruct`, with its weight-update API; its output goes to `log`.
-fn start_vllm(port: u16, log: &Path) -> std::process::Child {
+fn start_vllm(port: u16, model: &Path, log: &Path) -> std::process::Child {
     let python = std::env::var_os("ARL_VLLM_PYTHON")
         .map(PathBuf::from)
         .unwrap_or(home_cache("vllm/bin/python"));
-    let model = model_dir().join("SmolLM2-135M-Instruct-hf");
-    for needed in [&python, &model] {
+    for needed in [&python, &model.to_path_buf()] {
         assert!(
             needed.exists(),
             "{} is missing: run `make vllm`",
@@ -195,7 +197,7 @@ fn start_vllm(port: u16, log: &Path) -> std::process::Child {
     Command::new(python)
         .process_group(0)
         .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
-        .arg(&model)
+        .arg(model)
         .args([
             "--served-model-name",
             "policy",
@@ -226,6 +228,21 @@ fn start_vllm(port: u16, log: &Path) -> std::process::Child {
         .stderr(log)
         .spawn()
         .unwrap()
+}
+
+/// SmolLM2 with its output layer untied from the embedding (an explicit `lm_head.weight`,
+/// equal to it), written under `dir`. vLLM's CPU build keeps a prepacked copy of a tied
+/// output layer that `reload_weights` does not refresh (the embedding reloads, the output
+/// layer stays the old one), so a weight reload is checked on a model whose output layer
+/// is loaded as its own tensor.
+fn untied_smollm2(dir: &Path) -> PathBuf {
+    let mut model = LoadedModel::open(&model_dir().join("SmolLM2-135M-Instruct-hf")).unwrap();
+    model.model.config.tie_word_embeddings = false;
+    let weights = model.model.weights_mut();
+    weights.lm_head = Some(weights.embed.clone());
+    let out = dir.join("smollm2-untied");
+    model.save_hf(&out).unwrap();
+    out
 }
 
 /// Waits until the engine lists its models; an engine that exits or is not serving
@@ -335,8 +352,8 @@ async fn the_openai_sdk_through_the_proxy_to_vllm_is_recorded_token_for_token() 
 }
 
 /// A new policy version reaches vLLM through the proxy's weight follower: SmolLM2 with
-/// two tokens' (tied) embedding rows swapped — the first token vLLM answered `prompt`
-/// with and one it never used — so that, greedy, the new weights answer exactly the old
+/// two tokens' (tied) embedding rows swapped — one vLLM answered `prompt` with (and the
+/// prompt does not hold) and one it never used — so that, greedy, the new weights answer exactly the old
 /// answer with those two tokens exchanged. The proxy routes the version-1 trial only
 /// once vLLM serves it, and records the call as served by run-sdk's version 1.
 async fn a_published_version_is_loaded_into_vllm_and_recorded(
@@ -345,17 +362,19 @@ async fn a_published_version_is_loaded_into_vllm_and_recorded(
     old_answer: &[u32],
 ) {
     let run = RunId::new("run-sdk").unwrap();
-    let first = old_answer[0];
+    // A token of the answer that the prompt does not hold: up to it the new weights compute
+    // exactly what the old did; there they pick the other row's token, and fed that back
+    // (whose embedding is now the old token's) they go on as before.
+    let first = *old_answer
+        .iter()
+        .find(|t| !prompt_ids.contains(t))
+        .expect("an answer token the prompt does not hold");
     let vocab = smollm2_tokenizer().vocab_size() as u32;
     let unused = (1..vocab)
         .rev()
         .find(|t| !prompt_ids.contains(t) && !old_answer.contains(t))
         .unwrap();
-    assert!(
-        !prompt_ids.contains(&first),
-        "the prompt must not hold the swapped token"
-    );
-    let mut model = LoadedModel::open(&model_dir().join("SmolLM2-135M-Instruct-hf")).unwrap();
+    let mut model = LoadedModel::open(&stack.served_model).unwrap();
     let width = model.model.config.hidden_size;
     let weights = model.model.weights_mut();
     let swap = |data: &mut Vec<f32>| {
@@ -364,9 +383,7 @@ async fn a_published_version_is_loaded_into_vllm_and_recorded(
         }
     };
     swap(&mut weights.embed.data);
-    if let Some(head) = weights.lm_head.as_mut() {
-        swap(&mut head.data);
-    }
+    swap(&mut weights.lm_head.as_mut().expect("the untied copy").data);
     let dir = stack.runs.path().join("run-sdk/version-1");
     model.save_hf(&dir).unwrap();
     let (sha256, size_bytes) = arl_runtime::digest::sha256_file(&dir.join(WEIGHTS_FILE)).unwrap();

@@ -514,6 +514,11 @@ async fn bad_requests_get_openai_errors() {
         )
         .await;
     assert_eq!(error["error"]["code"], "model_not_found", "{error}");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("policy") && message.contains("model-as-started"),
+        "the 404 names what is served: {message}"
+    );
     let (_, error) = server
         .post(
             "/v1/chat/completions",
@@ -539,11 +544,6 @@ async fn bad_requests_get_openai_errors() {
         )
         .await;
     assert_eq!(status, 200, "{body}");
-    let message = error["error"]["message"].as_str().unwrap();
-    assert!(
-        message.contains("policy") && message.contains("model-as-started"),
-        "the 404 names what is served: {message}"
-    );
     let response = http(
         &format!("{}/v1/completions", server.base),
         "POST",
@@ -1090,7 +1090,7 @@ async fn the_openai_python_sdk_works_against_the_server() {
     }
     assert_eq!(whole["policy_version"], 0);
     assert_eq!(whole["top"][0].as_array().unwrap().len(), 2);
-    assert_eq!(seen["models"], json!(["policy"]));
+    assert_eq!(seen["models"], json!(["policy", "model-as-started"]));
     assert_eq!(
         seen["too_long"],
         json!({"status": 400, "code": "context_length_exceeded"})

@@ -218,6 +218,15 @@ impl Follower {
             }
             Dialect::Arl => Err("ARL's engine follows weights itself".to_owned()),
         };
+        if backend.dialect == Dialect::Vllm && ties_embeddings(dir) {
+            tracing::warn!(
+                backend = %backend.url,
+                "this model ties its output layer to its embedding: vLLM's CPU build keeps a \
+                 prepacked copy of a tied output layer that reload_weights does not refresh \
+                 (seen with vLLM 0.32), so there the new version would answer through the old \
+                 output layer; GPU builds reload it"
+            );
+        }
         match loaded {
             Ok(()) => {
                 tracing::info!(backend = %backend.url, run = %event.run_id, policy_version = event.policy_version, "followed engine serves new weights");
@@ -334,6 +343,14 @@ async fn weight_version(client: &HttpClient, backend: &Backend) -> Result<String
         }
     }
     Err(last)
+}
+
+/// Whether the version's `config.json` says `tie_word_embeddings`.
+fn ties_embeddings(dir: &Path) -> bool {
+    std::fs::read(dir.join("config.json"))
+        .ok()
+        .and_then(|bytes| serde_json::from_slice::<Value>(&bytes).ok())
+        .is_some_and(|config| config["tie_word_embeddings"] == json!(true))
 }
 
 /// POST `body` to an engine's control API; its JSON answer, or what went wrong.
