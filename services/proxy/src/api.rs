@@ -101,6 +101,11 @@ pub fn router(proxy: Proxy) -> Router {
         .with_state(proxy)
 }
 
+/// Every request to an engine names the policy its trial was issued for,
+/// `<run_id>:<policy_version>`, so that an engine can check it (engines that do not know
+/// it ignore it; the load test's stand-in engine answers as that policy).
+pub const POLICY_HEADER: &str = "arl-policy";
+
 /// How long `/v1/models` waits for an engine's list.
 const MODELS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -379,6 +384,7 @@ async fn forward(
         .entry("user")
         .or_insert_with(|| json!(trial.trial_id.as_str()));
 
+    let policy = format!("{}:{}", trial.run_id, trial.policy_version);
     for index in candidates {
         let backend = p.backends.list[index].clone();
         let mut body = fields.clone();
@@ -392,7 +398,11 @@ async fn forward(
             .then(|| (backend.clone(), backend.update_count()));
         let sent = p
             .client
-            .post_json(&format!("{}{}", backend.url, kind.path()), bytes)
+            .post_json_with(
+                &format!("{}{}", backend.url, kind.path()),
+                bytes,
+                Some((POLICY_HEADER, &policy)),
+            )
             .await;
         let response = match sent {
             Ok(response) => response,

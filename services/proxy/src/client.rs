@@ -78,8 +78,22 @@ impl HttpClient {
         url: &str,
         body: Bytes,
     ) -> Result<hyper::Response<Incoming>, ClientError> {
-        let mut request = hyper::Request::post(url)
-            .header(hyper::header::CONTENT_TYPE, "application/json")
+        self.post_json_with(url, body, None).await
+    }
+
+    /// [`Self::post_json`] with one more header (`(name, value)`).
+    pub async fn post_json_with(
+        &self,
+        url: &str,
+        body: Bytes,
+        header: Option<(&'static str, &str)>,
+    ) -> Result<hyper::Response<Incoming>, ClientError> {
+        let mut builder =
+            hyper::Request::post(url).header(hyper::header::CONTENT_TYPE, "application/json");
+        if let Some((name, value)) = header {
+            builder = builder.header(name, value);
+        }
+        let mut request = builder
             .body(Full::new(body))
             .map_err(|e| ClientError::Other(e.to_string()))?;
         // The engine continues the caller's trace.

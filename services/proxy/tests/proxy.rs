@@ -71,10 +71,13 @@ async fn fake_backend_in(shutdown: &Shutdown, dialect: Dialect) -> (SocketAddr, 
         )
         .route(
             "/v1/chat/completions",
-            axum::routing::post(move |Json(body): Json<Value>| {
+            axum::routing::post(move |headers: axum::http::HeaderMap, Json(body): Json<Value>| {
                 let record = record.clone();
                 async move {
-                    record.lock().unwrap().push(body.clone());
+                    // What was sent, with the policy the proxy named in its header.
+                    let mut seen = body.clone();
+                    seen["arl-policy"] = json!(headers.get("arl-policy").and_then(|v| v.to_str().ok()));
+                    record.lock().unwrap().push(seen);
                     if dialect == Dialect::Sglang {
                         return sglang_answer(&body, true);
                     }
@@ -306,6 +309,10 @@ async fn calls_are_forwarded_recorded_and_keys_scope_them() {
         (json!(true), json!(true))
     );
     assert_eq!(sent["user"], "trial-a");
+    assert_eq!(
+        sent["arl-policy"], "run-proxy:0",
+        "the trial's policy, for the engine"
+    );
 
     // Key as a bearer token, streaming: chunks pass through, [DONE] comes last.
     let mut streamed = chat("again");

@@ -3,10 +3,12 @@
 //! measured is the orchestration's, not a model's (engines are measured by
 //! `arl-bench-inference`).
 //!
-//! It names no `policy_version` — neither in `/v1/models` (the proxy then treats it as a
-//! backend that serves every version, like vLLM) nor in an answer (the proxy then records
-//! the trial key's own version). So no trial waits on an engine that "still serves" an old
-//! version; the trainer's real pace still gates the rollout through `max_staleness`.
+//! It names no policy in `/v1/models` (the proxy then treats it as a backend that serves
+//! every version) and answers each call as the policy the proxy says the trial was issued
+//! for (its `arl-policy` header: `run_id` and `policy_version`), as an engine that always
+//! has the trial's weights would. So no trial waits on an engine that "still serves" an
+//! old version, every call has a known serving version (and is trained on), and the
+//! trainer's real pace still gates the rollout through `max_staleness`.
 //!
 //! A sandboxed (Harbor) trial's agent is `swe-text`: its first turn gets one shell command
 //! (`touch done`, which the task's verifier checks) and its next one `submit` — or, every
@@ -22,13 +24,26 @@ use std::time::Duration;
 use arl_runtime::Shutdown;
 use serde_json::json;
 
-fn answer(content: &str) -> String {
+fn answer(content: &str) -> serde_json::Value {
     json!({"prompt_token_ids": [1, 2, 3], "model": "stand-in",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                      "token_ids": [7, 8],
                      "logprobs": {"content": [{"logprob": -0.1}, {"logprob": -0.2}]},
                      "finish_reason": "stop"}]})
-    .to_string()
+}
+
+/// `answer` as served by the policy of the `arl-policy` header (`<run_id>:<version>`).
+fn as_policy(mut answer: serde_json::Value, headers: &axum::http::HeaderMap) -> String {
+    let policy = headers
+        .get("arl-policy")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|p| p.rsplit_once(':'))
+        .and_then(|(run, version)| Some((run.to_owned(), version.parse::<u64>().ok()?)));
+    if let Some((run, version)) = policy {
+        answer["run_id"] = json!(run);
+        answer["policy_version"] = json!(version);
+    }
+    answer.to_string()
 }
 
 /// Which answer a request gets: a shell agent's (its prompt names `submit`) first turn the
@@ -66,18 +81,20 @@ pub async fn serve(
     let router = axum::Router::new()
         .route(
             "/v1/chat/completions",
-            axum::routing::post(move |request: axum::body::Bytes| {
-                let (answers, calls) = (answers.clone(), calls.clone());
-                let delay = Duration::from_millis(delay_ms.load(Ordering::Relaxed));
-                async move {
-                    if !delay.is_zero() {
-                        tokio::time::sleep(delay).await;
+            axum::routing::post(
+                move |headers: axum::http::HeaderMap, request: axum::body::Bytes| {
+                    let (answers, calls) = (answers.clone(), calls.clone());
+                    let delay = Duration::from_millis(delay_ms.load(Ordering::Relaxed));
+                    async move {
+                        if !delay.is_zero() {
+                            tokio::time::sleep(delay).await;
+                        }
+                        let n = calls.fetch_add(1, Ordering::Relaxed);
+                        let body = as_policy(answers[pick(&request, n)].clone(), &headers);
+                        ([("content-type", "application/json")], body)
                     }
-                    let n = calls.fetch_add(1, Ordering::Relaxed);
-                    let body = answers[pick(&request, n)].clone();
-                    ([("content-type", "application/json")], body)
-                }
-            }),
+                },
+            ),
         )
         .route(
             "/v1/models",
