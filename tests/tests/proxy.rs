@@ -15,7 +15,7 @@ use arl_model::load::LoadedModel;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics};
 use arl_schemas::events::{
-    LlmCallV2, WEIGHTS_FILE, WeightsFormat, WeightsLocation, WeightsPublishedV2,
+    LlmCallV2, RunCompletedV1, WEIGHTS_FILE, WeightsFormat, WeightsLocation, WeightsPublishedV2,
 };
 use arl_schemas::rpc::{ProxyOp, TrialKeyGrantV1, TrialKeyRequestV1};
 use arl_schemas::{Domain, Event, Namespace, RunId, TrialId};
@@ -467,6 +467,49 @@ async fn a_published_version_is_loaded_into_vllm_and_recorded(
         ),
         (1, Some(1), Some(&run)),
         "recorded as served by the version ARL loaded"
+    );
+
+    // The run ends: vLLM gets the model it started with back, and the next run's first
+    // trial (version 0) is answered by it, exactly as before.
+    stack
+        .bus
+        .publish(&RunCompletedV1 {
+            run_id: run.clone(),
+            completed_at: chrono::Utc::now(),
+            steps: 1,
+            final_policy_version: 1,
+            checkpoint_uri: None,
+            final_resolution_rate: None,
+        })
+        .await
+        .unwrap();
+    let next = stack.key("run-next", "trial-next").await;
+    let answer = wait_for(
+        "vLLM serving its start model again",
+        Duration::from_secs(300),
+        || async {
+            let answer = http(
+                &format!("{}/completions", next.base_url),
+                "POST",
+                &[("content-type", "application/json")],
+                body.to_string().as_bytes(),
+            )
+            .await
+            .ok()?;
+            (answer.status == 200).then_some(answer)
+        },
+    )
+    .await;
+    let calls = stack.recorded_calls(5).await;
+    assert_eq!(
+        calls[4].completion_token_ids,
+        old_answer,
+        "the start model answers again: {}",
+        answer.text()
+    );
+    assert_eq!(
+        (calls[4].served_version, calls[4].served_run_id.as_ref()),
+        (Some(0), None)
     );
 }
 

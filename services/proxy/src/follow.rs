@@ -6,6 +6,8 @@
 //! the version only when no weight update overlapped the call
 //! ([`crate::backends::Backend::attest`]). What an engine serves is read from its weight
 //! version at start (`arl:<run>:<version>`, which the follower gives it), never assumed.
+//! When the run whose weights it serves ends, it gets another live run's newest version,
+//! or else the model it was started with back (read at start), as ARL's engine does.
 //!
 //! - vLLM ≥ 0.11 started with `VLLM_SERVER_DEV_MODE=1`: `POST /pause?mode=wait` (calls in
 //!   flight finish on the old weights; new ones wait), `POST /collective_rpc` with
@@ -18,15 +20,17 @@
 //! (one machine, or a volume mounted at the same path): the trainer's `--weights-store
 //! file`. Versions in the object store are refused (dead-lettered) with that advice.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
-use arl_schemas::events::{WEIGHTS_FILE, WeightsLocation, WeightsPublishedV2};
-use arl_schemas::{Domain, RunId};
+use arl_schemas::events::{
+    RunCancelledV1, RunCompletedV1, RunFailedV1, WEIGHTS_FILE, WeightsLocation, WeightsPublishedV2,
+};
+use arl_schemas::{Domain, Event, RunId};
 use bytes::Bytes;
 use serde_json::{Value, json};
 
@@ -37,6 +41,9 @@ use crate::client::HttpClient;
 const UPDATE_TIMEOUT: Duration = Duration::from_secs(600);
 /// How long any other request to an engine's control API may take.
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(30);
+/// The weight version an engine serving the model it started with reports (vLLM's and
+/// SGLang's default).
+const BASE_VERSION: &str = "default";
 /// How often an engine whose weight version could not be read is asked again.
 const LEARN_PERIOD: Duration = Duration::from_secs(2);
 
@@ -47,8 +54,19 @@ struct Follower {
     locks: Vec<tokio::sync::Mutex<()>>,
     backends: Arc<Backends>,
     weights_dir: PathBuf,
-    /// The newest version seen per run: an older one arriving late is not loaded.
-    newest: Mutex<HashMap<RunId, u64>>,
+    /// The newest version each run still going has published, and the runs that ended:
+    /// an older version arriving late, or one of an ended run, is not loaded.
+    live: Mutex<LiveRuns>,
+    /// The model each engine was started with (read while it served it), by index: what
+    /// it goes back to when the run whose weights it serves ends and no other run has a
+    /// trained version.
+    base: Vec<Mutex<Option<String>>>,
+}
+
+#[derive(Debug, Default)]
+struct LiveRuns {
+    newest: HashMap<RunId, WeightsPublishedV2>,
+    ended: HashSet<RunId>,
 }
 
 /// Starts following: reads what each followed engine serves, then loads every new
@@ -69,9 +87,10 @@ pub fn follow(
             .iter()
             .map(|_| tokio::sync::Mutex::new(()))
             .collect(),
+        base: backends.list.iter().map(|_| Mutex::default()).collect(),
         backends,
         weights_dir,
-        newest: Mutex::default(),
+        live: Mutex::default(),
     });
     for index in 0..follower.backends.list.len() {
         if follower.backends.list[index].followed {
@@ -85,6 +104,21 @@ pub fn follow(
         }
     }
     let ns = bus.namespace();
+    let mut ends = ConsumerSpec::for_event::<RunCompletedV1>(ns, format!("{durable}-run-ends"))
+        .and_event::<RunFailedV1>(ns)
+        .and_event::<RunCancelledV1>(ns)
+        .ordered();
+    ends.keep_alive = true;
+    let on_end = follower.clone();
+    shutdown.spawn(run_consumer(
+        bus.clone(),
+        ends,
+        move |delivery: Delivery| {
+            let follower = on_end.clone();
+            async move { follower.on_run_end(&delivery).await }
+        },
+        shutdown.clone(),
+    ));
     let filter = match run {
         Some(run) => ns.event_subject(Domain::Weights, run, "published"),
         None => ns.event_filter(Domain::Weights, "published"),
@@ -114,9 +148,12 @@ impl Follower {
                     return; // an update got there first
                 }
                 match weight_version(&self.client, backend).await {
-                    Ok(version) => {
+                    Ok((version, model_path)) => {
                         let served = Served::from_weight_version(&version);
-                        tracing::info!(backend = %backend.url, weight_version = %version, ?served, "followed engine serves");
+                        tracing::info!(backend = %backend.url, weight_version = %version, ?served, ?model_path, "followed engine serves");
+                        if served == Served::Base {
+                            *lock(&self.base[index]) = model_path;
+                        }
                         backend.set_served(served);
                         return;
                     }
@@ -132,17 +169,33 @@ impl Follower {
     async fn on_weights(&self, delivery: &Delivery) -> Result<(), HandlerError> {
         let event = delivery.decode_weights_published()?;
         {
-            let mut newest = self.newest.lock().unwrap_or_else(PoisonError::into_inner);
-            let seen = newest.entry(event.run_id.clone()).or_insert(0);
-            if *seen > event.policy_version {
+            let mut live = lock(&self.live);
+            if live.ended.contains(&event.run_id) {
+                return Ok(()); // a late copy of an ended run's version: nobody samples it
+            }
+            if live
+                .newest
+                .get(&event.run_id)
+                .is_some_and(|seen| seen.policy_version > event.policy_version)
+            {
                 return Ok(()); // a late copy of a version already superseded
             }
-            *seen = event.policy_version;
+            live.newest.insert(event.run_id.clone(), event.clone());
         }
+        self.load_everywhere(&event, |_| true).await
+    }
+
+    /// Loads `event`'s version into every followed engine that `which` selects.
+    async fn load_everywhere(
+        &self,
+        event: &WeightsPublishedV2,
+        which: impl Fn(&Backend) -> bool,
+    ) -> Result<(), HandlerError> {
+        let event = event.clone();
         let dir = self.version_folder(&event).await?;
         let mut failures = Vec::new();
         for index in 0..self.backends.list.len() {
-            if !self.backends.list[index].followed {
+            if !self.backends.list[index].followed || !which(&self.backends.list[index]) {
                 continue;
             }
             if let Err(reason) = self.update(index, &dir, &event).await {
@@ -158,6 +211,80 @@ impl Follower {
                 event.policy_version,
                 failures.join("; ")
             )))
+        }
+    }
+
+    /// When the run whose weights an engine serves ends: the newest version of another
+    /// run still going, else the model the engine started with — so that the next run's
+    /// first trials (version 0) find their policy, and a run going on beside the ended
+    /// one is not left waiting for a version it already published.
+    async fn on_run_end(&self, delivery: &Delivery) -> Result<(), HandlerError> {
+        let ended = match delivery.event_type().as_deref() {
+            Some(RunFailedV1::TYPE) => delivery.decode::<RunFailedV1>()?.run_id,
+            Some(RunCancelledV1::TYPE) => delivery.decode::<RunCancelledV1>()?.run_id,
+            _ => delivery.decode::<RunCompletedV1>()?.run_id,
+        };
+        let next = {
+            let mut live = lock(&self.live);
+            live.newest.remove(&ended);
+            live.ended.insert(ended.clone());
+            live.newest.values().max_by_key(|w| w.at).cloned()
+        };
+        let serves_ended =
+            |b: &Backend| matches!(b.served(), Served::Run { run, .. } if run == ended);
+        if let Some(next) = next {
+            return self.load_everywhere(&next, serves_ended).await;
+        }
+        let mut failures = Vec::new();
+        for index in 0..self.backends.list.len() {
+            let backend = &self.backends.list[index];
+            if backend.followed
+                && serves_ended(backend)
+                && let Err(reason) = self.restore_base(index).await
+            {
+                failures.push(format!("{}: {reason}", backend.url));
+            }
+        }
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(HandlerError::retry(format!(
+                "run {ended} ended; its weights are still served by {}",
+                failures.join("; ")
+            )))
+        }
+    }
+
+    /// Loads engine `index`'s start model back (ARL's weight version `default` again).
+    async fn restore_base(&self, index: usize) -> Result<(), String> {
+        let backend = &self.backends.list[index];
+        let Some(base) = lock(&self.base[index]).clone() else {
+            backend.begin_update();
+            backend.end_update(Served::Pending);
+            return Err(
+                "the model it started with is not known (the proxy first saw it serving a \
+                 run's version), so it cannot go back to it: restart the engine"
+                    .into(),
+            );
+        };
+        let _one_at_a_time = self.locks[index].lock().await;
+        backend.begin_update();
+        let dir = Path::new(&base);
+        let loaded = match backend.dialect {
+            Dialect::Vllm => vllm_reload(&self.client, &backend.url, dir, BASE_VERSION).await,
+            Dialect::Sglang => sglang_reload(&self.client, &backend.url, dir, BASE_VERSION).await,
+            Dialect::Arl => Err("ARL's engine follows weights itself".to_owned()),
+        };
+        match loaded {
+            Ok(()) => {
+                tracing::info!(backend = %backend.url, %base, "followed engine serves its start model again");
+                backend.end_update(Served::Base);
+                Ok(())
+            }
+            Err(reason) => {
+                backend.end_update(Served::Pending);
+                Err(reason)
+            }
         }
     }
 
@@ -314,9 +441,31 @@ async fn sglang_reload(
     }
 }
 
-/// What the engine says it serves: vLLM's `/weight_info`, SGLang's `/model_info` (its
-/// older builds: `/get_model_info`).
-async fn weight_version(client: &HttpClient, backend: &Backend) -> Result<String, String> {
+/// What the engine says it serves, and the model folder it names: vLLM's `/weight_info`
+/// and its `/v1/models` `root`; SGLang's `/model_info` (older builds: `/get_model_info`)
+/// and its `model_path`.
+async fn weight_version(
+    client: &HttpClient,
+    backend: &Backend,
+) -> Result<(String, Option<String>), String> {
+    let version = read_weight_version(client, backend).await?;
+    let (path, field) = match backend.dialect {
+        Dialect::Vllm => ("/v1/models", "root"),
+        _ => ("/model_info", "model_path"),
+    };
+    let url = format!("{}{path}", backend.url);
+    let model = match tokio::time::timeout(CONTROL_TIMEOUT, client.get(&url)).await {
+        Ok(Ok((200, body))) => serde_json::from_slice::<Value>(&body).ok().and_then(|v| {
+            let entry = if field == "root" { &v["data"][0] } else { &v };
+            entry[field].as_str().map(str::to_owned)
+        }),
+        _ => None,
+    };
+    Ok((version, model))
+}
+
+/// The weight version the engine reports.
+async fn read_weight_version(client: &HttpClient, backend: &Backend) -> Result<String, String> {
     let paths: &[&str] = match backend.dialect {
         Dialect::Vllm => &["/weight_info"],
         Dialect::Sglang => &["/model_info", "/get_model_info"],
@@ -351,6 +500,10 @@ fn ties_embeddings(dir: &Path) -> bool {
         .ok()
         .and_then(|bytes| serde_json::from_slice::<Value>(&bytes).ok())
         .is_some_and(|config| config["tie_word_embeddings"] == json!(true))
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// POST `body` to an engine's control API; its JSON answer, or what went wrong.

@@ -13,7 +13,7 @@ use arl_proxy::keys::Keys;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics, Shutdown};
 use arl_schemas::events::{
-    LlmCallV2, WEIGHTS_FILE, WeightsFormat, WeightsLocation, WeightsPublishedV2,
+    LlmCallV2, RunCompletedV1, WEIGHTS_FILE, WeightsFormat, WeightsLocation, WeightsPublishedV2,
 };
 use arl_schemas::rpc::{
     ProxyOp, TrialKeyGrantV1, TrialKeyRequestV1, TrialKeyRevokeV1, TrialKeyRevokedV1,
@@ -702,5 +702,45 @@ async fn a_followed_sglang_serves_each_published_version_and_calls_carry_it() {
         )
         .await;
     assert_eq!(status, 200);
+
+    // The run ends: SGLang gets the model it started with back, and the next run's first
+    // trials (version 0) are served by it.
+    s.bus
+        .publish(&RunCompletedV1 {
+            run_id: run.clone(),
+            completed_at: chrono::Utc::now(),
+            steps: 1,
+            final_policy_version: 1,
+            checkpoint_uri: None,
+            final_resolution_rate: None,
+        })
+        .await
+        .unwrap();
+    let next = s.key("trial-next-run", None).await;
+    let (status, body, _) = wait_for("the start model back", Duration::from_secs(10), || async {
+        let answer = s
+            .post(
+                &format!("{}/chat/completions", next.base_url),
+                &[],
+                &chat("next"),
+            )
+            .await;
+        (answer.0 != 429).then_some(answer)
+    })
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let loads: Vec<Value> = s
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|b| b.get("model_path").is_some())
+        .cloned()
+        .collect();
+    assert_eq!(loads.len(), 2, "{loads:?}");
+    assert_eq!(
+        (&loads[1]["model_path"], &loads[1]["weight_version"]),
+        (&json!("/models/policy"), &json!("default"))
+    );
     s.shutdown.trigger();
 }
