@@ -247,17 +247,23 @@ impl Bus {
 
     /// Refuses a server older than ARL needs ([`crate::nats_server::MIN_VERSION`]), whose
     /// JetStream answers the client cannot read. Waits up to 30 s for the first connection
-    /// (a service may start before its server); a server still unreachable then is left to
-    /// the caller's next request to report.
+    /// and the server's INFO (a service may start before its server); a server still
+    /// unreachable then is left to the caller's next request to report.
     pub async fn check_server(&self) -> Result<(), BusError> {
+        // The client may report itself connected a moment before it has stored the
+        // server's INFO (an empty version): wait for both.
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !self.is_connected() {
+        let reported = loop {
+            let version = self.client.server_info().version;
+            if self.is_connected() && !version.is_empty() {
+                break version;
+            }
             if Instant::now() > deadline {
+                tracing::warn!("the NATS server's version is not known after 30 s; not checked");
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let reported = self.client.server_info().version;
+        };
         match crate::nats_server::problem(&reported) {
             None => Ok(()),
             Some(problem) => Err(BusError::UnsupportedServer {
