@@ -138,7 +138,24 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         i: usize,
         o: usize,
     );
-    /// The same product from block-format weights (O, I). Overwrites.
+    /// The same product with each row of out computed by one fixed arithmetic, whatever N
+    /// is (inference: a sequence's result must not depend on its batch). The default is
+    /// `matmul_forward`, for backends whose product already is.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_rows(
+        &self,
+        out: &mut Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        bias: Option<&Self::Buf>,
+        n: usize,
+        i: usize,
+        o: usize,
+    ) {
+        self.matmul_forward(out, x, w, bias, n, i, o);
+    }
+    /// The same product from block-format weights (O, I), each row computed as
+    /// `matmul_rows` does. Overwrites.
     fn matmul_packed(
         &self,
         out: &mut Self::Buf,

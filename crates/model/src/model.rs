@@ -77,9 +77,6 @@ impl PackedWeights {
     }
 }
 
-/// Up to this many tokens in a forward pass, linear layers read the packed weights.
-const PACKED_MAX_TOKENS: usize = 16;
-
 /// Keys and values of one sequence, per layer: (len, nkv, hd) each.
 #[derive(Clone, Debug)]
 pub struct KvCache<B: Backend = Cpu> {
@@ -180,7 +177,9 @@ impl<B: Backend> Model<B> {
         self.packed.is_some()
     }
 
-    /// out (N, O) = x (N, I) · Wᵀ + b, from the packed copy when there is one and N is small.
+    /// out (N, O) = x (N, I) · Wᵀ + b, from the packed copy when there is one, with each
+    /// token's row computed the same way whatever N is: a sequence's logits do not depend on
+    /// what else shares its step (decodes, another prompt's chunk).
     #[allow(clippy::too_many_arguments)]
     fn linear(
         &self,
@@ -194,8 +193,8 @@ impl<B: Backend> Model<B> {
         let (o, i) = (w.shape[0], w.shape[1]);
         let bias = bias.map(|b| &b.data);
         match packed {
-            Some(p) if n <= PACKED_MAX_TOKENS => self.backend.matmul_packed(out, x, p, bias, n),
-            _ => self.backend.matmul_forward(out, x, &w.data, bias, n, i, o),
+            Some(p) => self.backend.matmul_packed(out, x, p, bias, n),
+            None => self.backend.matmul_rows(out, x, &w.data, bias, n, i, o),
         }
     }
 

@@ -20,6 +20,7 @@ use std::time::Instant;
 use arl_model::generate::{Rng, Sampling, sample};
 use arl_model::load::LoadedModel;
 use arl_model::model::{KvCache, SeqInput};
+use rayon::prelude::*;
 use tokio::sync::mpsc;
 
 /// A loaded policy version.
@@ -565,17 +566,35 @@ impl Engine {
             logits.push(Some(l));
         }
 
+        // The batch's next tokens, sampled at once: each sequence reads its own logits (a
+        // pass or two over the vocabulary) with its own generator, so the result does not
+        // depend on the batch.
+        let mut sampled: Vec<Option<Sampled>> = self
+            .active
+            .par_iter_mut()
+            .zip(logits.par_iter())
+            .with_min_len(2)
+            .map(|(seq, l)| {
+                let cancelled = seq.request.cancel[seq.choice].load(Ordering::SeqCst);
+                l.as_ref()
+                    .filter(|_| !cancelled)
+                    .map(|l| sample_token(l, &seq.request.params, &mut seq.rng))
+            })
+            .collect();
+        drop(logits);
+
         let mut done = vec![false; self.active.len()];
         // Finish events go out after the batch shrinks, so a client that saw its request end
         // never scrapes it as still running.
         let mut finished = Vec::new();
         for (i, seq) in self.active.iter_mut().enumerate() {
-            let Some(l) = logits[i].take() else { continue };
             if seq.request.cancel[seq.choice].load(Ordering::SeqCst) {
                 done[i] = true;
                 continue;
             }
-            let token = sample_token(&l, &seq.request.params, &mut seq.rng);
+            let Some(token) = sampled[i].take() else {
+                continue;
+            };
             seq.tokens.push(token.id);
             seq.generated += 1;
             self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);

@@ -121,6 +121,20 @@ impl Backend for Cpu {
         gemm::matmul_forward(out, x, w, bias.map(|b| &b[..]), n, i, o);
     }
 
+    fn matmul_rows(
+        &self,
+        out: &mut Buf,
+        x: &Buf,
+        w: &Buf,
+        bias: Option<&Buf>,
+        n: usize,
+        i: usize,
+        o: usize,
+    ) {
+        // sgemm's result for a row depends on how rows are blocked; the thin kernel's does not.
+        gemm::matmul_rows(out, x, w, bias.map(|b| &b[..]), n, i, o);
+    }
+
     fn matmul_packed(
         &self,
         out: &mut Buf,
@@ -304,16 +318,17 @@ impl Backend for Cpu {
             .iter()
             .flat_map(|s| (0..s.rows.len()).map(move |i| (s, s.start + i + 1)))
             .collect();
+        // One task per (row, kv head): the heads sharing a kv head read its rows once.
         let group = heads / kv_heads;
         out[first * heads * hd..(first + rows.len()) * heads * hd]
-            .par_chunks_mut(hd)
+            .par_chunks_mut(group * hd)
             .enumerate()
-            .with_min_len(4)
-            .for_each_init(Vec::new, |scores, (j, o)| {
-                let (row, h) = (j / heads, j % heads);
+            .with_min_len(2)
+            .for_each_init(Vec::new, |scores, (task, o)| {
+                let (row, kv_head) = (task / kv_heads, task % kv_heads);
                 let (seq, visible) = rows[row];
-                let qi = &q[((first + row) * heads + h) * hd..][..hd];
-                super::attend_row(o, qi, seq.k, seq.v, visible, h / group, kv_heads, scores);
+                let qi = &q[((first + row) * kv_heads + kv_head) * group * hd..][..group * hd];
+                super::attend_group(o, qi, seq.k, seq.v, visible, kv_head, kv_heads, hd, scores);
             });
     }
 

@@ -39,10 +39,34 @@ pub fn matmul_forward(
             });
     }
     if let Some(b) = bias {
-        out[..n * o]
-            .par_chunks_mut(o)
-            .for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
+        add_bias(&mut out[..n * o], b, o);
     }
+}
+
+/// out = x · Wᵀ + b with every row of out computed by the thin kernel, whatever N is: a
+/// row's result does not depend on the other rows (sgemm's does, through its blocking).
+pub fn matmul_rows(
+    out: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    n: usize,
+    i: usize,
+    o: usize,
+) {
+    assert!(
+        x.len() >= n * i && w.len() >= o * i && out.len() >= n * o,
+        "matmul shapes"
+    );
+    thin_forward(&mut out[..n * o], &x[..n * i], &w[..o * i], n, i, o);
+    if let Some(b) = bias {
+        add_bias(&mut out[..n * o], b, o);
+    }
+}
+
+fn add_bias(out: &mut [f32], b: &[f32], o: usize) {
+    out.par_chunks_mut(o)
+        .for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
 }
 
 /// dx += dout · W; dw += doutᵀ · x; db += Σ_rows dout.

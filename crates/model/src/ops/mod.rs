@@ -17,7 +17,7 @@ pub use cpu::Cpu;
 pub use gemm::{matmul_backward, matmul_forward};
 pub use memory::{prepare_process, retain_freed_memory, size_thread_pool, zeroed};
 pub use packed::PackedMatrix;
-pub(crate) use thin::attend_row;
+pub(crate) use thin::attend_group;
 
 use rayon::prelude::*;
 
@@ -218,14 +218,15 @@ pub fn attention_cached(
     kv_heads: usize,
     hd: usize,
 ) {
+    // One task per (query row, kv head): the heads sharing a kv head read its rows once.
     let group = heads / kv_heads;
-    out.par_chunks_mut(hd)
+    out.par_chunks_mut(group * hd)
         .enumerate()
-        .with_min_len(4)
-        .for_each_init(Vec::new, |scores, (row, o)| {
-            let (i, h) = (row / heads, row % heads);
-            let qi = &q[row * hd..][..hd];
-            thin::attend_row(o, qi, k, v, start + i + 1, h / group, kv_heads, scores);
+        .with_min_len(2)
+        .for_each_init(Vec::new, |scores, (task, o)| {
+            let (i, kv_head) = (task / kv_heads, task % kv_heads);
+            let qi = &q[task * group * hd..][..group * hd];
+            thin::attend_group(o, qi, k, v, start + i + 1, kv_head, kv_heads, hd, scores);
         });
 }
 

@@ -12,15 +12,16 @@ use super::thin::{self, BLOCK, Lanes};
 use crate::quant::GgmlType;
 
 /// A (rows, cols) weight in a block format: every block of 32 weights is one record of
-/// `block_bytes()` in `blocks`, its scale (and min) beside its quants, rows one after
-/// another — so a decode step reads each row as one sequential stream.
+/// `block_bytes()` in `blocks` — GGUF's own record, its f16 scale (and min) beside its
+/// quants — rows one after another, so a decode step reads each row as one sequential
+/// stream, and no more bytes than llama.cpp reads.
 #[derive(Clone, Debug)]
 pub struct PackedMatrix {
     pub rows: usize,
     pub cols: usize,
     kind: PackedKind,
-    /// Q4_1: d (f32), m (f32), 16 bytes (low nibbles = values 0..16, high = 16..32).
-    /// Q8_0: d (f32), 32 signed bytes.
+    /// Q4_1: d (f16), m (f16), 16 bytes (low nibbles = values 0..16, high = 16..32).
+    /// Q8_0: d (f16), 32 signed bytes.
     blocks: Vec<u8>,
 }
 
@@ -34,8 +35,8 @@ impl PackedKind {
     /// Bytes of one block record.
     const fn block_bytes(self) -> usize {
         match self {
-            PackedKind::Q4_1 => 24,
-            PackedKind::Q8_0 => 36,
+            PackedKind::Q4_1 => 20,
+            PackedKind::Q8_0 => 34,
         }
     }
 }
@@ -50,34 +51,19 @@ impl PackedMatrix {
         cols: usize,
         row_order: Option<&[usize]>,
     ) -> Option<Self> {
-        let (kind, gguf_block) = match kind {
-            GgmlType::Q4_1 => (PackedKind::Q4_1, 20),
-            GgmlType::Q8_0 => (PackedKind::Q8_0, 34),
+        let kind = match kind {
+            GgmlType::Q4_1 => PackedKind::Q4_1,
+            GgmlType::Q8_0 => PackedKind::Q8_0,
             _ => return None,
         };
-        if !cols.is_multiple_of(BLOCK) || data.len() < rows * cols / BLOCK * gguf_block {
+        let row_bytes = cols / BLOCK * kind.block_bytes();
+        if !cols.is_multiple_of(BLOCK) || data.len() < rows * row_bytes {
             return None;
         }
-        let blocks_per_row = cols / BLOCK;
-        let f16 = |b: &[u8]| {
-            half::f16::from_le_bytes([b[0], b[1]])
-                .to_f32()
-                .to_le_bytes()
-        };
-        let mut blocks = Vec::with_capacity(rows * blocks_per_row * kind.block_bytes());
+        let mut blocks = Vec::with_capacity(rows * row_bytes);
         for r in 0..rows {
             let source = row_order.map_or(r, |order| order[r]);
-            let row = &data[source * blocks_per_row * gguf_block..][..blocks_per_row * gguf_block];
-            for block in row.chunks_exact(gguf_block) {
-                blocks.extend_from_slice(&f16(&block[0..2]));
-                match kind {
-                    PackedKind::Q4_1 => {
-                        blocks.extend_from_slice(&f16(&block[2..4]));
-                        blocks.extend_from_slice(&block[4..20]);
-                    }
-                    PackedKind::Q8_0 => blocks.extend_from_slice(&block[2..34]),
-                }
-            }
+            blocks.extend_from_slice(&data[source * row_bytes..][..row_bytes]);
         }
         Some(Self {
             rows,
@@ -107,7 +93,7 @@ struct Q4_1Rows<'a>(&'a PackedMatrix);
 struct Q8_0Rows<'a>(&'a PackedMatrix);
 
 impl thin::WeightRows for Q4_1Rows<'_> {
-    const BLOCK_BYTES: usize = 24;
+    const BLOCK_BYTES: usize = 20;
 
     fn rows(&self) -> usize {
         self.0.rows
@@ -123,19 +109,18 @@ impl thin::WeightRows for Q4_1Rows<'_> {
 
     #[inline(always)]
     unsafe fn decode<L: Lanes>(p: *const u8) -> (L, L) {
-        // SAFETY: p is a 24-byte record inside `blocks` (the trait's contract); the CPU
+        // SAFETY: p is a 20-byte record inside `blocks` (the trait's contract); the CPU
         // supports L (also the contract).
         unsafe {
-            let d = L::splat(p.cast::<f32>().read_unaligned());
-            let m = L::splat(p.add(4).cast::<f32>().read_unaligned());
-            let (lo, hi) = L::nibbles(p.add(8));
+            let (d, m) = (L::splat_f16(p), L::splat_f16(p.add(2)));
+            let (lo, hi) = L::nibbles(p.add(4));
             (L::add(L::mul(d, lo), m), L::add(L::mul(d, hi), m))
         }
     }
 }
 
 impl thin::WeightRows for Q8_0Rows<'_> {
-    const BLOCK_BYTES: usize = 36;
+    const BLOCK_BYTES: usize = 34;
 
     fn rows(&self) -> usize {
         self.0.rows
@@ -151,11 +136,11 @@ impl thin::WeightRows for Q8_0Rows<'_> {
 
     #[inline(always)]
     unsafe fn decode<L: Lanes>(p: *const u8) -> (L, L) {
-        // SAFETY: p is a 36-byte record inside `blocks` (the trait's contract); the CPU
+        // SAFETY: p is a 34-byte record inside `blocks` (the trait's contract); the CPU
         // supports L (also the contract).
         unsafe {
-            let d = L::splat(p.cast::<f32>().read_unaligned());
-            let q = p.add(4);
+            let d = L::splat_f16(p);
+            let q = p.add(2);
             (L::mul(d, L::from_i8(q)), L::mul(d, L::from_i8(q.add(16))))
         }
     }

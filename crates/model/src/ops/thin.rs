@@ -19,7 +19,7 @@ use rayon::prelude::*;
 pub(crate) const BLOCK: usize = 32;
 /// Bytes ahead of the block in use that the kernel asks the cache for.
 const PREFETCH_AHEAD: usize = 512;
-/// Tokens per kernel call; larger batches are cut into groups.
+/// Tokens per kernel call at most (AVX-512; fewer where registers are fewer).
 const MAX_NT: usize = 8;
 
 /// A weight matrix the thin kernel can read block by block: each row is a sequence of
@@ -40,11 +40,15 @@ pub(crate) trait WeightRows: Sync {
 
 /// 16 f32 lanes.
 pub(crate) trait Lanes: Copy {
+    /// Values of `Self` the registers hold at once.
+    const REGISTERS: usize;
     /// # Safety (every method)
     /// The CPU supports the implementation's instructions; pointers are valid for the
     /// 16 elements (or 16 bytes) read.
     unsafe fn zero() -> Self;
     unsafe fn splat(v: f32) -> Self;
+    /// The little-endian f16 at p, exactly as f32, in every lane.
+    unsafe fn splat_f16(p: *const u8) -> Self;
     unsafe fn load(p: *const f32) -> Self;
     /// a · b + c (fused where the CPU has FMA)
     unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
@@ -85,8 +89,9 @@ pub(crate) fn matmul<W: WeightRows>(w: &W, out: &mut [f32], x: &[f32], n: usize)
         .for_each(|(task, mut out)| {
             let first = task * rows_per_task;
             let rows = out.first().map_or(0, |p| p.len());
-            for t0 in (0..n).step_by(MAX_NT) {
-                let nt = MAX_NT.min(n - t0);
+            let group = isa.max_nt();
+            for t0 in (0..n).step_by(group) {
+                let nt = group.min(n - t0);
                 isa.run(w, &x[t0 * i..(t0 + nt) * i], first, rows, nt, |r, t, v| {
                     out[t0 + t][r - first] = v;
                 });
@@ -118,11 +123,22 @@ impl Isa {
             }
             if std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
             {
                 return Isa::Avx2;
             }
         }
         Isa::Portable
+    }
+
+    /// Most token rows one kernel call takes: their accumulators must fit the registers
+    /// (as `rows_any` tiles them).
+    fn max_nt(self) -> usize {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => MAX_NT,
+            _ => 4,
+        }
     }
 
     /// Rows first..first+rows of W times nt token rows of x; `put(r, t, value)`.
@@ -135,7 +151,7 @@ impl Isa {
         nt: usize,
         put: impl FnMut(usize, usize, f32),
     ) {
-        assert!(first + rows <= w.rows() && x.len() >= nt * w.cols() && nt <= MAX_NT);
+        assert!(first + rows <= w.rows() && x.len() >= nt * w.cols() && nt <= self.max_nt());
         match self {
             // SAFETY: the CPU has the instructions (detected above); the bounds the kernel
             // relies on (rows of W, nt rows of x) were asserted just above.
@@ -155,6 +171,8 @@ impl Isa {
 ///
 /// # Safety
 /// As [`kernel`], for every row group.
+// `r + R <= end` reads as written for every tile, R = 1 included.
+#[allow(clippy::int_plus_one)]
 #[inline(always)]
 unsafe fn rows_any<L: Lanes, W: WeightRows>(
     w: &W,
@@ -178,16 +196,25 @@ unsafe fn rows_any<L: Lanes, W: WeightRows>(
             }
         }};
     }
-    {
+    // Tiles of R rows × NT tokens whose accumulators (R·NT lane groups) and decoded blocks
+    // (2·R) fit the registers: AVX-512 has 32 of 16 lanes, AVX2 16 of 8 (two per group).
+    if L::REGISTERS >= 32 {
         match nt {
             1 => go!(8, 1),
             2 => go!(4, 2),
             3 => go!(4, 3),
-            4 => go!(2, 4),
+            4 => go!(3, 4),
             5 => go!(2, 5),
             6 => go!(2, 6),
             7 => go!(2, 7),
-            _ => go!(2, 8),
+            _ => go!(3, 8),
+        }
+    } else {
+        match nt {
+            1 => go!(4, 1),
+            2 => go!(2, 2),
+            3 => go!(1, 3),
+            _ => go!(1, 4),
         }
     }
 }
@@ -240,11 +267,12 @@ unsafe fn kernel<L: Lanes, W: WeightRows, const R: usize, const NT: usize>(
     }
 }
 
-/// One query row of one head attends over the first `visible` cached positions:
-/// out (hd) = softmax(q · Kᵀ · scale) · V, with K and V rows of kv head `kv_head` in caches of
-/// (len, kv_heads, hd). `scores` is scratch space.
+/// One query row of the `q.len() / hd` heads sharing kv head `kv_head` attends over the
+/// first `visible` cached positions: out (g, hd) = softmax(q · Kᵀ · scale) · V per head, with
+/// K and V rows of kv head `kv_head` in caches of (len, kv_heads, hd). Each cached row is
+/// read once for the whole group (grouped-query attention's point). `scores` is scratch.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn attend_row(
+pub(crate) fn attend_group(
     out: &mut [f32],
     q: &[f32],
     k: &[f32],
@@ -252,31 +280,41 @@ pub(crate) fn attend_row(
     visible: usize,
     kv_head: usize,
     kv_heads: usize,
+    hd: usize,
     scores: &mut Vec<f32>,
 ) {
-    let hd = q.len();
     let stride = kv_heads * hd;
+    let heads = q.len() / hd.max(1);
     assert!(
-        out.len() == hd
+        hd > 0
+            && heads > 0
+            && q.len() == heads * hd
+            && out.len() == q.len()
             && visible > 0
             && k.len() >= (visible - 1) * stride + (kv_head + 1) * hd
             && v.len() >= (visible - 1) * stride + (kv_head + 1) * hd,
-        "attend_row shapes"
+        "attend_group shapes"
     );
     let scale = 1.0 / (hd as f32).sqrt();
     scores.clear();
-    scores.resize(visible, 0.0);
+    scores.resize(heads * visible, 0.0);
     let base = kv_head * hd;
     if !hd.is_multiple_of(16) {
-        for (j, s) in scores.iter_mut().enumerate() {
-            let kj = &k[j * stride + base..][..hd];
-            *s = q.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
-        }
-        super::softmax(scores);
-        out.iter_mut().for_each(|o| *o = 0.0);
-        for (j, p) in scores.iter().enumerate() {
-            let vj = &v[j * stride + base..][..hd];
-            out.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
+        for ((o, q), scores) in out
+            .chunks_mut(hd)
+            .zip(q.chunks(hd))
+            .zip(scores.chunks_mut(visible))
+        {
+            for (j, s) in scores.iter_mut().enumerate() {
+                let kj = &k[j * stride + base..][..hd];
+                *s = q.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+            }
+            super::softmax(scores);
+            o.iter_mut().for_each(|o| *o = 0.0);
+            for (j, p) in scores.iter().enumerate() {
+                let vj = &v[j * stride + base..][..hd];
+                o.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
+            }
         }
         return;
     }
@@ -284,6 +322,7 @@ pub(crate) fn attend_row(
         q,
         k: &k[base..],
         v: &v[base..],
+        hd,
         stride,
         scale,
     };
@@ -298,59 +337,158 @@ pub(crate) fn attend_row(
     }
 }
 
-/// The operands of one [`attend_row`]: k and v start at the kv head's first element.
+/// The operands of one [`attend_group`]: q holds the group's heads, (g, hd); k and v start
+/// at the kv head's first element.
 struct Attend<'a> {
     q: &'a [f32],
     k: &'a [f32],
     v: &'a [f32],
+    hd: usize,
     stride: usize,
     scale: f32,
 }
 
+/// Heads of a group handled together: their accumulators fill the registers.
+const HEADS_AT_ONCE: usize = 4;
+
 /// # Safety
-/// hd = q.len() is a multiple of 16; k and v hold scores.len() rows at `stride`; the CPU
-/// supports `L`.
+/// hd is a multiple of 16; k and v hold visible = scores.len() / heads rows at `stride`;
+/// out and q hold heads · hd floats; the CPU supports `L`.
 #[inline(always)]
 unsafe fn attend<L: Lanes>(a: &Attend<'_>, scores: &mut [f32], out: &mut [f32]) {
-    let hd = a.q.len();
-    // SAFETY (whole body): the caller's contract bounds every row read.
+    let hd = a.hd;
+    let heads = a.q.len() / hd;
+    let visible = scores.len() / heads;
+    // SAFETY (whole body): the caller's contract bounds every row read and written.
     unsafe {
-        // Scores four keys at a time: four independent FMA chains per lane group.
-        let (q, k) = (a.q.as_ptr(), a.k.as_ptr());
+        for h0 in (0..heads).step_by(HEADS_AT_ONCE) {
+            let q = a.q.as_ptr().add(h0 * hd);
+            let s = &mut scores[h0 * visible..];
+            match heads - h0 {
+                1 => key_scores::<L, 1>(a, q, s, visible),
+                2 => key_scores::<L, 2>(a, q, s, visible),
+                3 => key_scores::<L, 3>(a, q, s, visible),
+                _ => key_scores::<L, 4>(a, q, s, visible),
+            }
+        }
+        for row in scores.chunks_mut(visible) {
+            super::softmax(row);
+        }
+        // out = Σ_j p_j v_j per head, in slices of hd held in registers across all j.
+        for h0 in (0..heads).step_by(HEADS_AT_ONCE) {
+            let p = &scores[h0 * visible..];
+            let o = out.as_mut_ptr().add(h0 * hd);
+            let mut c0 = 0;
+            while c0 < hd {
+                let (v, o) = (a.v.as_ptr().add(c0), o.add(c0));
+                let step = if hd - c0 >= 64 { 64 } else { 16 };
+                match (heads - h0, step) {
+                    (1, 64) => weighted_rows::<L, 4, 1>(p, visible, v, a.stride, o, hd),
+                    (2, 64) => weighted_rows::<L, 4, 2>(p, visible, v, a.stride, o, hd),
+                    (3, 64) => weighted_rows::<L, 4, 3>(p, visible, v, a.stride, o, hd),
+                    (_, 64) => weighted_rows::<L, 4, 4>(p, visible, v, a.stride, o, hd),
+                    (1, _) => weighted_rows::<L, 1, 1>(p, visible, v, a.stride, o, hd),
+                    (2, _) => weighted_rows::<L, 1, 2>(p, visible, v, a.stride, o, hd),
+                    (3, _) => weighted_rows::<L, 1, 3>(p, visible, v, a.stride, o, hd),
+                    (_, _) => weighted_rows::<L, 1, 4>(p, visible, v, a.stride, o, hd),
+                }
+                c0 += step;
+            }
+        }
+    }
+}
+
+/// Cached rows ahead of the one in use that attention asks the cache for: a kv head's rows
+/// are `stride` apart, a pattern the hardware prefetcher follows poorly.
+const ROWS_AHEAD: usize = 6;
+
+/// Asks for the cache lines of `width` floats of `rows` rows from p (a hint: p need not be
+/// valid).
+#[inline(always)]
+unsafe fn prefetch_rows<L: Lanes>(p: *const f32, rows: usize, stride: usize, width: usize) {
+    for row in 0..rows {
+        for c in (0..width).step_by(16) {
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe { L::prefetch(p.wrapping_add(row * stride + c).cast()) };
+        }
+    }
+}
+
+/// scores[h·visible + j] = q_h · k_j · scale for H heads (q rows of hd from q), each key row
+/// read once for all H, two keys at a time.
+///
+/// # Safety
+/// As [`attend`]; q holds H rows of hd; scores holds H rows of `visible`.
+// Index loops: the accumulators are registers indexed by compile-time constants.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn key_scores<L: Lanes, const H: usize>(
+    a: &Attend<'_>,
+    q: *const f32,
+    scores: &mut [f32],
+    visible: usize,
+) {
+    let hd = a.hd;
+    // SAFETY (whole body): the caller's contract bounds every row read and written.
+    unsafe {
+        let k = a.k.as_ptr();
         let mut j = 0;
-        while j + 4 <= scores.len() {
-            let mut acc = [L::zero(); 4];
+        while j < visible {
+            let keys = (visible - j).min(2);
+            prefetch_rows::<L>(k.wrapping_add((j + ROWS_AHEAD) * a.stride), 2, a.stride, hd);
+            let mut acc = [[L::zero(); H]; 2];
             for c in (0..hd).step_by(16) {
-                let qc = L::load(q.add(c));
-                for (u, acc) in acc.iter_mut().enumerate() {
-                    *acc = L::fma(qc, L::load(k.add((j + u) * a.stride + c)), *acc);
+                for u in 0..keys {
+                    let kc = L::load(k.add((j + u) * a.stride + c));
+                    for h in 0..H {
+                        acc[u][h] = L::fma(L::load(q.add(h * hd + c)), kc, acc[u][h]);
+                    }
                 }
             }
-            for (u, acc) in acc.iter().enumerate() {
-                scores[j + u] = acc.sum() * a.scale;
-            }
-            j += 4;
-        }
-        for (j, s) in scores.iter_mut().enumerate().skip(j) {
-            let mut acc = L::zero();
-            for c in (0..hd).step_by(16) {
-                acc = L::fma(L::load(q.add(c)), L::load(k.add(j * a.stride + c)), acc);
-            }
-            *s = acc.sum() * a.scale;
-        }
-        super::softmax(scores);
-        // out = Σ_j p_j v_j, all of hd's lane groups at once (hd ≤ 256 here), else in slices.
-        for c0 in (0..hd).step_by(256) {
-            let width = (hd - c0).min(256) / 16;
-            let mut acc = [L::zero(); 16];
-            for (j, &p) in scores.iter().enumerate() {
-                let (pj, vj) = (L::splat(p), a.v.as_ptr().add(j * a.stride + c0));
-                for (g, acc) in acc.iter_mut().enumerate().take(width) {
-                    *acc = L::fma(pj, L::load(vj.add(g * 16)), *acc);
+            for u in 0..keys {
+                for h in 0..H {
+                    scores[h * visible + j + u] = acc[u][h].sum() * a.scale;
                 }
             }
-            for (g, acc) in acc.iter().enumerate().take(width) {
-                acc.store(out.as_mut_ptr().add(c0 + g * 16));
+            j += keys;
+        }
+    }
+}
+
+/// out_h[..16·G] = Σ_j p_hj · v[j·stride..][..16·G] for H heads (p rows of `visible`, out
+/// rows of `hd`): G lane groups of H heads held in registers; each row of v read once.
+///
+/// # Safety
+/// v holds `visible` rows at `stride` of at least 16·G floats; p holds H rows of `visible`;
+/// out holds H rows of hd ≥ 16·G floats; the CPU supports `L`.
+// Index loops: the accumulators are registers indexed by compile-time constants.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn weighted_rows<L: Lanes, const G: usize, const H: usize>(
+    p: &[f32],
+    visible: usize,
+    v: *const f32,
+    stride: usize,
+    out: *mut f32,
+    hd: usize,
+) {
+    // SAFETY (whole body): the caller's contract bounds every row read and the output.
+    unsafe {
+        let mut acc = [[L::zero(); G]; H];
+        for j in 0..visible {
+            let vj = v.add(j * stride);
+            prefetch_rows::<L>(vj.wrapping_add(ROWS_AHEAD * stride), 1, stride, 16 * G);
+            let vg: [L; G] = std::array::from_fn(|g| L::load(vj.add(g * 16)));
+            for h in 0..H {
+                let ph = L::splat(p[h * visible + j]);
+                for g in 0..G {
+                    acc[h][g] = L::fma(ph, vg[g], acc[h][g]);
+                }
+            }
+        }
+        for h in 0..H {
+            for g in 0..G {
+                acc[h][g].store(out.add(h * hd + g * 16));
             }
         }
     }
@@ -417,7 +555,7 @@ mod x86 {
         unsafe { rows_any::<Zmm, W>(w, x, first, rows, nt, put) }
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn rows_avx2<W: WeightRows>(
         w: &W,
         x: &[f32],
@@ -426,7 +564,7 @@ mod x86 {
         nt: usize,
         put: impl FnMut(usize, usize, f32),
     ) {
-        // SAFETY: AVX2 and FMA are present (this function's contract); bounds by the caller.
+        // SAFETY: AVX2, FMA and F16C are present (this function's contract); bounds by the caller.
         unsafe { rows_any::<Ymm2, W>(w, x, first, rows, nt, put) }
     }
 
@@ -436,9 +574,9 @@ mod x86 {
         unsafe { attend::<Zmm>(a, scores, out) }
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn attend_avx2(a: &Attend<'_>, scores: &mut [f32], out: &mut [f32]) {
-        // SAFETY: AVX2 and FMA are present (this function's contract); bounds by the caller.
+        // SAFETY: AVX2, FMA and F16C are present (this function's contract); bounds by the caller.
         unsafe { attend::<Ymm2>(a, scores, out) }
     }
 
@@ -448,6 +586,7 @@ mod x86 {
     // SAFETY (every method): only reached from `rows_avx512`, on a CPU with AVX-512F;
     // pointers valid for 16 elements by the trait's contract.
     impl Lanes for Zmm {
+        const REGISTERS: usize = 32;
         #[inline(always)]
         unsafe fn zero() -> Self {
             unsafe { Zmm(_mm512_setzero_ps()) }
@@ -455,6 +594,13 @@ mod x86 {
         #[inline(always)]
         unsafe fn splat(v: f32) -> Self {
             unsafe { Zmm(_mm512_set1_ps(v)) }
+        }
+        #[inline(always)]
+        unsafe fn splat_f16(p: *const u8) -> Self {
+            unsafe {
+                let bits = p.cast::<i16>().read_unaligned();
+                Zmm(_mm512_cvtph_ps(_mm256_set1_epi16(bits)))
+            }
         }
         #[inline(always)]
         unsafe fn load(p: *const f32) -> Self {
@@ -510,9 +656,10 @@ mod x86 {
     #[derive(Clone, Copy)]
     pub(super) struct Ymm2(__m256, __m256);
 
-    // SAFETY (every method): only reached from `rows_avx2`, on a CPU with AVX2 and FMA;
+    // SAFETY (every method): only reached from `rows_avx2`, on a CPU with AVX2, FMA and F16C;
     // pointers valid for 16 elements by the trait's contract.
     impl Lanes for Ymm2 {
+        const REGISTERS: usize = 8;
         #[inline(always)]
         unsafe fn zero() -> Self {
             unsafe { Ymm2(_mm256_setzero_ps(), _mm256_setzero_ps()) }
@@ -520,6 +667,14 @@ mod x86 {
         #[inline(always)]
         unsafe fn splat(v: f32) -> Self {
             unsafe { Ymm2(_mm256_set1_ps(v), _mm256_set1_ps(v)) }
+        }
+        #[inline(always)]
+        unsafe fn splat_f16(p: *const u8) -> Self {
+            unsafe {
+                let bits = p.cast::<i16>().read_unaligned();
+                let v = _mm256_cvtph_ps(_mm_set1_epi16(bits));
+                Ymm2(v, v)
+            }
         }
         #[inline(always)]
         unsafe fn load(p: *const f32) -> Self {
@@ -602,6 +757,7 @@ mod portable {
     // SAFETY (every method): plain Rust; pointers valid for 16 elements by the trait's
     // contract.
     impl super::Lanes for Lanes16 {
+        const REGISTERS: usize = 8;
         #[inline(always)]
         unsafe fn zero() -> Self {
             Lanes16([0.0; 16])
@@ -609,6 +765,11 @@ mod portable {
         #[inline(always)]
         unsafe fn splat(v: f32) -> Self {
             Lanes16([v; 16])
+        }
+        #[inline(always)]
+        unsafe fn splat_f16(p: *const u8) -> Self {
+            let bits: [u8; 2] = unsafe { std::ptr::read_unaligned(p.cast()) };
+            Lanes16([half::f16::from_le_bytes(bits).to_f32(); 16])
         }
         #[inline(always)]
         unsafe fn load(p: *const f32) -> Self {
@@ -679,6 +840,7 @@ mod tests {
         {
             if std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
             {
                 isas.push(Isa::Avx2);
             }
@@ -689,7 +851,7 @@ mod tests {
         for isa in isas {
             let mut alone = vec![0f32; o];
             isa.run(&rows, &x[..i], 0, o, 1, |r, _, v| alone[r] = v);
-            for nt in 1..=MAX_NT {
+            for nt in 1..=isa.max_nt() {
                 let mut out = vec![0f32; o * nt];
                 isa.run(&rows, &x[..nt * i], 0, o, nt, |r, t, v| out[t * o + r] = v);
                 for t in 0..nt {
@@ -712,43 +874,46 @@ mod tests {
     }
 
     #[test]
-    fn attend_row_matches_the_definition() {
-        for hd in [8, 64] {
+    fn attend_group_matches_the_definition() {
+        for (hd, group) in [(8, 1), (8, 3), (64, 1), (64, 3), (64, 7), (48, 5), (128, 2)] {
             let (kv_heads, len) = (3, 37);
-            let (k, v, q) = (
+            let (k, v, queries) = (
                 data(len * kv_heads * hd, 3),
                 data(len * kv_heads * hd, 4),
-                data(hd, 5),
+                data(group * hd, 5),
             );
             for (kv_head, visible) in [(0, 1), (2, 37), (1, 20)] {
-                let mut out = vec![0f32; hd];
-                attend_row(
-                    &mut out,
-                    &q,
+                let mut outs = vec![0f32; group * hd];
+                attend_group(
+                    &mut outs,
+                    &queries,
                     &k,
                     &v,
                     visible,
                     kv_head,
                     kv_heads,
+                    hd,
                     &mut Vec::new(),
                 );
-                let at = |j: usize| (j * kv_heads + kv_head) * hd;
-                let scores: Vec<f64> = (0..visible)
-                    .map(|j| {
-                        (0..hd).map(|c| f64::from(q[c] * k[at(j) + c])).sum::<f64>()
-                            / (hd as f64).sqrt()
-                    })
-                    .collect();
-                let max = scores.iter().copied().fold(f64::MIN, f64::max);
-                let total: f64 = scores.iter().map(|s| (s - max).exp()).sum();
-                for c in 0..hd {
-                    let want: f64 = (0..visible)
-                        .map(|j| (scores[j] - max).exp() / total * f64::from(v[at(j) + c]))
-                        .sum();
-                    assert!(
-                        (f64::from(out[c]) - want).abs() < 1e-5,
-                        "hd {hd} kv {kv_head} [{c}]"
-                    );
+                for (q, out) in queries.chunks(hd).zip(outs.chunks(hd)) {
+                    let at = |j: usize| (j * kv_heads + kv_head) * hd;
+                    let scores: Vec<f64> = (0..visible)
+                        .map(|j| {
+                            (0..hd).map(|c| f64::from(q[c] * k[at(j) + c])).sum::<f64>()
+                                / (hd as f64).sqrt()
+                        })
+                        .collect();
+                    let max = scores.iter().copied().fold(f64::MIN, f64::max);
+                    let total: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+                    for c in 0..hd {
+                        let want: f64 = (0..visible)
+                            .map(|j| (scores[j] - max).exp() / total * f64::from(v[at(j) + c]))
+                            .sum();
+                        assert!(
+                            (f64::from(out[c]) - want).abs() < 1e-5,
+                            "hd {hd} group {group} kv {kv_head} [{c}]"
+                        );
+                    }
                 }
             }
         }
