@@ -165,8 +165,24 @@ pub const MAX_EVENT_BYTES: usize = 1 << 20;
 /// ([`Bus::await_run_state`]), and replay readers that delete theirs when done
 /// ([`Bus::replay`]).
 const STREAM_MAX_CONSUMERS: i32 = 4_096;
-/// Window within which a repeated `Nats-Msg-Id` is dropped as a duplicate.
+/// Window within which a repeated `Nats-Msg-Id` is dropped as a duplicate: as long as an
+/// event may be published again (a handler redelivered after a crash, a trainer training a
+/// step again after one). The server holds every id of the window in memory (~150 bytes
+/// each: the largest part of its heap under load, see ARCHITECTURE.md's capacity model).
 const DUPLICATE_WINDOW: Duration = Duration::from_secs(10 * 60);
+/// The window of the LLM-call records, most of the messages (one per turn): the proxy
+/// publishes each before its answer ends and nothing publishes it later, and readers take
+/// one record per turn (the rollout's `recorded_calls`), so a copy stored after a long
+/// outage is harmless; a short window keeps the server's id memory a fifth of the default.
+const LLM_DUPLICATE_WINDOW: Duration = Duration::from_secs(2 * 60);
+
+/// The de-duplication window of a domain's stream.
+pub fn duplicate_window(domain: Domain) -> Duration {
+    match domain {
+        Domain::Llm => LLM_DUPLICATE_WINDOW,
+        _ => DUPLICATE_WINDOW,
+    }
+}
 
 impl Bus {
     pub async fn connect(config: BusConfig, metrics: Metrics) -> Result<Self, BusError> {
@@ -387,7 +403,7 @@ impl Bus {
             num_replicas: self.stream_replicas,
             retention: stream::RetentionPolicy::Limits,
             max_age: STREAM_MAX_AGE,
-            duplicate_window: DUPLICATE_WINDOW,
+            duplicate_window: duplicate_window(domain),
             max_message_size: MAX_EVENT_BYTES as i32,
             // Full: refuse new events (publishers back off and retry) rather than drop
             // old ones a consumer has not read yet. JetStream reserves the bytes on disk

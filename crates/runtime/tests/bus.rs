@@ -152,6 +152,59 @@ async fn duplicate_message_ids_are_stored_once_and_handled_once() {
     shutdown.wait().await;
 }
 
+/// Each stream keeps the de-duplication window its events need: the LLM-call records (most
+/// messages, re-published by nobody) a short one, every other stream the long one; a stream
+/// provisioned with another window is brought to it.
+#[tokio::test]
+async fn streams_keep_the_duplicate_window_of_their_domain() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let window = |domain: Domain| {
+        let js = bus.jetstream().clone();
+        let name = ns.stream(domain);
+        async move {
+            js.get_stream(&name)
+                .await
+                .unwrap()
+                .info()
+                .await
+                .unwrap()
+                .config
+                .duplicate_window
+        }
+    };
+    assert_eq!(window(Domain::Llm).await, Duration::from_secs(120));
+    for domain in [
+        Domain::Weights,
+        Domain::Trial,
+        Domain::Reward,
+        Domain::Train,
+    ] {
+        assert_eq!(window(domain).await, Duration::from_secs(600), "{domain:?}");
+    }
+    assert_eq!(
+        arl_runtime::bus::duplicate_window(Domain::Llm),
+        Duration::from_secs(120)
+    );
+
+    // A stream made with the old window is updated when a service provisions.
+    let mut old = bus
+        .jetstream()
+        .get_stream(ns.stream(Domain::Llm))
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .clone();
+    old.duplicate_window = Duration::from_secs(600);
+    bus.jetstream().update_stream(old).await.unwrap();
+    bus.provision().await.unwrap();
+    assert_eq!(window(Domain::Llm).await, Duration::from_secs(120));
+}
+
 #[tokio::test]
 async fn a_failing_handler_is_retried_then_succeeds() {
     let server = NatsServer::start().unwrap();
