@@ -24,6 +24,12 @@ async fn connect(server: &NatsServer, namespace: &Namespace) -> Bus {
     bus
 }
 
+/// A stream's configuration as the server holds it.
+async fn stream_config(bus: &Bus, stream: &str) -> async_nats::jetstream::stream::Config {
+    let mut stream = bus.jetstream().get_stream(stream).await.unwrap();
+    stream.info().await.unwrap().config.clone()
+}
+
 fn progress(run: &str, sequence: u64) -> RunProgressV1 {
     RunProgressV1 {
         run_id: RunId::new(run).unwrap(),
@@ -160,19 +166,10 @@ async fn streams_keep_the_duplicate_window_of_their_domain() {
     let server = NatsServer::start().unwrap();
     let ns = test_namespace();
     let bus = connect(&server, &ns).await;
-    let window = |domain: Domain| {
-        let js = bus.jetstream().clone();
-        let name = ns.stream(domain);
-        async move {
-            js.get_stream(&name)
-                .await
-                .unwrap()
-                .info()
-                .await
-                .unwrap()
-                .config
-                .duplicate_window
-        }
+    let window = async |domain: Domain| {
+        stream_config(&bus, &ns.stream(domain))
+            .await
+            .duplicate_window
     };
     assert_eq!(window(Domain::Llm).await, Duration::from_secs(120));
     for domain in [
@@ -189,16 +186,7 @@ async fn streams_keep_the_duplicate_window_of_their_domain() {
     );
 
     // A stream made with the old window is updated when a service provisions.
-    let mut old = bus
-        .jetstream()
-        .get_stream(ns.stream(Domain::Llm))
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .config
-        .clone();
+    let mut old = stream_config(&bus, &ns.stream(Domain::Llm)).await;
     old.duplicate_window = Duration::from_secs(600);
     bus.jetstream().update_stream(old).await.unwrap();
     bus.provision().await.unwrap();
@@ -645,16 +633,7 @@ async fn a_full_stream_refuses_new_events_at_once_and_keeps_the_old_ones() {
     let bus = Bus::connect(config, Metrics::new()).await.unwrap();
     bus.provision().await.unwrap();
     let run_stream = ns.stream(RunFailedV1::DOMAIN);
-    let info = bus
-        .jetstream()
-        .get_stream(&run_stream)
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .config
-        .clone();
+    let info = stream_config(&bus, &run_stream).await;
     assert_eq!(info.max_bytes, 64 * 1024);
 
     let started = std::time::Instant::now();

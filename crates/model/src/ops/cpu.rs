@@ -145,9 +145,7 @@ impl Backend for Cpu {
     ) {
         w.matmul(out, x, n);
         if let Some(b) = bias {
-            out[..n * w.rows]
-                .chunks_mut(w.rows)
-                .for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
+            gemm::add_bias(&mut out[..n * w.rows], b, w.rows);
         }
     }
 

@@ -22,22 +22,21 @@ pub fn matmul_forward(
     i: usize,
     o: usize,
 ) {
+    if n <= THIN {
+        return matmul_rows(out, x, w, bias, n, i, o);
+    }
     assert!(
         x.len() >= n * i && w.len() >= o * i && out.len() >= n * o,
         "matmul shapes"
     );
-    if n <= THIN {
-        thin_forward(&mut out[..n * o], &x[..n * i], &w[..o * i], n, i, o);
-    } else {
-        let block = row_block(n);
-        out[..n * o]
-            .par_chunks_mut(block * o)
-            .zip(x[..n * i].par_chunks(block * i))
-            .for_each(|(out, x)| {
-                let rows = x.len() / i;
-                sgemm(rows, i, o, x, i, 1, w, 1, i, out, o, 0.0);
-            });
-    }
+    let block = row_block(n);
+    out[..n * o]
+        .par_chunks_mut(block * o)
+        .zip(x[..n * i].par_chunks(block * i))
+        .for_each(|(out, x)| {
+            let rows = x.len() / i;
+            sgemm(rows, i, o, x, i, 1, w, 1, i, out, o, 0.0);
+        });
     if let Some(b) = bias {
         add_bias(&mut out[..n * o], b, o);
     }
@@ -64,7 +63,8 @@ pub fn matmul_rows(
     }
 }
 
-fn add_bias(out: &mut [f32], b: &[f32], o: usize) {
+/// Every row of out (rows of o) += b.
+pub(super) fn add_bias(out: &mut [f32], b: &[f32], o: usize) {
     out.par_chunks_mut(o)
         .for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
 }
