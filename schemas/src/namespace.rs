@@ -1,9 +1,9 @@
 //! Subject, stream, consumer and bucket names. Every name used on the bus is built here;
 //! call sites never `format!` a subject.
 //!
-//! Subjects are `{prefix}arl.<domain>.<run_id>.<event>`, with at most one entity token
-//! before the event where consumers must filter by it — `arl.llm.<run_id>.<trial_id>.call`,
-//! so a trial's calls are read by subject filter; streams are `{PREFIX}ARL_<DOMAIN>`.
+//! Subjects are `{prefix}arl.<domain>.<run_id>.<event>`, never a token per trial or other
+//! entity (nats-server keeps state per subject for as long as a stream holds its
+//! messages); streams are `{PREFIX}ARL_<DOMAIN>`.
 //! The prefix isolates tests (and tenants) that share one NATS server.
 
 use crate::ids::RunId;
@@ -202,41 +202,6 @@ impl Namespace {
         )
     }
 
-    /// `arl.<domain>.<run_id>.<entity>.<event>`: an event consumers must filter by one
-    /// entity of the run (a trial's LLM calls).
-    pub fn entity_subject(
-        &self,
-        domain: Domain,
-        run_id: &RunId,
-        entity: &str,
-        event: &str,
-    ) -> String {
-        format!(
-            "{}.{}.{}.{}.{}",
-            self.subject_root(),
-            domain.token(),
-            run_id,
-            entity,
-            event
-        )
-    }
-
-    /// `arl.<domain>.*.*.<event>`: one per-entity event kind of every run and entity.
-    pub fn entity_filter(&self, domain: Domain, event: &str) -> String {
-        format!("{}.{}.*.*.{}", self.subject_root(), domain.token(), event)
-    }
-
-    /// `arl.<domain>.<run_id>.*.<event>`: one per-entity event kind of every entity of a run.
-    pub fn run_entity_filter(&self, domain: Domain, run_id: &RunId, event: &str) -> String {
-        format!(
-            "{}.{}.{}.*.{}",
-            self.subject_root(),
-            domain.token(),
-            run_id,
-            event
-        )
-    }
-
     /// `arl.<domain>.*.<event>`: one event kind of every run.
     pub fn event_filter(&self, domain: Domain, event: &str) -> String {
         format!("{}.{}.*.{}", self.subject_root(), domain.token(), event)
@@ -305,6 +270,12 @@ impl Namespace {
         format!("{}{}", self.upper_prefix(), bucket.suffix())
     }
 
+    /// `$KV.<bucket>.<key>`: where a record of a bucket is written (JetStream's key-value
+    /// layout), for writes the key-value API does not offer (a record that expires).
+    pub fn record_subject(&self, bucket: Bucket, key: &str) -> String {
+        format!("$KV.{}.{key}", self.bucket(bucket))
+    }
+
     pub fn object_store(&self, store: ObjectStore) -> String {
         format!("{}{}", self.upper_prefix(), store.suffix())
     }
@@ -342,28 +313,19 @@ mod tests {
     }
 
     #[test]
-    fn a_trials_calls_have_a_subject_of_their_own() {
+    fn a_runs_calls_share_one_subject() {
         use crate::Event;
-        use crate::events::{Example, LlmCallV1};
+        use crate::events::{Example, LlmCallV2};
         let ns = Namespace::with_prefix("t7").unwrap();
-        let call = LlmCallV1::example();
+        let call = LlmCallV2::example();
         let subject = call.subject(&ns);
-        assert_eq!(
-            subject,
-            format!("t7.arl.llm.{}.{}.call", call.run_id, call.trial_id)
-        );
+        assert_eq!(subject, format!("t7.arl.llm.{}.call", call.run_id));
         let matches = |filter: &str| {
             let (f, s): (Vec<&str>, Vec<&str>) =
                 (filter.split('.').collect(), subject.split('.').collect());
             f.len() == s.len() && f.iter().zip(&s).all(|(f, s)| *f == "*" || f == s)
         };
-        assert!(matches(&ns.entity_filter(Domain::Llm, "call")));
-        assert!(matches(&ns.run_entity_filter(
-            Domain::Llm,
-            &call.run_id,
-            "call"
-        )));
-        assert!(!matches(&ns.event_filter(Domain::Llm, "call")));
+        assert!(matches(&LlmCallV2::filter(&ns)));
         assert_eq!(ns.run_token(&subject), Some(call.run_id.as_str()));
         assert!(subject.starts_with(ns.stream_subjects(Domain::Llm).trim_end_matches('>')));
     }

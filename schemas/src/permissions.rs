@@ -156,10 +156,12 @@ impl Namespace {
         let proxy_rpc = format!("{root}.rpc.proxy.>");
         match role {
             Role::Controller => {
-                // The controller provisions: it may change a stream's configuration.
+                // The controller provisions: it may change a stream's configuration (and
+                // turn on per-message TTL in a trial-record bucket made without it).
                 for domain in Domain::ALL {
                     p.publish(format!("$JS.API.STREAM.UPDATE.{}", stream(domain)));
                 }
+                p.publish(format!("$JS.API.STREAM.UPDATE.KV_{}", kv(Bucket::Trials)));
                 for name in [
                     "accepted",
                     "rejected",
@@ -219,7 +221,7 @@ impl Namespace {
                 p.consume(&stream(Domain::Run));
             }
             Role::Proxy => {
-                p.publish(self.entity_filter(Domain::Llm, "call"));
+                p.publish(event(Domain::Llm, "call"));
                 p.subscribe(proxy_rpc);
                 p.answers_requests = true;
             }
@@ -239,8 +241,8 @@ impl Namespace {
                 }
                 p.publish(event(Domain::Trajectory, "ready"));
                 p.publish(event(Domain::Run, "failed"));
-                // Trials, their calls (by subject filter) and their grades: durable
-                // hand-offs only, no live subscription.
+                // Trials, their calls (read by stream sequence) and their grades:
+                // durable hand-offs only, no live subscription.
                 for domain in [Domain::Task, Domain::Trial, Domain::Llm, Domain::Reward] {
                     p.consume(&stream(domain));
                 }

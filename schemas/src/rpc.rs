@@ -227,6 +227,11 @@ pub struct TrialKeyRevokeV1 {
 pub struct TrialKeyRevokedV1 {
     /// LLM calls recorded under the key.
     pub calls: u32,
+    /// Where each recorded call is in the LLM stream (`llm.call` on the run's subject), in
+    /// the order stored: how the rollout reads an attempt's calls. Empty from a proxy
+    /// older than this field, which reported only the count.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub call_sequences: Vec<u64>,
 }
 
 /// Token proxy operations, for [`crate::Namespace::proxy_rpc`].

@@ -244,6 +244,9 @@ pub struct FinishedAttemptV1 {
     pub task: crate::events::TaskRef,
     /// Calls the proxy counted for the attempt: the join waits until all are readable.
     pub calls: u32,
+    /// Where the proxy stored each of them in the LLM stream (`TrialKeyRevokedV1`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub call_sequences: Vec<u64>,
     /// Agent turns whose reply could not be parsed (reported with the trajectory).
     pub parse_failures: u32,
 }

@@ -28,9 +28,8 @@ fn rows() -> Vec<(String, String, String)> {
         .collect()
 }
 
-/// `run.failed` → (Run, "failed"); `.released` continues the row's domain;
-/// `llm.<run>.<trial>.call` is the per-trial subject.
-fn subjects(cell: &str) -> Vec<(Domain, String, bool)> {
+/// `run.failed` → (Run, "failed"); `.released` continues the row's domain.
+fn subjects(cell: &str) -> Vec<(Domain, String)> {
     let mut domain = None;
     cell.split(',')
         .map(|s| s.trim().trim_matches('`'))
@@ -42,10 +41,7 @@ fn subjects(cell: &str) -> Vec<(Domain, String, bool)> {
                 Domain::ALL.into_iter().find(|x| x.token() == d).unwrap()
             };
             domain = Some(d);
-            match event.rsplit_once('.') {
-                Some((_, event)) => (d, event.to_owned(), true),
-                None => (d, event.to_owned(), false),
-            }
+            (d, event.to_owned())
         })
         .collect()
 }
@@ -83,12 +79,8 @@ fn the_architecture_table_matches_the_permissions() {
     for (subject_cell, publishers, consumers) in rows {
         let publishers = roles(&publishers);
         let consumers = roles(&consumers);
-        for (domain, event, per_entity) in subjects(&subject_cell) {
-            let filter = if per_entity {
-                ns.entity_filter(domain, &event)
-            } else {
-                ns.event_filter(domain, &event)
-            };
+        for (domain, event) in subjects(&subject_cell) {
+            let filter = ns.event_filter(domain, &event);
             let allowed: Vec<Role> = Role::ALL
                 .into_iter()
                 .filter(|r| ns.permissions(*r).publish.contains(&filter))

@@ -268,13 +268,10 @@ impl Stack {
         run
     }
 
-    /// Every `llm.call` of the run (`arl.llm.<run>.<trial>.call`).
+    /// Every `llm.call` of the run (`arl.llm.<run>.call`).
     async fn calls(&self, run: &RunId) -> Vec<LlmCallV2> {
         self.bus
-            .replay::<LlmCallV2>(
-                Domain::Llm,
-                self.ns.run_entity_filter(Domain::Llm, run, "call"),
-            )
+            .replay::<LlmCallV2>(Domain::Llm, self.ns.event_subject(Domain::Llm, run, "call"))
             .await
             .unwrap()
     }

@@ -23,7 +23,7 @@ use arl_schemas::events::{
     LlmCallV2, RunCancelledV1, Split, TaskBatchV1, TrainStepV2, WeightsPublishedV2,
 };
 use arl_schemas::state::{RunStateV1, RunStatus};
-use arl_schemas::{Domain, Event, Namespace, RunId};
+use arl_schemas::{Event, Namespace, RunId};
 use arl_testkit::{Children, built_binary};
 
 const STEPS: u32 = 3;
@@ -232,10 +232,7 @@ async fn wait_for_state(
 
 async fn replay<E: Event>(bus: &Bus, event: &str) -> Vec<E> {
     let ns = Namespace::default();
-    let filter = if E::DOMAIN == Domain::Llm {
-        ns.entity_filter(E::DOMAIN, event)
-    } else {
-        ns.event_filter(E::DOMAIN, event)
-    };
-    bus.replay(E::DOMAIN, filter).await.unwrap()
+    bus.replay(E::DOMAIN, ns.event_filter(E::DOMAIN, event))
+        .await
+        .unwrap()
 }

@@ -28,7 +28,7 @@ use arl_schemas::events::{
     TrainStepV2, TrajectoryV1, TrialStartedV1, WeightsLocation, WeightsPublishedV2,
 };
 use arl_schemas::state::RunStatus;
-use arl_schemas::{Domain, Event, Namespace, RunId, TrialId};
+use arl_schemas::{Event, Namespace, RunId, TrialId};
 use arl_testkit::{Children, built_binary};
 
 /// Steps per run: enough that each run publishes a version while the other's trials are
@@ -189,12 +189,9 @@ struct Audit {
 
 async fn replay<E: Event>(bus: &Bus, event: &str) -> Vec<E> {
     let ns = Namespace::default();
-    let filter = if E::DOMAIN == Domain::Llm {
-        ns.entity_filter(E::DOMAIN, event)
-    } else {
-        ns.event_filter(E::DOMAIN, event)
-    };
-    bus.replay(E::DOMAIN, filter).await.unwrap()
+    bus.replay(E::DOMAIN, ns.event_filter(E::DOMAIN, event))
+        .await
+        .unwrap()
 }
 
 impl Audit {

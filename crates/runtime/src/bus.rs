@@ -68,6 +68,12 @@ pub enum BusError {
     StreamFull { subject: String, reason: String },
     #[error("reading back {filter}: {reason}")]
     Replay { filter: String, reason: String },
+    #[error("reading message {sequence} of stream {stream}: {reason}")]
+    ReadAt {
+        stream: String,
+        sequence: u64,
+        reason: String,
+    },
     #[error("key-value {bucket}: {reason}")]
     KeyValue { bucket: String, reason: String },
     #[error("object store {store}, object {name}: {reason}")]
@@ -165,22 +171,45 @@ pub const MAX_EVENT_BYTES: usize = 1 << 20;
 /// ([`Bus::await_run_state`]), and replay readers that delete theirs when done
 /// ([`Bus::replay`]).
 const STREAM_MAX_CONSUMERS: i32 = 4_096;
-/// Window within which a repeated `Nats-Msg-Id` is dropped as a duplicate: as long as an
-/// event may be published again (a handler redelivered after a crash, a trainer training a
-/// step again after one). The server holds every id of the window in memory (~150 bytes
-/// each: the largest part of its heap under load, see ARCHITECTURE.md's capacity model).
+/// Window within which a repeated `Nats-Msg-Id` is dropped as a duplicate, for the events
+/// of a run and its steps (few): as long as one may be published again, a trainer training
+/// a step again after a restart included (no `weights.published` twice). The server holds
+/// every id of a window in memory (~150 bytes each; see ARCHITECTURE.md's capacity model).
 const DUPLICATE_WINDOW: Duration = Duration::from_secs(10 * 60);
-/// The window of the LLM-call records, most of the messages (one per turn): the proxy
-/// publishes each before its answer ends and nothing publishes it later, and readers take
-/// one record per turn (the rollout's `recorded_calls`), so a copy stored after a long
-/// outage is harmless; a short window keeps the server's id memory a fifth of the default.
-const LLM_DUPLICATE_WINDOW: Duration = Duration::from_secs(2 * 60);
+/// The window of the per-trial events (trials, their LLM calls, sandbox leases, grades,
+/// trajectories: nearly every message, so nearly all of the server's id memory). NATS's
+/// own default. Such an event is published again by a publish retried (at most the
+/// publish timeout, 60 s) or by a handler redelivered after its replica died (the
+/// consumer's `ack_wait`, 30–60 s, after the death). Their consumers are idempotent by the
+/// trial's record in `ARL_TRIALS` and the trainer's slot admission, so a copy stored after
+/// a longer outage is a duplicate in the stream, never one trained on or counted; LLM
+/// calls are read at the stream sequence the proxy reported, never by scanning.
+const PER_TRIAL_DUPLICATE_WINDOW: Duration = Duration::from_secs(2 * 60);
+
+/// Whether a bucket's records expire once settled ([`Bus::settle_record`]): trial records,
+/// one per trial attempt of every run.
+fn expiring_records(bucket: Bucket) -> bool {
+    bucket == Bucket::Trials
+}
+
+/// How long the marker of an expired record is kept (JetStream's limit markers, which
+/// per-message TTL needs; nothing reads them). The shortest there is: nats-server 2.15
+/// stored a rolled-up record's TTL as at least this.
+const EXPIRED_RECORD_MARKER_TTL: Duration = Duration::from_secs(1);
 
 /// The de-duplication window of a domain's stream.
 pub fn duplicate_window(domain: Domain) -> Duration {
     match domain {
-        Domain::Llm => LLM_DUPLICATE_WINDOW,
-        _ => DUPLICATE_WINDOW,
+        Domain::Trial | Domain::Llm | Domain::Sandbox | Domain::Reward | Domain::Trajectory => {
+            PER_TRIAL_DUPLICATE_WINDOW
+        }
+        Domain::Run
+        | Domain::Task
+        | Domain::Image
+        | Domain::Train
+        | Domain::Weights
+        | Domain::Eval
+        | Domain::DeadLetter => DUPLICATE_WINDOW,
     }
 }
 
@@ -464,20 +493,54 @@ impl Bus {
             } else {
                 Duration::ZERO
             },
+            // Records that expire ([`Bus::settle_record`]) need per-message TTL.
+            limit_markers: expiring_records(bucket).then_some(EXPIRED_RECORD_MARKER_TTL),
             ..Default::default()
         };
         retry_provision(&name, || async {
             if self.jetstream.get_key_value(&name).await.is_ok() {
+                if expiring_records(bucket) {
+                    self.allow_record_ttl(&config).await;
+                }
                 return Ok(());
             }
-            self.jetstream
-                .create_key_value(config.clone())
-                .await
-                .map(|_| ())
-                .map_err(|e| e.to_string())
+            match self.jetstream.create_key_value(config.clone()).await {
+                // nats-server 2.10 has no per-message TTL: such records are kept.
+                Err(e) if e.kind() == jetstream::context::CreateKeyValueErrorKind::LimitMarkersNotSupported => {
+                    let kept = kv::Config {
+                        limit_markers: None,
+                        ..config.clone()
+                    };
+                    self.jetstream.create_key_value(kept).await.map(|_| ())
+                }
+                other => other.map(|_| ()),
+            }
+            .map_err(|e| e.to_string())
         })
         .await?;
         Ok(())
+    }
+
+    /// Turns on per-message TTL in a bucket made without it (before records of it
+    /// expired). Under least privilege only the controller may; until it has, settled
+    /// records are kept (see [`Bus::settle_record`]).
+    async fn allow_record_ttl(&self, config: &kv::Config) {
+        let stream = format!("KV_{}", config.bucket);
+        let allowed = match self.jetstream.get_stream(&stream).await {
+            Ok(mut s) => s.info().await.map(|i| i.config.allow_message_ttl),
+            Err(err) => {
+                tracing::debug!(%err, %stream, "bucket's stream not read");
+                return;
+            }
+        };
+        if let Ok(false) = allowed {
+            match self.jetstream.update_key_value(config.clone()).await {
+                Ok(_) => tracing::info!(bucket = %config.bucket, "per-message TTL turned on"),
+                Err(err) => {
+                    tracing::debug!(%err, bucket = %config.bucket, "per-message TTL left off")
+                }
+            }
+        }
     }
 
     /// The key-value store of a bucket (provisioned by [`Bus::provision`]). Waits for
@@ -499,7 +562,38 @@ impl Bus {
         &self,
         bucket: Bucket,
         key: &str,
+        change: impl FnMut(&mut Option<T>) -> bool,
+    ) -> Result<Option<T>, BusError>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned,
+    {
+        self.write_record(bucket, key, change, None).await
+    }
+
+    /// As [`Bus::modify_record`], for a record's last write: its earlier revisions are
+    /// rolled up into it, and it expires `keep_for` later (then the key reads as absent and
+    /// the server forgets it: records of finished work do not pile up for ever). In a
+    /// bucket made without per-message TTL, until the controller has turned it on, the
+    /// record is rolled up and kept.
+    pub async fn settle_record<T>(
+        &self,
+        bucket: Bucket,
+        key: &str,
+        change: impl FnMut(&mut Option<T>) -> bool,
+        keep_for: Duration,
+    ) -> Result<Option<T>, BusError>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned,
+    {
+        self.write_record(bucket, key, change, Some(keep_for)).await
+    }
+
+    async fn write_record<T>(
+        &self,
+        bucket: Bucket,
+        key: &str,
         mut change: impl FnMut(&mut Option<T>) -> bool,
+        expire_after: Option<Duration>,
     ) -> Result<Option<T>, BusError>
     where
         T: serde::Serialize + serde::de::DeserializeOwned,
@@ -529,7 +623,10 @@ impl Bus {
                 return Ok(None);
             };
             let body = serde_json::to_vec(value).map_err(|e| error(e.to_string()))?;
-            let written = if revision == 0 {
+            let written = if let Some(keep_for) = expire_after {
+                self.write_expiring(bucket, key, revision, body.into(), keep_for)
+                    .await
+            } else if revision == 0 {
                 kv.create(key, body.into()).await.map(|_| ()).map_err(|e| {
                     (
                         e.kind() == kv::CreateErrorKind::AlreadyExists,
@@ -554,6 +651,55 @@ impl Bus {
             }
         }
         Err(error("too many concurrent writers".into()))
+    }
+
+    /// Writes a record over revision `revision` (0: none), rolling up its earlier
+    /// revisions, to expire after `keep_for`. Err((true, _)): another writer got there
+    /// first.
+    async fn write_expiring(
+        &self,
+        bucket: Bucket,
+        key: &str,
+        revision: u64,
+        body: Bytes,
+        keep_for: Duration,
+    ) -> Result<(), (bool, String)> {
+        use async_nats::header::{
+            NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, NATS_MESSAGE_TTL, NATS_ROLLUP,
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
+            revision.to_string().as_str(),
+        );
+        headers.insert(NATS_ROLLUP, "sub");
+        let kept = headers.clone();
+        headers.insert(
+            NATS_MESSAGE_TTL,
+            keep_for.as_secs().max(1).to_string().as_str(),
+        );
+        let subject = self.namespace.record_subject(bucket, key);
+        let publish = async |headers: HeaderMap| {
+            let ack = self
+                .jetstream
+                .publish_with_headers(subject.clone(), headers, body.clone())
+                .await
+                .map_err(|e| (false, e.to_string()))?;
+            ack.await.map(|_| ()).map_err(|e| {
+                (
+                    e.kind() == jetstream::context::PublishErrorKind::WrongLastSequence,
+                    e.to_string(),
+                )
+            })
+        };
+        match publish(headers).await {
+            // A bucket made before its records expired (per-message TTL off).
+            Err((false, reason)) if reason.contains("TTL") => {
+                tracing::debug!(%reason, %subject, "record kept: the bucket has no per-message TTL");
+                publish(kept).await
+            }
+            other => other,
+        }
     }
 
     /// Writes (or refreshes) a trainer's announcement in `ARL_TRAINERS`.
@@ -891,6 +1037,33 @@ impl Bus {
                 }
             })
             .collect())
+    }
+
+    /// The event stored at `sequence` of `domain`'s stream (where a publish said it was
+    /// stored), read without a consumer: an attempt's LLM calls, as the proxy reported them.
+    /// An error when the stream no longer holds it or it is not an `E`.
+    pub async fn read_at<E: Event>(&self, domain: Domain, sequence: u64) -> Result<E, BusError> {
+        let stream = self.namespace.stream(domain);
+        let fail = |reason: String| BusError::ReadAt {
+            stream: stream.clone(),
+            sequence,
+            reason,
+        };
+        let message = self
+            .jetstream
+            .get_stream_no_info(stream.as_str())
+            .await
+            .map_err(|e| fail(e.to_string()))?
+            .get_raw_message(sequence)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        E::decode(&message.payload).map_err(|e| {
+            fail(format!(
+                "{} is not a {} event: {e}",
+                message.subject,
+                E::TYPE
+            ))
+        })
     }
 
     /// Publishes raw bytes with the given headers, retrying until stored. For events use

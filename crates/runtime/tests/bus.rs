@@ -9,7 +9,7 @@ use arl_runtime::bus::BusConfig;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Metrics, Shutdown, headers};
 use arl_schemas::events::{Example, RunFailedV1, RunProgressV1};
-use arl_schemas::{Domain, Event, Namespace, RunId};
+use arl_schemas::{Bucket, Domain, Event, Namespace, RunId};
 use arl_testkit::{NatsServer, test_namespace, wait_for};
 use tokio::sync::mpsc;
 
@@ -158,9 +158,10 @@ async fn duplicate_message_ids_are_stored_once_and_handled_once() {
     shutdown.wait().await;
 }
 
-/// Each stream keeps the de-duplication window its events need: the LLM-call records (most
-/// messages, re-published by nobody) a short one, every other stream the long one; a stream
-/// provisioned with another window is brought to it.
+/// Each stream keeps the de-duplication window its events need: the per-trial events
+/// (nearly every message, each one's consumers idempotent by the trial) NATS's default two
+/// minutes, a run's and its steps' the long one; a stream provisioned with another window
+/// is brought to it.
 #[tokio::test]
 async fn streams_keep_the_duplicate_window_of_their_domain() {
     let server = NatsServer::start().unwrap();
@@ -171,26 +172,29 @@ async fn streams_keep_the_duplicate_window_of_their_domain() {
             .await
             .duplicate_window
     };
-    assert_eq!(window(Domain::Llm).await, Duration::from_secs(120));
     for domain in [
-        Domain::Weights,
         Domain::Trial,
+        Domain::Llm,
+        Domain::Sandbox,
         Domain::Reward,
-        Domain::Train,
+        Domain::Trajectory,
     ] {
+        assert_eq!(window(domain).await, Duration::from_secs(120), "{domain:?}");
+    }
+    for domain in [Domain::Run, Domain::Task, Domain::Train, Domain::Weights] {
         assert_eq!(window(domain).await, Duration::from_secs(600), "{domain:?}");
     }
     assert_eq!(
-        arl_runtime::bus::duplicate_window(Domain::Llm),
+        arl_runtime::bus::duplicate_window(Domain::Trial),
         Duration::from_secs(120)
     );
 
     // A stream made with the old window is updated when a service provisions.
-    let mut old = stream_config(&bus, &ns.stream(Domain::Llm)).await;
+    let mut old = stream_config(&bus, &ns.stream(Domain::Trial)).await;
     old.duplicate_window = Duration::from_secs(600);
     bus.jetstream().update_stream(old).await.unwrap();
     bus.provision().await.unwrap();
-    assert_eq!(window(Domain::Llm).await, Duration::from_secs(120));
+    assert_eq!(window(Domain::Trial).await, Duration::from_secs(120));
 }
 
 #[tokio::test]
@@ -807,4 +811,71 @@ async fn replays_leave_no_consumers_behind() {
         .unwrap();
     assert!(empty.is_empty());
     assert_eq!(consumers_on(&bus, &ns.stream(Domain::Run)).await, 0);
+}
+
+/// A settled record replaces its history and expires: until then it reads as written
+/// (a copy of its request still finds it), then as absent, and the bucket's stream no
+/// longer holds the key. A record written after it starts afresh.
+#[tokio::test]
+async fn a_settled_record_rolls_up_its_history_and_expires() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let stream = format!("KV_{}", ns.bucket(Bucket::Trials));
+    assert!(stream_config(&bus, &stream).await.allow_message_ttl);
+    for step in 1..=3u32 {
+        bus.modify_record::<u32>(Bucket::Trials, "trial-1", |r| {
+            *r = Some(step);
+            true
+        })
+        .await
+        .unwrap();
+    }
+    let messages = async || {
+        let mut s = bus.jetstream().get_stream(&stream).await.unwrap();
+        s.info().await.unwrap().state.messages
+    };
+    assert_eq!(messages().await, 3);
+    let settled = bus
+        .settle_record::<u32>(
+            Bucket::Trials,
+            "trial-1",
+            |r| {
+                assert_eq!(*r, Some(3));
+                *r = Some(4);
+                true
+            },
+            Duration::from_secs(2),
+        )
+        .await
+        .unwrap();
+    assert_eq!(settled, Some(4));
+    assert_eq!(
+        messages().await,
+        1,
+        "the settled write rolls up the history"
+    );
+    assert_eq!(
+        bus.get_record::<u32>(Bucket::Trials, "trial-1")
+            .await
+            .unwrap(),
+        Some(4)
+    );
+    wait_for("the record to expire", Duration::from_secs(10), || async {
+        let read = bus
+            .get_record::<u32>(Bucket::Trials, "trial-1")
+            .await
+            .unwrap();
+        read.is_none().then_some(())
+    })
+    .await;
+    let written = bus
+        .modify_record::<u32>(Bucket::Trials, "trial-1", |r| {
+            assert_eq!(*r, None);
+            *r = Some(7);
+            true
+        })
+        .await
+        .unwrap();
+    assert_eq!(written, Some(7));
 }

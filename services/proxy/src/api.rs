@@ -812,7 +812,8 @@ impl Recorder {
                 FinishReason::Abort => "abort",
             },
         );
-        self.proxy
+        let stored = self
+            .proxy
             .bus
             .publish(&event)
             .instrument(self.span.clone())
@@ -824,7 +825,8 @@ impl Recorder {
                     _ => Unrecorded::Unavailable(reason),
                 }
             })?;
-        self.call.trial.recorded.fetch_add(1, Ordering::SeqCst);
+        // A duplicate's acknowledgement names the sequence of the record first stored.
+        self.call.trial.record(stored.sequence);
         Ok(())
     }
 

@@ -2,8 +2,8 @@
 //! names exactly one trial, so a caller can only ever add to its own trial's record.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::atomic::AtomicU32;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use arl_runtime::telemetry::TraceContext;
 use arl_schemas::rpc::TrialKeyRequestV1;
@@ -17,12 +17,31 @@ pub struct Trial {
     pub max_staleness: Option<u64>,
     /// Calls so far: the next call's turn index.
     pub turns: AtomicU32,
-    /// Calls whose `llm.call` record is stored (refused calls have a turn index but no
-    /// record): what the trial's trajectory will be built from.
-    pub recorded: AtomicU32,
+    /// Where each stored `llm.call` record of the trial is in the LLM stream, in the
+    /// order stored (refused calls have a turn index but no record): what the trial's
+    /// trajectory will be built from.
+    pub recorded: Mutex<Vec<u64>>,
     /// Where in its trial's trace the key was issued: the parent of calls that bring no
     /// `traceparent` of their own.
     pub trace: TraceContext,
+}
+
+impl Trial {
+    /// Notes a call's record as stored at `sequence` of the LLM stream.
+    pub fn record(&self, sequence: u64) {
+        self.recorded
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(sequence);
+    }
+
+    /// The stream sequences of the calls recorded so far.
+    pub fn recorded_calls(&self) -> Vec<u64> {
+        self.recorded
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -39,7 +58,7 @@ impl Keys {
             policy_version: request.policy_version,
             max_staleness: request.max_staleness,
             turns: AtomicU32::new(0),
-            recorded: AtomicU32::new(0),
+            recorded: Mutex::new(Vec::new()),
             trace: TraceContext::current(),
         });
         self.trials
@@ -58,12 +77,13 @@ impl Keys {
             .cloned()
     }
 
-    /// Ends a key; returns how many calls it recorded, None if it was not live.
-    pub fn revoke(&self, key: &str) -> Option<u32> {
+    /// Ends a key; returns the stream sequences of the calls it recorded, None if it was
+    /// not live.
+    pub fn revoke(&self, key: &str) -> Option<Vec<u64>> {
         self.trials
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(key)
-            .map(|t| t.recorded.load(Ordering::SeqCst))
+            .map(|t| t.recorded_calls())
     }
 }

@@ -52,7 +52,10 @@ pub async fn serve_keys(
             let keys = keys.clone();
             async move {
                 match keys.revoke(&request.trial_key) {
-                    Some(calls) => Ok(TrialKeyRevokedV1 { calls }),
+                    Some(sequences) => Ok(TrialKeyRevokedV1 {
+                        calls: sequences.len() as u32,
+                        call_sequences: sequences,
+                    }),
                     None => Err(RpcError::new(
                         RpcErrorCode::NotFound,
                         "no live trial has this key (already revoked, or issued by another proxy instance)",

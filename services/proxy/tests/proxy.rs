@@ -402,6 +402,18 @@ async fn calls_are_forwarded_recorded_and_keys_scope_them() {
         .await
         .unwrap();
     assert_eq!(revoked.calls, 2);
+    // ... and where each is stored: the run's subject, read back by sequence.
+    assert_eq!(revoked.call_sequences.len(), 2);
+    for (turn, &sequence) in revoked.call_sequences.iter().enumerate() {
+        let call: LlmCallV2 = s.bus.read_at(Domain::Llm, sequence).await.unwrap();
+        assert_eq!(call, calls[turn]);
+        assert_eq!(
+            call.subject(s.bus.namespace()),
+            s.bus
+                .namespace()
+                .event_subject(Domain::Llm, &call.run_id, "call")
+        );
+    }
     let (status, body, _) = s
         .post(
             &format!("{}/chat/completions", grant.base_url),

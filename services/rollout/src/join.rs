@@ -5,8 +5,8 @@
 //! of which only the grader's count here: a failure for an attempt whose record says it
 //! was handed to grading (the rollout announces its own failures before it hands off, or
 //! instead). The record in `ARL_TRIALS` (written at the hand-off) carries what the grade
-//! does not: the task, the number of calls the proxy counted, the parse failures. Whichever
-//! replica takes a grade reads the attempt's calls by their subject and publishes; no
+//! does not: the task, where the proxy stored the attempt's calls, the parse failures.
+//! Whichever replica takes a grade reads the calls at those stream sequences and publishes; no
 //! replica waits for a grade, and one that dies between hand-offs holds nothing.
 
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use tracing::Instrument;
 
 use arl_runtime::{ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
-    RewardScoredV2, SampleStatus, TrialFailedV1, TrialRequestedV1, TrialSlot,
+    FailureClass, RewardScoredV2, SampleStatus, TrialFailedV1, TrialRequestedV1, TrialSlot,
 };
 use arl_schemas::state::{FinishedAttemptV1, TrialRecordV2};
 use arl_schemas::{Bucket, RunId, TrialId};
@@ -108,7 +108,11 @@ impl Rollout {
             return Ok(());
         };
         let request = request_of(&scored.run_id, &scored.trial_id, &scored.slot, &finished);
-        let calls = match self.recorded_calls(&request, finished.calls).await {
+        let read = match call_sequences(&finished) {
+            Ok(sequences) => self.recorded_calls(&request, &sequences).await,
+            Err(error) => Err(error),
+        };
+        let calls = match read {
             Ok(calls) => calls,
             // The proxy stores each record before its answer ends, so they are all there
             // unless the stream lost some: after the last delivery that fails the trial.
@@ -165,8 +169,33 @@ impl Rollout {
         let request = request_of(&failed.run_id, &failed.trial_id, &failed.slot, &finished);
         let error = TrialError::new(failed.class, failed.message);
         // The grader already announced the failure.
-        self.fail(&request, &spec, error, Some(finished.calls), false)
-            .await
+        self.fail(
+            &request,
+            &spec,
+            error,
+            call_sequences(&finished).ok(),
+            false,
+        )
+        .await
+    }
+}
+
+/// Where a handed-off attempt's calls are stored. An error for a hand-off recorded before
+/// the proxy reported sequences (its calls are on a per-trial subject, which is no longer
+/// read): the attempt goes through its run's failure policy as `infrastructure`.
+fn call_sequences(finished: &FinishedAttemptV1) -> Result<Vec<u64>, TrialError> {
+    if finished.call_sequences.len() == finished.calls as usize {
+        Ok(finished.call_sequences.clone())
+    } else {
+        Err(TrialError::new(
+            FailureClass::Infrastructure,
+            format!(
+                "the hand-off counted {} calls but recorded where {} are stored (it was \
+                 written by an older rollout service)",
+                finished.calls,
+                finished.call_sequences.len()
+            ),
+        ))
     }
 }
 

@@ -117,13 +117,16 @@ struct Trial {
 struct Ran {
     outcome: AgentOutcome,
     patch: String,
-    /// Calls the proxy recorded for the attempt.
-    calls: u32,
+    /// Where the proxy stored the attempt's calls in the LLM stream, in the order stored.
+    calls: Vec<u64>,
 }
 
-/// A failed agent's part: the error, and how many calls the proxy recorded, when known
+/// How long a done attempt's record is kept at least (see [`Rollout::mark_done`]).
+const DONE_RECORD_KEPT: Duration = Duration::from_secs(5 * 60);
+
+/// A failed agent's part: the error, and where the proxy stored its calls, when known
 /// (their records become the masked or zero-scored trajectory).
-type RunFailure = (TrialError, Option<u32>);
+type RunFailure = (TrialError, Option<Vec<u64>>);
 
 impl Rollout {
     pub fn new(bus: Bus, config: RolloutConfig) -> Self {
@@ -269,7 +272,7 @@ impl Rollout {
         }
         match self.run(&trial).await {
             Ok(ran) => {
-                let calls = ran.calls;
+                let calls = ran.calls.clone();
                 match self.hand_off(&trial, ran).await {
                     // A diff too large to be an event is the agent's doing: the trial
                     // fails with that class instead of its message dying undelivered.
@@ -383,7 +386,7 @@ impl Rollout {
         };
         // A turn is an LLM call, as the proxy recorded it (a command agent's own count
         // leaves out replies it rejected).
-        outcome.turns = calls;
+        outcome.turns = u32::try_from(calls.len()).unwrap_or(u32::MAX);
         let patch = match patch {
             Ok(patch) => patch,
             Err(error) => return Err((error, Some(calls))),
@@ -516,7 +519,8 @@ impl Rollout {
             .map_err(|e| infrastructure(format!("no trial key from the token proxy: {e}")))
     }
 
-    async fn revoke_key(&self, key: &TrialKeyGrantV1) -> Result<u32, TrialError> {
+    /// Ends the attempt's key; where the proxy stored each of its calls.
+    async fn revoke_key(&self, key: &TrialKeyGrantV1) -> Result<Vec<u64>, TrialError> {
         let ns = self.bus.namespace();
         let revoked: TrialKeyRevokedV1 = self
             .bus
@@ -529,36 +533,46 @@ impl Rollout {
             )
             .await
             .map_err(|e| infrastructure(format!("revoking the trial key: {e}")))?;
-        Ok(revoked.calls)
+        if revoked.call_sequences.len() != revoked.calls as usize {
+            return Err(infrastructure(format!(
+                "the token proxy counted {} calls but said where {} of them are stored: it is \
+                 older than this rollout service (upgrade arl-proxy)",
+                revoked.calls,
+                revoked.call_sequences.len()
+            )));
+        }
+        Ok(revoked.call_sequences)
     }
 
     /// The attempt's calls as the proxy recorded them (each stored before its answer
-    /// ended), read by their subject, `arl.llm.<run>.<call scope>.call`. An error when
-    /// fewer than the `count` the proxy reported are readable.
+    /// ended), read at the stream sequences it reported. An error when one is no longer
+    /// in the stream or is not a call of this attempt.
     pub(crate) async fn recorded_calls(
         &self,
         request: &TrialRequestedV1,
-        count: u32,
+        sequences: &[u64],
     ) -> Result<Vec<LlmCallV2>, TrialError> {
         let scope = call_scope(&request.trial_id, request.slot.attempt)
             .map_err(|e| infrastructure(e.to_string()))?;
-        let ns = self.bus.namespace();
-        let subject = ns.entity_subject(Domain::Llm, &request.run_id, scope.as_str(), "call");
-        let mut calls: Vec<LlmCallV2> = self
-            .bus
-            .replay(Domain::Llm, subject)
+        let reads = sequences
+            .iter()
+            .map(|&sequence| self.bus.read_at::<LlmCallV2>(Domain::Llm, sequence));
+        let mut calls = futures::future::try_join_all(reads)
             .await
-            .map_err(|e| infrastructure(e.to_string()))?;
-        // In turn order, one record per turn: a record republished after the stream's
-        // de-duplication window would be stored twice.
-        calls.sort_by_key(|c| c.turn_index);
-        calls.dedup_by_key(|c| c.turn_index);
-        if calls.len() < count as usize {
+            .map_err(|e| infrastructure(format!("reading the calls of {scope}: {e}")))?;
+        if let Some(stray) = calls
+            .iter()
+            .find(|c| c.run_id != request.run_id || c.trial_id != scope)
+        {
             return Err(infrastructure(format!(
-                "the proxy counted {count} calls for {scope}, but {} are in the stream",
-                calls.len()
+                "a call recorded for {scope} of run {} reads as one of {} of run {}",
+                request.run_id, stray.trial_id, stray.run_id
             )));
         }
+        // In turn order, one record per turn (a duplicate publish reports the sequence of
+        // the record first stored, so the same sequence may be listed twice).
+        calls.sort_by_key(|c| c.turn_index);
+        calls.dedup_by_key(|c| c.turn_index);
         Ok(calls)
     }
 
@@ -590,7 +604,8 @@ impl Rollout {
         let attempt = req.slot.attempt;
         let finished = FinishedAttemptV1 {
             task: req.task.clone(),
-            calls: ran.calls,
+            calls: u32::try_from(ran.calls.len()).unwrap_or(u32::MAX),
+            call_sequences: ran.calls,
             parse_failures: ran.outcome.parse_failures,
         };
         self.bus
@@ -613,7 +628,7 @@ impl Rollout {
         req: &TrialRequestedV1,
         spec: &RunSpec,
         error: TrialError,
-        calls: Option<u32>,
+        calls: Option<Vec<u64>>,
         announce: bool,
     ) -> Result<(), HandlerError> {
         let mut action = spec.rollout.on_failure.action(error.class);
@@ -626,8 +641,8 @@ impl Rollout {
         // read before the failure is announced: if they cannot be read, the message comes
         // back and nothing was said twice. Validation trials are never trained on.
         let calls = match calls {
-            Some(count) if !retry && req.slot.split == Split::Train => self
-                .recorded_calls(req, count)
+            Some(sequences) if !retry && req.slot.split == Split::Train => self
+                .recorded_calls(req, &sequences)
                 .await
                 .map_err(|e| HandlerError::retry(e.message))?,
             _ => Vec::new(),
@@ -741,10 +756,17 @@ impl Rollout {
         Ok(record.unwrap_or(false))
     }
 
+    /// Settles the attempt's record as done. It is kept for a while, so that a copy of the
+    /// request that can still come (redelivered after a replica died, within the
+    /// consumer's ack wait; published again, within the trial stream's 2-minute
+    /// de-duplication window) finds the attempt done, and then expires: records of every
+    /// trial a deployment ever ran do not pile up in `ARL_TRIALS`. A copy later still
+    /// runs the attempt again; the trainer admits one trajectory per slot.
     pub(crate) async fn mark_done(&self, request: &TrialRequestedV1) -> Result<(), HandlerError> {
         let attempt = request.slot.attempt;
+        let keep_for = DONE_RECORD_KEPT.max(3 * self.config.ack_wait);
         self.bus
-            .modify_record::<TrialRecordV2>(
+            .settle_record::<TrialRecordV2>(
                 Bucket::Trials,
                 request.trial_id.as_str(),
                 |r| match r {
@@ -758,6 +780,7 @@ impl Rollout {
                         true
                     }
                 },
+                keep_for,
             )
             .await?;
         Ok(())

@@ -50,19 +50,19 @@ pub struct LlmCallV1 {
     pub backend: String,
     pub model: String,
 }
-// The trial is a token of the subject (`arl.llm.<run_id>.<trial_id>.call`): the rollout
-// reads one trial's calls by subject filter instead of scanning the run's.
+// Version 1 was stored on a subject per trial (`arl.llm.<run_id>.<trial_id>.call`);
+// nothing publishes it any more, and it reads as version 2, on the run's subject.
 impl crate::Event for LlmCallV1 {
     const TYPE: &'static str = "llm.call";
     const VERSION: u32 = 1;
     const DOMAIN: crate::Domain = crate::Domain::Llm;
 
     fn filter(ns: &crate::Namespace) -> String {
-        ns.entity_filter(Self::DOMAIN, "call")
+        ns.event_filter(Self::DOMAIN, "call")
     }
 
     fn subject(&self, ns: &crate::Namespace) -> String {
-        ns.entity_subject(Self::DOMAIN, &self.run_id, self.trial_id.as_str(), "call")
+        ns.event_subject(Self::DOMAIN, &self.run_id, "call")
     }
 
     fn message_id(&self) -> String {

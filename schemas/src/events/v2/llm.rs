@@ -45,19 +45,21 @@ pub struct LlmCallV2 {
     pub backend: String,
     pub model: String,
 }
-// The trial is a token of the subject (`arl.llm.<run_id>.<trial_id>.call`): the rollout
-// reads one trial's calls by subject filter instead of scanning the run's.
+// One subject per run (`arl.llm.<run_id>.call`), like every other event: a subject per
+// trial cost nats-server ~400 bytes of heap for each trial as long as its records were
+// kept (14 days), and a consumer per trial to read them. The rollout reads an attempt's
+// calls by the stream sequences the proxy reports when it revokes the trial's key.
 impl crate::Event for LlmCallV2 {
     const TYPE: &'static str = "llm.call";
     const VERSION: u32 = 2;
     const DOMAIN: crate::Domain = crate::Domain::Llm;
 
     fn filter(ns: &crate::Namespace) -> String {
-        ns.entity_filter(Self::DOMAIN, "call")
+        ns.event_filter(Self::DOMAIN, "call")
     }
 
     fn subject(&self, ns: &crate::Namespace) -> String {
-        ns.entity_subject(Self::DOMAIN, &self.run_id, self.trial_id.as_str(), "call")
+        ns.event_subject(Self::DOMAIN, &self.run_id, "call")
     }
 
     /// The same as version 1's: one record per turn, whichever version stored it.
