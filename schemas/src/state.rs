@@ -215,6 +215,14 @@ pub struct TrialRecordV1 {
     pub done: bool,
 }
 
+/// Seconds a done attempt's entry stays in `ARL_TRIALS` before it expires (written with a
+/// per-message TTL when the attempt is done): longer than a copy of its request can still
+/// come (a redelivery within the rollout's ack wait, 60 s by default; a republish within
+/// the trial stream's 2-minute de-duplication window), so that a copy finds it done. An
+/// event about an attempt published longer ago than this may have outlived its entry
+/// (`arl_runtime::Bus::check_requested`).
+pub const DONE_TRIAL_RECORD_KEPT_SECONDS: u64 = 300;
+
 /// Version 2 of a trial's entry in `ARL_TRIALS`: version 1's fields, plus what the
 /// trial's saga needs between its hand-offs. A superset in JSON (a version 1 reader
 /// ignores `finished`; a version 1 entry reads as one with nothing finished), so both

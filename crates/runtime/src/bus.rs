@@ -827,14 +827,26 @@ impl Bus {
 
     /// Refuses an event about a trial the rollout service never requested: one whose
     /// attempt was never claimed in `ARL_TRIALS`. Its author is not the rollout service.
+    /// `published`: when JetStream stored the event. A done attempt's entry expires
+    /// ([`arl_schemas::state::DONE_TRIAL_RECORD_KEPT_SECONDS`] after it was done, which is
+    /// after the rollout published its events), so no entry proves "never requested" only
+    /// for an event younger than that; an older one (a trainer or grader that was down a
+    /// while) is let through rather than lost.
     pub async fn check_requested(
         &self,
         trial: &arl_schemas::TrialId,
         attempt: u32,
         what: &str,
+        published: std::time::SystemTime,
     ) -> Result<(), crate::HandlerError> {
         let record = self.trial_record(trial).await?;
         if arl_schemas::state::TrialRecordV2::requested(record.as_ref(), attempt) {
+            return Ok(());
+        }
+        let kept = Duration::from_secs(arl_schemas::state::DONE_TRIAL_RECORD_KEPT_SECONDS);
+        let age = published.elapsed().unwrap_or_default();
+        if record.is_none() && age >= kept {
+            tracing::debug!(%trial, attempt, age_s = age.as_secs(), "{what} older than a done trial's entry lives; its entry may have expired");
             return Ok(());
         }
         Err(crate::HandlerError::dead_letter(format!(

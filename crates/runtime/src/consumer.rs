@@ -12,7 +12,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use arl_schemas::{DecodeError, Domain, Event};
 use async_nats::HeaderMap;
@@ -121,6 +121,8 @@ pub struct Delivery {
     /// 1 on first delivery.
     pub attempt: i64,
     pub stream_sequence: u64,
+    /// When JetStream stored the message (the server's clock, not the publisher's).
+    pub published: SystemTime,
 }
 
 impl Delivery {
@@ -397,8 +399,12 @@ async fn handle_message<H, Fut>(
     H: Fn(Delivery) -> Fut,
     Fut: Future<Output = Result<(), HandlerError>>,
 {
-    let (attempt, stream_sequence) = match message.info() {
-        Ok(info) => (info.delivered, info.stream_sequence),
+    let (attempt, stream_sequence, published) = match message.info() {
+        Ok(info) => (
+            info.delivered,
+            info.stream_sequence,
+            SystemTime::from(info.published),
+        ),
         Err(err) => {
             tracing::warn!(error = %err, "message without JetStream metadata; skipping");
             return;
@@ -410,6 +416,7 @@ async fn handle_message<H, Fut>(
         payload: message.payload.clone(),
         attempt,
         stream_sequence,
+        published,
     };
     let span = tracing::info_span!(
         "consume",

@@ -879,3 +879,48 @@ async fn a_settled_record_rolls_up_its_history_and_expires() {
         .unwrap();
     assert_eq!(written, Some(7));
 }
+
+/// No claim in `ARL_TRIALS` proves an event forged only while a done attempt's claim would
+/// still be there: a young event without one is refused, an older one (its claim may have
+/// expired while a consumer was down) is let through; a claim of an earlier attempt
+/// refuses a later one at any age.
+#[tokio::test]
+async fn an_event_without_a_claim_is_refused_while_its_claim_would_still_be_kept() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let trial = arl_schemas::TrialId::new("run-1-s1-t0-k0").unwrap();
+    let now = std::time::SystemTime::now();
+    let kept = Duration::from_secs(arl_schemas::state::DONE_TRIAL_RECORD_KEPT_SECONDS);
+    let old = now - kept - Duration::from_secs(1);
+    let refused = bus
+        .check_requested(&trial, 0, "trajectory.ready", now)
+        .await;
+    assert!(
+        matches!(refused, Err(HandlerError::DeadLetter(_))),
+        "{refused:?}"
+    );
+    bus.check_requested(&trial, 0, "trajectory.ready", old)
+        .await
+        .unwrap();
+    bus.modify_record::<arl_schemas::state::TrialRecordV2>(Bucket::Trials, trial.as_str(), |r| {
+        *r = Some(arl_schemas::state::TrialRecordV2 {
+            attempt: 0,
+            done: false,
+            finished: None,
+        });
+        true
+    })
+    .await
+    .unwrap();
+    bus.check_requested(&trial, 0, "trajectory.ready", now)
+        .await
+        .unwrap();
+    let later = bus
+        .check_requested(&trial, 1, "trajectory.ready", old)
+        .await;
+    assert!(
+        matches!(later, Err(HandlerError::DeadLetter(_))),
+        "{later:?}"
+    );
+}

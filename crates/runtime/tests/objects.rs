@@ -210,6 +210,7 @@ fn delivery<E: Event>(event: &E, with_headers: bool) -> Delivery {
         payload: event.encode().unwrap().into(),
         attempt: 1,
         stream_sequence: 1,
+        published: std::time::SystemTime::now(),
     }
 }
 

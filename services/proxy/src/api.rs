@@ -128,7 +128,7 @@ async fn models(p: &Proxy, key: Option<&str>) -> Response {
             "unknown or revoked trial key: use the base URL the rollout service issued for this trial",
         );
     };
-    for index in p.backends.candidates(&trial.trial_id) {
+    for index in p.backends.candidates(trial.backend()) {
         let backend = &p.backends.list[index];
         if !backend.serves(&trial.run_id, trial.policy_version) {
             continue;
@@ -339,7 +339,7 @@ async fn forward(
     // new version is passed over; when none serves it yet, the agent waits and retries.
     let candidates: Vec<usize> = p
         .backends
-        .candidates(&trial.trial_id)
+        .candidates(trial.backend())
         .into_iter()
         .filter(|&i| p.backends.list[i].serves(&trial.run_id, trial.policy_version))
         .collect();
@@ -415,7 +415,7 @@ async fn forward(
                 return error(StatusCode::BAD_GATEWAY, "backend_error", reason);
             }
         };
-        p.backends.remember(&trial.trial_id, index);
+        trial.stick_to(index);
         let status = response.status();
         if !status.is_success() {
             // The engine refused the request (bad input, overload): nothing was generated.

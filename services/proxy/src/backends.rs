@@ -2,13 +2,12 @@
 //! engine's prefix cache keeps serving the trial), health checks, and the dialect each
 //! speaks for token ids and logprobs.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arl_runtime::Shutdown;
-use arl_schemas::{RunId, TrialId};
+use arl_schemas::RunId;
 use serde_json::{Value, json};
 
 use crate::client::HttpClient;
@@ -210,7 +209,6 @@ fn served_policy(body: &[u8]) -> Served {
 #[derive(Debug)]
 pub struct Backends {
     pub list: Vec<Arc<Backend>>,
-    affinity: Mutex<HashMap<TrialId, usize>>,
 }
 
 impl Backends {
@@ -244,20 +242,15 @@ impl Backends {
                     })
                 })
                 .collect(),
-            affinity: Mutex::default(),
         }
     }
 
-    /// Backends to try for a trial, in order: the one it used before (if healthy), then
-    /// the healthy ones least loaded first, then the unhealthy ones as a last resort.
-    pub fn candidates(&self, trial: &TrialId) -> Vec<usize> {
-        let sticky = self
-            .affinity
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(trial)
-            .copied()
-            .filter(|&i| self.list.get(i).is_some_and(|b| b.is_healthy()));
+    /// Backends to try for a trial, in order: `sticky`, the one it used before (if
+    /// healthy), then the healthy ones least loaded first, then the unhealthy ones as a
+    /// last resort. The trial's key holds `sticky` (`keys::Trial::backend`), so it goes
+    /// with the key when the trial ends.
+    pub fn candidates(&self, sticky: Option<usize>) -> Vec<usize> {
+        let sticky = sticky.filter(|&i| self.list.get(i).is_some_and(|b| b.is_healthy()));
         let mut order: Vec<usize> = (0..self.list.len())
             .filter(|&i| Some(i) != sticky)
             .collect();
@@ -266,20 +259,6 @@ impl Backends {
             (!b.is_healthy(), b.in_flight.load(Ordering::SeqCst))
         });
         sticky.into_iter().chain(order).collect()
-    }
-
-    pub fn remember(&self, trial: &TrialId, backend: usize) {
-        self.affinity
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(trial.clone(), backend);
-    }
-
-    pub fn forget(&self, trial: &TrialId) {
-        self.affinity
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(trial);
     }
 
     /// Marks a backend down after a refused connection (the health check brings it back).
@@ -440,12 +419,10 @@ mod tests {
         assert!(backends.any_healthy());
         backends.list[0].in_flight.store(5, Ordering::SeqCst);
         backends.list[1].in_flight.store(1, Ordering::SeqCst);
-        let trial = TrialId::new("trial-1").unwrap();
-        assert_eq!(backends.candidates(&trial), vec![2, 1, 0]);
-        backends.remember(&trial, 0);
-        assert_eq!(backends.candidates(&trial), vec![0, 2, 1]);
+        assert_eq!(backends.candidates(None), vec![2, 1, 0]);
+        assert_eq!(backends.candidates(Some(0)), vec![0, 2, 1]);
         backends.mark_down(0);
-        assert_eq!(backends.candidates(&trial), vec![2, 1, 0]);
+        assert_eq!(backends.candidates(Some(0)), vec![2, 1, 0]);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! names exactly one trial, so a caller can only ever add to its own trial's record.
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use arl_runtime::telemetry::TraceContext;
@@ -24,9 +24,24 @@ pub struct Trial {
     /// Where in its trial's trace the key was issued: the parent of calls that bring no
     /// `traceparent` of their own.
     pub trace: TraceContext,
+    /// The backend that answered the trial last ([`NO_BACKEND`]: none yet): its next call
+    /// goes there first, so that the engine's prefix cache keeps serving the trial.
+    backend: AtomicUsize,
 }
 
+const NO_BACKEND: usize = usize::MAX;
+
 impl Trial {
+    /// The backend that answered the trial last.
+    pub fn backend(&self) -> Option<usize> {
+        Some(self.backend.load(Ordering::Relaxed)).filter(|&i| i != NO_BACKEND)
+    }
+
+    /// Sends the trial's next calls to `backend` first.
+    pub fn stick_to(&self, backend: usize) {
+        self.backend.store(backend, Ordering::Relaxed);
+    }
+
     /// Notes a call's record as stored at `sequence` of the LLM stream.
     pub fn record(&self, sequence: u64) {
         self.recorded
@@ -60,6 +75,7 @@ impl Keys {
             turns: AtomicU32::new(0),
             recorded: Mutex::new(Vec::new()),
             trace: TraceContext::current(),
+            backend: AtomicUsize::new(NO_BACKEND),
         });
         self.trials
             .write()

@@ -60,7 +60,12 @@ impl RewardService {
         // Only the rollout's own trials are graded: a forged trial.finished could
         // otherwise buy a reward for a trial nobody ran.
         self.bus
-            .check_requested(&trial.trial_id, trial.slot.attempt, "trial.finished")
+            .check_requested(
+                &trial.trial_id,
+                trial.slot.attempt,
+                "trial.finished",
+                delivery.published,
+            )
             .await?;
         let arl_runtime::RunContext { state, spec } = self.bus.run_context(&trial.run_id).await?;
         let task = match &state.dataset_digest {

@@ -40,6 +40,7 @@ use arl_schemas::rpc::{
     TrialKeyRevokeV1, TrialKeyRevokedV1,
 };
 use arl_schemas::spec::{AgentKind, FailureAction, RunSpec};
+use arl_schemas::state::DONE_TRIAL_RECORD_KEPT_SECONDS;
 use arl_schemas::state::{FinishedAttemptV1, TrialRecordV2};
 use arl_schemas::{Bucket, Domain, RunId, TrialId};
 
@@ -120,9 +121,6 @@ struct Ran {
     /// Where the proxy stored the attempt's calls in the LLM stream, in the order stored.
     calls: Vec<u64>,
 }
-
-/// How long a done attempt's record is kept at least (see [`Rollout::mark_done`]).
-const DONE_RECORD_KEPT: Duration = Duration::from_secs(5 * 60);
 
 /// A failed agent's part: the error, and where the proxy stored its calls, when known
 /// (their records become the masked or zero-scored trajectory).
@@ -756,15 +754,14 @@ impl Rollout {
         Ok(record.unwrap_or(false))
     }
 
-    /// Settles the attempt's record as done. It is kept for a while, so that a copy of the
-    /// request that can still come (redelivered after a replica died, within the
-    /// consumer's ack wait; published again, within the trial stream's 2-minute
-    /// de-duplication window) finds the attempt done, and then expires: records of every
-    /// trial a deployment ever ran do not pile up in `ARL_TRIALS`. A copy later still
-    /// runs the attempt again; the trainer admits one trajectory per slot.
+    /// Settles the attempt's record as done. It is kept for a while
+    /// ([`DONE_TRIAL_RECORD_KEPT_SECONDS`]), so that a copy of the request that can still
+    /// come finds the attempt done, and then expires: records of every trial a deployment
+    /// ever ran do not pile up in `ARL_TRIALS` (nats-server keeps state for every key). A
+    /// copy later still runs the attempt again; the trainer admits one trajectory per slot.
     pub(crate) async fn mark_done(&self, request: &TrialRequestedV1) -> Result<(), HandlerError> {
         let attempt = request.slot.attempt;
-        let keep_for = DONE_RECORD_KEPT.max(3 * self.config.ack_wait);
+        let keep_for = Duration::from_secs(DONE_TRIAL_RECORD_KEPT_SECONDS);
         self.bus
             .settle_record::<TrialRecordV2>(
                 Bucket::Trials,

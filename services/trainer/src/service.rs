@@ -237,10 +237,12 @@ impl Trainer {
         }
     }
 
-    /// Refreshes the announcement every third of its TTL until shutdown.
+    /// Refreshes the announcement every third of its TTL until shutdown, first letting go
+    /// of runs that have ended.
     async fn announce(self: Arc<Self>, shutdown: Shutdown) {
         let every = Duration::from_secs(TRAINER_TTL_SECONDS / 3);
         loop {
+            self.forget_ended_runs().await;
             let announcement = self.announcement().await;
             if let Err(err) = self.bus.announce_trainer(&announcement).await {
                 tracing::warn!(%err, "cannot announce this trainer");
@@ -248,6 +250,23 @@ impl Trainer {
             tokio::select! {
                 () = tokio::time::sleep(every) => {}
                 () = shutdown.triggered() => return,
+            }
+        }
+    }
+
+    /// Drops the training state of every run that has ended (completed, failed or
+    /// cancelled): a trainer serving runs back to back holds only the live ones. A late
+    /// trajectory of an ended run is acked without reopening it (see [`Trainer::run`]).
+    async fn forget_ended_runs(&self) {
+        let known: Vec<RunId> = self.runs.lock().await.keys().cloned().collect();
+        for run_id in known {
+            match self.bus.run_state(&run_id).await {
+                Ok(Some(state)) if state.status.is_terminal() => {
+                    self.runs.lock().await.remove(&run_id);
+                    tracing::info!(run = %run_id, status = ?state.status, "run ended; its training state released");
+                }
+                Ok(_) => {}
+                Err(err) => tracing::debug!(%err, run = %run_id, "run state not read"),
             }
         }
     }
@@ -346,6 +365,7 @@ impl Trainer {
                 &trajectory.trial_id,
                 trajectory.slot.attempt,
                 "trajectory.ready",
+                delivery.published,
             )
             .await?;
         // The run's Arc is released before waiting, so a reopened run's old state (and the

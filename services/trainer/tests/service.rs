@@ -623,6 +623,28 @@ async fn the_short_last_batch_of_an_epoch_trains_with_what_its_batch_asked_for()
         held(&bus).await == 0
     })
     .await;
+    // The trainer holds the run while it is live, and lets it go once it has ended.
+    let announced_runs = async || {
+        announcements(&bus)
+            .await
+            .into_iter()
+            .flat_map(|a| a.runs)
+            .collect::<Vec<_>>()
+    };
+    until("the run announced", 30, || async {
+        announced_runs().await == [run.clone()]
+    })
+    .await;
+    let mut state = bus.run_state(&run).await.unwrap().unwrap();
+    state.status = RunStatus::Completed;
+    let kv = bus.bucket(Bucket::RunState).await.unwrap();
+    kv.put(run.as_str(), state.encode().unwrap().into())
+        .await
+        .unwrap();
+    until("the ended run let go", 30, || async {
+        announced_runs().await.is_empty()
+    })
+    .await;
     trainer.trigger();
     trainer.wait().await;
 }

@@ -298,12 +298,15 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
         );
     }
     if args.soak_seconds > 0 {
-        // One run long enough to last the soak at the pace just measured (a run is what
-        // a deployment soaks in; runs back to back would add each run's own state), and
-        // more runs after it if it ends early.
+        // One run long enough to last the soak (a run is what a deployment soaks in; runs
+        // back to back would add each run's own state), and more runs after it if it
+        // ends early. Sized at 1.5 × the pace just measured: a long run went faster than
+        // the first steps (2026-12-05: 96 steps planned for 600 s took 560 s), and a
+        // second run's start was then judged as growth.
         let seconds_per_step = scenarios[0].wall / f64::from(args.steps.max(1));
         let mut long = math.clone();
-        long.trainer.total_steps = ((args.soak_seconds as f64 / seconds_per_step).ceil() as u32)
+        long.trainer.total_steps = ((1.5 * args.soak_seconds as f64 / seconds_per_step).ceil()
+            as u32)
             .max(args.steps)
             .saturating_add(1);
         scenarios.push(session.scenario("soak", 0, long, args.soak_seconds).await?);
@@ -958,6 +961,33 @@ impl Report<'_> {
                 growth.mean, growth.slope, growth.limit
             );
         }
+        self.print_series();
+    }
+
+    /// Each process's RSS (nats-server: its live heap) every 2 minutes, to see the shape of
+    /// what the slopes summarise (a step when a run starts, or a steady climb).
+    fn print_series(&self) {
+        let series = &self.samples.series;
+        let picked: Vec<usize> = (0..series.len()).step_by(4).collect();
+        let minutes: Vec<String> = picked
+            .iter()
+            .map(|&i| format!("{:.0}", series[i].0 / 60.0))
+            .collect();
+        println!("\n| MiB at minute | {} |", minutes.join(" | "));
+        println!("|---|{}", "---|".repeat(picked.len()));
+        for (p, m) in self.measured.iter().enumerate() {
+            let row: Vec<String> = picked
+                .iter()
+                .map(|&i| format!("{:.0}", series[i].1[p]))
+                .collect();
+            println!("| {} (RSS) | {} |", m.name, row.join(" | "));
+        }
+        let heap = &self.samples.nats_live_heap;
+        let row: Vec<String> = (0..heap.len())
+            .step_by(4)
+            .map(|i| format!("{:.0}", heap[i].1))
+            .collect();
+        println!("| nats-server (live heap) | {} |", row.join(" | "));
     }
 
     /// Per process (RSS), and nats-server's live heap: the trend over the samples after
