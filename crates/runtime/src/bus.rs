@@ -526,14 +526,15 @@ impl Bus {
     /// records are kept (see [`Bus::settle_record`]).
     async fn allow_record_ttl(&self, config: &kv::Config) {
         let stream = format!("KV_{}", config.bucket);
+        // `get_stream` reads the stream's info: its configuration is at hand.
         let allowed = match self.jetstream.get_stream(&stream).await {
-            Ok(mut s) => s.info().await.map(|i| i.config.allow_message_ttl),
+            Ok(s) => s.cached_info().config.allow_message_ttl,
             Err(err) => {
                 tracing::debug!(%err, %stream, "bucket's stream not read");
                 return;
             }
         };
-        if let Ok(false) = allowed {
+        if !allowed {
             match self.jetstream.update_key_value(config.clone()).await {
                 Ok(_) => tracing::info!(bucket = %config.bucket, "per-message TTL turned on"),
                 Err(err) => {

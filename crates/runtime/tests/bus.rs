@@ -893,16 +893,16 @@ async fn an_event_without_a_claim_is_refused_while_its_claim_would_still_be_kept
     let now = std::time::SystemTime::now();
     let kept = Duration::from_secs(arl_schemas::state::DONE_TRIAL_RECORD_KEPT_SECONDS);
     let old = now - kept - Duration::from_secs(1);
-    let refused = bus
-        .check_requested(&trial, 0, "trajectory.ready", now)
-        .await;
+    let check = async |attempt: u32, published| {
+        bus.check_requested(&trial, attempt, "trajectory.ready", published)
+            .await
+    };
+    let refused = check(0, now).await;
     assert!(
         matches!(refused, Err(HandlerError::DeadLetter(_))),
         "{refused:?}"
     );
-    bus.check_requested(&trial, 0, "trajectory.ready", old)
-        .await
-        .unwrap();
+    check(0, old).await.unwrap();
     bus.modify_record::<arl_schemas::state::TrialRecordV2>(Bucket::Trials, trial.as_str(), |r| {
         *r = Some(arl_schemas::state::TrialRecordV2 {
             attempt: 0,
@@ -913,12 +913,8 @@ async fn an_event_without_a_claim_is_refused_while_its_claim_would_still_be_kept
     })
     .await
     .unwrap();
-    bus.check_requested(&trial, 0, "trajectory.ready", now)
-        .await
-        .unwrap();
-    let later = bus
-        .check_requested(&trial, 1, "trajectory.ready", old)
-        .await;
+    check(0, now).await.unwrap();
+    let later = check(1, old).await;
     assert!(
         matches!(later, Err(HandlerError::DeadLetter(_))),
         "{later:?}"

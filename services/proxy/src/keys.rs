@@ -20,7 +20,7 @@ pub struct Trial {
     /// Where each stored `llm.call` record of the trial is in the LLM stream, in the
     /// order stored (refused calls have a turn index but no record): what the trial's
     /// trajectory will be built from.
-    pub recorded: Mutex<Vec<u64>>,
+    recorded: Mutex<Vec<u64>>,
     /// Where in its trial's trace the key was issued: the parent of calls that bring no
     /// `traceparent` of their own.
     pub trace: TraceContext,
