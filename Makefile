@@ -242,6 +242,7 @@ bench: deps models loadtest
 	$(CARGO_TARGET_DIR)/release/arl-bench-rollout
 	$(CARGO_TARGET_DIR)/release/arl-bench-images
 	$(CARGO_TARGET_DIR)/release/arl-bench-sandbox
+	$(CARGO_TARGET_DIR)/release/arl-bench-mcp
 
 # Admission (arl-loadtest), then thousands of concurrent trials through every service as
 # its own process of the release `arl` (arl-loadtest-trials: math at 2,000 trials a step,

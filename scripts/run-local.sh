@@ -7,7 +7,17 @@ spec="${1:-examples/arithmetic.toml}"
 # Release binaries: the CPU engine and trainer are what the run's minutes buy.
 bin="${CARGO_TARGET_DIR:?}/release"
 state="${ARL_STATE_DIR:-$(mktemp -d -t arl-run-XXXXXX)}"
-up_args=(--state-dir "$state")
+# The engine must serve the spec's own model: its version 0 is the base every first trial
+# samples from (the spec's `[model] path`, default SmolLM2, unless ARL_MODEL says otherwise).
+model="${ARL_MODEL:-$(python3 - "$spec" <<'PY'
+import json, sys, tomllib
+path = sys.argv[1]
+with open(path, "rb") as f:
+    spec = json.load(f) if path.endswith(".json") else tomllib.load(f)
+print(spec.get("model", {}).get("path", "smollm2-135m-instruct"))
+PY
+)}"
+up_args=(--state-dir "$state" --model "$model")
 if [ -n "${ARL_SWEBENCH_RECIPES:-}" ]; then up_args+=(--swebench-recipes "$ARL_SWEBENCH_RECIPES"); fi
 if [ -n "${ARL_TRACES:-}" ]; then up_args+=(--traces); fi
 "$bin/arl" up "${up_args[@]}" &

@@ -224,6 +224,8 @@ impl Namespace {
                 p.publish(event(Domain::Llm, "call"));
                 p.subscribe(proxy_rpc);
                 p.answers_requests = true;
+                // Each MCP session of a trial leases a sandbox of its own.
+                p.publish(sandbox_rpc.clone());
             }
             Role::Reward => {
                 p.publish(event(Domain::Reward, "scored"));

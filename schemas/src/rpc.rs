@@ -214,6 +214,11 @@ pub struct TrialKeyGrantV1 {
     pub base_url: String,
     /// The proxy instance holding the key: revoke goes there.
     pub instance: String,
+    /// The trial's sandbox tools as an MCP server (streamable HTTP, `…/<key>/mcp`; the key
+    /// also works as `Authorization: Bearer <key>` on `…/mcp`). None from a proxy older
+    /// than this field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mcp_url: Option<String>,
 }
 
 /// Ends a trial's key; later calls with it get 401.

@@ -196,8 +196,14 @@ pub struct RolloutSpec {
     /// Tokens one LLM call may generate.
     pub max_response_tokens: u32,
     /// `swe` (built-in tool-calling agent), `swe-text` (built-in, one fenced shell block per
-    /// turn, for models without tool calling) or `mini-swe-agent`.
+    /// turn, for models without tool calling), `mini-swe-agent`, or `mcp-tools` (math
+    /// tasks: the tools of `mcp_servers`, offered as OpenAI tools, until a final answer).
     pub agent: AgentKind,
+    /// The MCP servers (streamable HTTP) whose tools the `mcp-tools` agent offers: `arl`
+    /// is the trial's own sandbox tools (`run_code`, `run_shell`, `read_file`,
+    /// `write_file`, served by the proxy under the trial's key); any other entry is the
+    /// `http://` URL of a server of your own, called without the trial's key.
+    pub mcp_servers: Vec<String>,
     /// Wall-clock budget of one trial, seconds.
     pub timeout_s: u32,
     /// Samples per validation task at each evaluation (VeRL `val_kwargs.n`); pass@k is
@@ -274,6 +280,7 @@ impl Default for RolloutSpec {
             top_p: 1.0,
             max_response_tokens: 512,
             agent: AgentKind::SweText,
+            mcp_servers: vec![ARL_MCP_SERVER.into()],
             timeout_s: 600,
             val_n: 1,
             val_temperature: 0.0,
@@ -290,7 +297,11 @@ pub enum AgentKind {
     Swe,
     SweText,
     MiniSweAgent,
+    McpTools,
 }
+
+/// In `rollout.mcp_servers`: the trial's own sandbox tools, served by the proxy.
+pub const ARL_MCP_SERVER: &str = "arl";
 
 /// The reward of a trial: `pass` when the tests pass, plus optional bonuses.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -614,6 +625,35 @@ impl RunSpec {
                 "must be at least 1 second, got 0".into(),
             );
         }
+        if r.agent == AgentKind::McpTools {
+            if r.mcp_servers.is_empty() {
+                fail(
+                    "rollout.mcp_servers",
+                    "is empty, so the mcp-tools agent would have no tools: list \"arl\" (the \
+                     trial's sandbox tools) and/or http:// URLs of MCP servers"
+                        .into(),
+                );
+            }
+            if !matches!(self.data.source, DataSource::Gsm8k | DataSource::Verl) {
+                fail(
+                    "rollout.agent",
+                    "mcp-tools answers math tasks (data.source gsm8k or verl); code tasks use \
+                     swe, swe-text or mini-swe-agent"
+                        .into(),
+                );
+            }
+        }
+        for (i, server) in r.mcp_servers.iter().enumerate() {
+            if server != ARL_MCP_SERVER && !server.starts_with("http://") {
+                fail(
+                    &format!("rollout.mcp_servers[{i}]"),
+                    format!(
+                        "must be \"arl\" or an http:// URL (the agent's MCP client speaks \
+                         plain HTTP: put a TLS server behind a local proxy), got {server:?}"
+                    ),
+                );
+            }
+        }
 
         for (path, value) in [
             ("reward.pass", self.reward.pass),
@@ -771,6 +811,48 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         assert_eq!(RunSpec::default().check(), vec![]);
+    }
+
+    /// What users start from: every spec in examples/ decodes and passes the checks.
+    #[test]
+    fn every_example_spec_is_valid() {
+        let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&examples).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                let spec = RunSpec::from_toml(&std::fs::read_to_string(&path).unwrap())
+                    .unwrap_or_else(|e| panic!("{}: {e:?}", path.display()));
+                assert_eq!(spec.check(), vec![], "{}", path.display());
+                seen += 1;
+            }
+        }
+        assert!(seen >= 5, "{seen} example specs");
+    }
+
+    #[test]
+    fn the_mcp_tools_agent_answers_math_with_servers_it_can_reach() {
+        let mut spec = RunSpec::from_toml(
+            "[data]\nsource = \"gsm8k\"\ndataset = \"t.jsonl\"\n[rollout]\nagent = \"mcp-tools\"\n",
+        )
+        .unwrap();
+        assert_eq!(spec.rollout.mcp_servers, vec![ARL_MCP_SERVER.to_owned()]);
+        assert_eq!(spec.check(), vec![]);
+        spec.rollout.mcp_servers = vec!["arl".into(), "https://tools.example".into()];
+        let errors = spec.check();
+        assert_eq!(errors.len(), 1);
+        assert_eq!(errors[0].path, "rollout.mcp_servers[1]");
+        spec.rollout.mcp_servers.clear();
+        assert_eq!(spec.check()[0].path, "rollout.mcp_servers");
+        spec.rollout.mcp_servers = vec!["http://127.0.0.1:9000/mcp".into()];
+        spec.data.source = DataSource::Harbor;
+        let errors = spec.check();
+        assert_eq!(errors[0].path, "rollout.agent");
+        assert!(
+            errors[0].reason.contains("math tasks"),
+            "{}",
+            errors[0].reason
+        );
     }
 
     #[test]

@@ -257,6 +257,10 @@ pub struct FinishedAttemptV1 {
     pub call_sequences: Vec<u64>,
     /// Agent turns whose reply could not be parsed (reported with the trajectory).
     pub parse_failures: u32,
+    /// Tool calls the agent made (the `mcp-tools` agent's MCP calls; reported with the
+    /// trajectory). 0 from a rollout older than this field.
+    #[serde(default)]
+    pub tool_calls: u32,
 }
 
 impl TrialRecordV2 {

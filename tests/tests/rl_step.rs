@@ -188,6 +188,7 @@ async fn one_grpo_step_flows_from_engine_to_trainer_and_back() {
                 }],
                 unproven_tokens: 0,
                 tool_parse_failures: 0,
+                tool_calls: 0,
             };
             // As the rollout service does: the attempt claimed, then its trajectory.
             bus.modify_record::<TrialRecordV1>(Bucket::Trials, trajectory.trial_id.as_str(), |r| {

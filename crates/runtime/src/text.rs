@@ -19,6 +19,21 @@ pub fn tail(text: &str, max: usize) -> &str {
     &text[start..]
 }
 
+/// `text` whole if it fits in `max` bytes; else its head and tail, `max / 2` bytes each,
+/// with a line between them saying how much was left out — what a tool's output shown to
+/// an agent is cut with (the start says what ran, the end how it ended).
+pub fn head_and_tail(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let half = max / 2;
+    let (head, tail) = (head(text, half), tail(text, half));
+    format!(
+        "{head}\n[… {} characters left out …]\n{tail}",
+        text.len() - head.len() - tail.len()
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -38,5 +53,14 @@ mod tests {
             assert!(head(text, max).len() <= max);
             assert!(tail(text, max).len() <= max);
         }
+    }
+
+    #[test]
+    fn long_output_keeps_head_and_tail() {
+        let text = "a".repeat(1000) + &"b".repeat(1000);
+        let short = head_and_tail(&text, 200);
+        assert!(short.starts_with(&"a".repeat(100)) && short.ends_with(&"b".repeat(100)));
+        assert!(short.contains("1800 characters left out"));
+        assert_eq!(head_and_tail("short", 200), "short");
     }
 }

@@ -126,9 +126,15 @@ async fn main() -> anyhow::Result<()> {
             Dialect::Arl,
             format!("http://{backend}"),
         )]));
+        let mcp = arl_proxy::mcp::Mcp::new(
+            keys.clone(),
+            arl_sandbox_client::SandboxClient::new(bus.clone()),
+            arl_proxy::mcp::McpConfig::default(),
+        );
         let proxy = Proxy::new(
             bus.clone(),
             keys.clone(),
+            mcp.clone(),
             backends,
             ProxyConfig {
                 max_in_flight_per_run: 100_000,
@@ -140,6 +146,7 @@ async fn main() -> anyhow::Result<()> {
         arl_proxy::service::serve_keys(
             &bus,
             keys,
+            mcp,
             "p1",
             &format!("http://{proxy_addr}"),
             &shutdown,

@@ -36,6 +36,7 @@ pub fn step_scalars(step: &TrainStep) -> Vec<Scalar> {
         ("critic/score/max", m.reward_max),
         ("response_length/mean", m.response_length_mean),
         ("num_turns/mean", m.num_turns_mean),
+        ("tool_calls/mean", m.tool_calls_mean),
         ("perf/throughput", m.tokens_per_second),
         ("timing_s/gen", t.wait_for_trajectories),
         ("timing_s/old_log_prob", t.old_logprobs),

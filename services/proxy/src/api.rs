@@ -28,6 +28,7 @@ use tracing::Instrument;
 use crate::backends::{Backends, Dialect, Served};
 use crate::client::{ClientError, HttpClient};
 use crate::keys::{Keys, Trial};
+use crate::mcp::Mcp;
 use crate::metrics::{ProxyMetrics, StatusLabel};
 
 #[derive(Clone, Debug)]
@@ -51,6 +52,7 @@ impl Default for ProxyConfig {
 pub struct Proxy {
     pub bus: Bus,
     pub keys: Arc<Keys>,
+    pub mcp: Arc<Mcp>,
     pub backends: Arc<Backends>,
     pub client: HttpClient,
     pub config: ProxyConfig,
@@ -66,8 +68,15 @@ struct RunLoad {
 }
 
 impl Proxy {
-    pub fn new(bus: Bus, keys: Arc<Keys>, backends: Arc<Backends>, config: ProxyConfig) -> Self {
+    pub fn new(
+        bus: Bus,
+        keys: Arc<Keys>,
+        mcp: Arc<Mcp>,
+        backends: Arc<Backends>,
+        config: ProxyConfig,
+    ) -> Self {
         Self {
+            mcp,
             metrics: ProxyMetrics::register(bus.metrics()),
             bus,
             keys,
@@ -98,6 +107,14 @@ pub fn router(proxy: Proxy) -> Router {
         .route("/{key}/v1/completions", post(completion_path))
         .route("/v1/models", get(models_bearer))
         .route("/{key}/v1/models", get(models_path))
+        .route(
+            "/mcp",
+            post(mcp_post_bearer).delete(mcp_delete_bearer).get(mcp_get),
+        )
+        .route(
+            "/{key}/mcp",
+            post(mcp_post_path).delete(mcp_delete_path).get(mcp_get),
+        )
         .with_state(proxy)
 }
 
@@ -115,6 +132,37 @@ async fn models_bearer(State(p): State<Arc<Proxy>>, headers: HeaderMap) -> Respo
 
 async fn models_path(State(p): State<Arc<Proxy>>, Path(key): Path<String>) -> Response {
     models(&p, Some(&key)).await
+}
+
+async fn mcp_post_bearer(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Bytes) -> Response {
+    p.mcp
+        .post(bearer(&headers).as_deref(), &headers, &body)
+        .await
+}
+
+async fn mcp_post_path(
+    State(p): State<Arc<Proxy>>,
+    Path(key): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    p.mcp.post(Some(&key), &headers, &body).await
+}
+
+async fn mcp_delete_bearer(State(p): State<Arc<Proxy>>, headers: HeaderMap) -> Response {
+    p.mcp.delete(bearer(&headers).as_deref(), &headers).await
+}
+
+async fn mcp_delete_path(
+    State(p): State<Arc<Proxy>>,
+    Path(key): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    p.mcp.delete(Some(&key), &headers).await
+}
+
+async fn mcp_get() -> Response {
+    crate::mcp::no_event_stream()
 }
 
 /// `GET /v1/models` for a trial (an OpenAI client lists models before it calls): the list

@@ -10,6 +10,8 @@ use arl_runtime::host::{Context, Ops, Service, StartError};
 use crate::api::{self, Proxy as ProxyService, ProxyConfig};
 use crate::backends::{Backends, parse_backend};
 use crate::keys::Keys;
+use crate::mcp::{Mcp, McpConfig};
+use arl_sandbox_client::SandboxClient;
 
 /// `arl-proxy`'s own flags (beside the common ones).
 #[derive(Debug, clap::Args)]
@@ -58,6 +60,19 @@ pub struct Args {
 
     #[arg(long, default_value_t = 256)]
     max_in_flight_per_run: usize,
+
+    /// The environment an MCP session's sandbox is leased from (`/<key>/mcp`: the
+    /// trial's sandbox tools). `scratch`, an empty work folder, is always there.
+    #[arg(long, default_value = "scratch")]
+    mcp_environment: String,
+
+    /// An MCP session unused this long ends, and its sandbox with it.
+    #[arg(long, default_value_t = 1800)]
+    mcp_session_ttl_s: u64,
+
+    /// Memory of an MCP session's sandbox, MB.
+    #[arg(long, default_value_t = 1024)]
+    mcp_memory_mb: u64,
 }
 
 /// The proxy service, for `arl_runtime::host`.
@@ -79,9 +94,21 @@ impl Service for Proxy {
         let public_url = args
             .public_url
             .unwrap_or_else(|| format!("http://{}", args.listen));
+        let mcp = Mcp::new(
+            keys.clone(),
+            SandboxClient::new(ctx.bus.clone()),
+            McpConfig {
+                environment: args.mcp_environment,
+                session_ttl: Duration::from_secs(args.mcp_session_ttl_s.max(1)),
+                memory_mb: args.mcp_memory_mb,
+                ..McpConfig::default()
+            },
+        );
+        mcp.sweep(&ctx.shutdown);
         crate::service::serve_keys(
             &ctx.bus,
             keys.clone(),
+            mcp.clone(),
             &args.instance,
             &public_url,
             &ctx.shutdown,
@@ -97,6 +124,7 @@ impl Service for Proxy {
         let proxy = ProxyService::new(
             ctx.bus.clone(),
             keys,
+            mcp,
             backends.clone(),
             ProxyConfig {
                 max_body_bytes: args.max_body_bytes,

@@ -11,11 +11,13 @@ use arl_schemas::rpc::{
 };
 
 use crate::keys::Keys;
+use crate::mcp::Mcp;
 
 /// Serves key issue and revoke until shutdown.
 pub async fn serve_keys(
     bus: &Bus,
     keys: Arc<Keys>,
+    mcp: Arc<Mcp>,
     instance: &str,
     public_url: &str,
     shutdown: &Shutdown,
@@ -34,6 +36,7 @@ pub async fn serve_keys(
                 tracing::debug!(run = %request.run_id, trial = %request.trial_id, "trial key issued");
                 Ok::<_, RpcError>(TrialKeyGrantV1 {
                     base_url: format!("{base}/{trial_key}/v1"),
+                    mcp_url: Some(format!("{base}/{trial_key}/mcp")),
                     trial_key,
                     instance: name,
                 })
@@ -49,8 +52,10 @@ pub async fn serve_keys(
         None,
         64,
         move |request: TrialKeyRevokeV1| {
-            let keys = keys.clone();
+            let (keys, mcp) = (keys.clone(), mcp.clone());
             async move {
+                // The trial is over: so are its MCP sessions, and their sandboxes.
+                mcp.end_trial(&request.trial_key).await;
                 match keys.revoke(&request.trial_key) {
                     Some(sequences) => Ok(TrialKeyRevokedV1 {
                         calls: sequences.len() as u32,

@@ -192,7 +192,18 @@ async fn setup_following(
     specs.push((dialect, format!("http://{backend}")));
     let keys = Arc::new(Keys::default());
     let backends = Arc::new(Backends::with_following(specs, weights_dir.is_some()));
-    let proxy = Proxy::new(bus.clone(), keys.clone(), backends.clone(), config);
+    let mcp = arl_proxy::mcp::Mcp::new(
+        keys.clone(),
+        arl_sandbox_client::SandboxClient::new(bus.clone()),
+        arl_proxy::mcp::McpConfig::default(),
+    );
+    let proxy = Proxy::new(
+        bus.clone(),
+        keys.clone(),
+        mcp.clone(),
+        backends.clone(),
+        config,
+    );
     if let Some(dir) = weights_dir {
         backends.watch_health(proxy.client.clone(), Duration::from_millis(200), &shutdown);
         arl_proxy::follow::follow(
@@ -213,7 +224,7 @@ async fn setup_following(
     .await
     .unwrap();
     let base = format!("http://{addr}");
-    arl_proxy::service::serve_keys(&bus, keys, "p1", &base, &shutdown)
+    arl_proxy::service::serve_keys(&bus, keys, mcp, "p1", &base, &shutdown)
         .await
         .unwrap();
     Setup {

@@ -1,11 +1,13 @@
 //! The built-in agents. `swe` speaks OpenAI tool calling (run a shell command, view a
 //! file, edit it by exact string replacement, submit); `swe-text` is the same loop for
 //! models without tool calling — one fenced shell block per turn, `submit` to finish (the
-//! way mini-swe-agent's text mode works). Math tasks get one question and one answer.
+//! way mini-swe-agent's text mode works). Math tasks get one question and one answer, or
+//! with `mcp-tools` the tools of MCP servers until they answer.
 //! Every LLM call goes through the token proxy; every command runs in the trial's sandbox.
 
 use std::time::{Duration, Instant};
 
+use arl_runtime::text::head_and_tail as truncate;
 use arl_sandbox_client::Lease;
 use arl_schemas::dataset::ChatMessage;
 use arl_schemas::events::{AgentExit, FailureClass};
@@ -14,6 +16,7 @@ use serde_json::{Value, json};
 use tracing::Instrument;
 
 use crate::llm::{LlmClient, Sampling, TrialError};
+use crate::mcp::McpSession;
 
 /// How the agent loop ended, and what it produced.
 #[derive(Clone, Debug, PartialEq)]
@@ -24,6 +27,8 @@ pub struct AgentOutcome {
     pub parse_failures: u32,
     /// Math: the answer text (code tasks' output is the sandbox's diff).
     pub answer: Option<String>,
+    /// Tool calls made through MCP (the `mcp-tools` agent).
+    pub tool_calls: u32,
 }
 
 /// What an agent needs to run one trial.
@@ -49,6 +54,10 @@ that holds only the word submit.";
 const TOOL_SYSTEM: &str = "You are a careful software engineer working in a repository. \
 Use the tools to inspect the code, make the change the task asks for, and check it. Call \
 submit when you are done.";
+
+const MATH_TOOLS_SYSTEM: &str = "You are a math assistant with a Python tool. First call the \
+run_code tool with a short program that prints the answer. After you see its output, reply \
+with the final answer on a last line `#### <number>`.";
 
 const MATH_SYSTEM: &str = "Solve the problem step by step. End your answer with a line \
 `#### <number>` holding only the final number.";
@@ -110,6 +119,7 @@ pub async fn run_text(ctx: &AgentContext<'_>, lease: &Lease) -> Result<AgentOutc
         turns: 0,
         parse_failures: 0,
         answer: None,
+        tool_calls: 0,
     };
     while outcome.turns < ctx.max_turns {
         let span = turn_span(outcome.turns);
@@ -166,6 +176,7 @@ pub async fn run_tools(ctx: &AgentContext<'_>, lease: &Lease) -> Result<AgentOut
         turns: 0,
         parse_failures: 0,
         answer: None,
+        tool_calls: 0,
     };
     while outcome.turns < ctx.max_turns {
         let span = turn_span(outcome.turns);
@@ -328,6 +339,7 @@ pub async fn run_mini_swe_agent(
         turns: summary["steps"].as_u64().map_or(0, |n| n as u32),
         parse_failures: 0,
         answer: None,
+        tool_calls: 0,
     })
 }
 
@@ -347,6 +359,7 @@ pub async fn run_math(ctx: &AgentContext<'_>) -> Result<AgentOutcome, TrialError
         exit: AgentExit::Submitted,
         turns: 1,
         parse_failures: 0,
+        tool_calls: 0,
         answer: Some(
             answer.message["content"]
                 .as_str()
@@ -354,6 +367,186 @@ pub async fn run_math(ctx: &AgentContext<'_>) -> Result<AgentOutcome, TrialError
                 .to_owned(),
         ),
     })
+}
+
+/// The `mcp-tools` loop (math tasks): the tools of every MCP server, offered to the model
+/// as OpenAI tools; each tool call is made through MCP and its output goes back as a
+/// `tool` message (masked in the trajectory: the proxy recorded only what the model
+/// generated). It ends at a reply without a tool call — the final answer, which the
+/// reward service grades — or at `max_turns`. A checking tool's verdict is only feedback:
+/// the reward is never the tools' to decide.
+pub async fn run_mcp_tools(
+    ctx: &AgentContext<'_>,
+    servers: &[String],
+) -> Result<AgentOutcome, TrialError> {
+    let mut sessions = Vec::with_capacity(servers.len());
+    let mut owner: std::collections::HashMap<String, usize> = Default::default();
+    let mut offered = Vec::new();
+    for url in servers {
+        let mut session = McpSession::open(url).await?;
+        for tool in session.list_tools().await? {
+            if owner.contains_key(&tool.name) {
+                return Err(TrialError::new(
+                    FailureClass::Infrastructure,
+                    format!(
+                        "two MCP servers of rollout.mcp_servers offer a tool named {:?}: a \
+                         model could not tell them apart",
+                        tool.name
+                    ),
+                ));
+            }
+            owner.insert(tool.name.clone(), sessions.len());
+            offered.push(json!({"type": "function", "function": {
+                "name": tool.name, "description": tool.description,
+                "parameters": tool.input_schema}}));
+        }
+        sessions.push(session);
+    }
+    let tools = Value::Array(offered);
+    let mut messages = math_prompt(ctx.instruction, ctx.messages);
+    if ctx.messages.is_none() {
+        messages[0] = json!({"role": "system", "content": MATH_TOOLS_SYSTEM});
+    }
+    let mut outcome = AgentOutcome {
+        exit: AgentExit::TurnLimit,
+        turns: 0,
+        parse_failures: 0,
+        answer: None,
+        tool_calls: 0,
+    };
+    let ran = async {
+        while outcome.turns < ctx.max_turns {
+            let answer = ctx
+                .llm
+                .chat(
+                    ctx.base_url,
+                    &messages,
+                    Some(&tools),
+                    &ctx.sampling,
+                    ctx.deadline,
+                )
+                .instrument(turn_span(outcome.turns))
+                .await?;
+            outcome.turns += 1;
+            let calls = answer.message["tool_calls"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            let content = answer.message["content"].as_str().unwrap_or_default();
+            if calls.is_empty() {
+                let Some((name, arguments)) = text_tool_call(content) else {
+                    outcome.exit = AgentExit::Submitted;
+                    outcome.answer = Some(content.to_owned());
+                    break;
+                };
+                // A call written as text: answered as text, so that the conversation
+                // the model sees next is exactly what it wrote.
+                messages.push(json!({"role": "assistant", "content": content}));
+                let result = match owner.get(&name) {
+                    Some(&server) => {
+                        outcome.tool_calls += 1;
+                        let output = sessions[server].call_tool(&name, &arguments).await?;
+                        truncate(&output.text, ctx.max_observation_chars)
+                    }
+                    None => {
+                        outcome.parse_failures += 1;
+                        no_such_tool(&name, &owner)
+                    }
+                };
+                messages.push(user(format!("{name} returned:\n{result}")));
+                continue;
+            }
+            messages.push(json!({"role": "assistant", "content": content, "tool_calls": calls}));
+            for call in &calls {
+                let name = call["function"]["name"].as_str().unwrap_or_default();
+                let arguments: Option<Value> = call["function"]["arguments"]
+                    .as_str()
+                    .and_then(|a| serde_json::from_str(a).ok())
+                    .filter(Value::is_object);
+                let result = match (owner.get(name), arguments) {
+                    (Some(&server), Some(arguments)) => {
+                        outcome.tool_calls += 1;
+                        let output = sessions[server].call_tool(name, &arguments).await?;
+                        truncate(&output.text, ctx.max_observation_chars)
+                    }
+                    (None, _) => {
+                        outcome.parse_failures += 1;
+                        no_such_tool(name, &owner)
+                    }
+                    (Some(_), None) => {
+                        outcome.parse_failures += 1;
+                        format!("the arguments of {name} must be a JSON object")
+                    }
+                };
+                messages.push(
+                    json!({"role": "tool", "tool_call_id": call["id"].clone(), "content": result}),
+                );
+            }
+        }
+        Ok::<_, TrialError>(())
+    }
+    .await;
+    for session in sessions {
+        session.close().await;
+    }
+    ran.map(|()| outcome)
+}
+
+fn no_such_tool(name: &str, tools: &std::collections::HashMap<String, usize>) -> String {
+    let mut names: Vec<&str> = tools.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    format!(
+        "there is no tool {name:?}; the tools are {}",
+        names.join(", ")
+    )
+}
+
+/// A tool call a model wrote as its whole reply in text rather than in its chat
+/// template's tool-call syntax: one JSON object of exactly `name` and `arguments` (an
+/// object), bare or in one fenced block — as Qwen2.5-Coder-0.5B writes them. Line breaks
+/// inside its strings are read as `\n` (small models write code that way). Anything else
+/// is not a call.
+fn text_tool_call(content: &str) -> Option<(String, Value)> {
+    let mut text = content.trim();
+    if let Some(fenced) = text.strip_prefix("```") {
+        let body = fenced.strip_suffix("```")?;
+        let body = body.strip_prefix("json").unwrap_or(body);
+        if body.contains("```") {
+            return None;
+        }
+        text = body.trim();
+    }
+    if !text.starts_with('{') {
+        return None;
+    }
+    let value: Value = serde_json::from_str(&escape_raw_line_breaks(text)).ok()?;
+    let object = value.as_object()?;
+    let (name, arguments) = (object.get("name")?.as_str()?, object.get("arguments")?);
+    if object.len() != 2 || !arguments.is_object() {
+        return None;
+    }
+    Some((name.to_owned(), arguments.clone()))
+}
+
+/// Line breaks and tabs inside JSON strings, escaped (outside strings they are whitespace).
+fn escape_raw_line_breaks(text: &str) -> String {
+    let (mut out, mut in_string, mut escaped) = (String::with_capacity(text.len()), false, false);
+    for c in text.chars() {
+        match c {
+            '\n' if in_string => out.push_str("\\n"),
+            '\r' if in_string => out.push_str("\\r"),
+            '\t' if in_string => out.push_str("\\t"),
+            _ => out.push(c),
+        }
+        if in_string && escaped {
+            escaped = false;
+        } else if in_string && c == '\\' {
+            escaped = true;
+        } else if c == '"' {
+            in_string = !in_string;
+        }
+    }
+    out
 }
 
 /// A math task's prompt: the task's own messages exactly as the dataset wrote them (they
@@ -472,22 +665,6 @@ pub fn shell_block(text: &str) -> Option<String> {
     (!command.is_empty()).then(|| command.to_owned())
 }
 
-/// Keeps the head and the tail of long output.
-pub fn truncate(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_owned();
-    }
-    let half = max / 2;
-    let (head, tail) = (
-        arl_runtime::text::head(text, half),
-        arl_runtime::text::tail(text, half),
-    );
-    format!(
-        "{head}\n[… {} characters left out …]\n{tail}",
-        text.len() - head.len() - tail.len()
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -510,6 +687,29 @@ mod tests {
             ),
             "http://10.0.0.5:8000/tk-1/v1"
         );
+    }
+
+    #[test]
+    fn a_tool_call_written_as_text_is_read_and_nothing_else_is() {
+        let fenced = "```json\n{\n  \"name\": \"run_code\",\n  \"arguments\": {\"code\": \"x = 2\nprint(x * 21)\"}\n}\n```";
+        assert_eq!(
+            text_tool_call(fenced),
+            Some(("run_code".into(), json!({"code": "x = 2\nprint(x * 21)"})))
+        );
+        assert_eq!(
+            text_tool_call(r#" {"name": "calc", "arguments": {}} "#),
+            Some(("calc".into(), json!({})))
+        );
+        for not_a_call in [
+            "The answer is 42.\n#### 42",
+            r#"{"name": "run_code"}"#,
+            r#"{"name": "run_code", "arguments": "print(1)"}"#,
+            r#"{"name": "run_code", "arguments": {}, "id": 1}"#,
+            "Let me compute.\n```json\n{\"name\": \"run_code\", \"arguments\": {}}\n```",
+            "```json\n{\"name\": \"a\", \"arguments\": {}}\n```\n```json\n{}\n```",
+        ] {
+            assert_eq!(text_tool_call(not_a_call), None, "{not_a_call}");
+        }
     }
 
     #[test]
@@ -555,14 +755,5 @@ mod tests {
         assert_eq!(shell_block("```python\nprint(1)\n```"), None);
         assert_eq!(shell_block("no block"), None);
         assert_eq!(shell_block("```bash\n\n```"), None);
-    }
-
-    #[test]
-    fn long_output_keeps_head_and_tail() {
-        let text = "a".repeat(1000) + &"b".repeat(1000);
-        let short = truncate(&text, 200);
-        assert!(short.starts_with(&"a".repeat(100)) && short.ends_with(&"b".repeat(100)));
-        assert!(short.contains("1800 characters left out"));
-        assert_eq!(truncate("short", 200), "short");
     }
 }

@@ -21,7 +21,7 @@ use arl_schemas::state::{FinishedAttemptV1, TrialRecordV2};
 use arl_schemas::{Bucket, RunId, TrialId};
 
 use crate::llm::TrialError;
-use crate::service::{Rollout, SERVICE};
+use crate::service::{AgentCounts, Rollout, SERVICE};
 
 /// The durable consumer of grading failures on the trials stream (where `rollout` is
 /// already the consumer of requests).
@@ -142,7 +142,10 @@ impl Rollout {
             scored.reward,
             &calls,
             turns,
-            finished.parse_failures,
+            AgentCounts {
+                parse_failures: finished.parse_failures,
+                tool_calls: finished.tool_calls,
+            },
         )
         .instrument(tracing::info_span!(
             "trajectory_handoff",

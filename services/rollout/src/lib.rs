@@ -6,6 +6,7 @@
 //!   `trajectory.ready`, on whichever replica takes it;
 //! - [`agent`]: the built-in agents (tool calling, text protocol, math);
 //! - [`llm`]: their OpenAI client through the token proxy, failures classified;
+//! - [`mcp`]: their MCP client (the `mcp-tools` agent's tools);
 //! - [`metrics`]: outcome, branch, mask and parse-failure counters;
 //! - [`trajectory`]: the training sample from the proxy's records (token truth).
 
@@ -13,6 +14,7 @@ pub mod agent;
 pub mod hosted;
 pub mod join;
 pub mod llm;
+pub mod mcp;
 pub mod metrics;
 pub mod service;
 pub mod trajectory;

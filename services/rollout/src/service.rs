@@ -39,7 +39,7 @@ use arl_schemas::rpc::{
     LeaseRequestV1, ProxyOp, RpcErrorCode, SandboxLimits, TrialKeyGrantV1, TrialKeyRequestV1,
     TrialKeyRevokeV1, TrialKeyRevokedV1,
 };
-use arl_schemas::spec::{AgentKind, FailureAction, RunSpec};
+use arl_schemas::spec::{ARL_MCP_SERVER, AgentKind, FailureAction, RunSpec};
 use arl_schemas::state::DONE_TRIAL_RECORD_KEPT_SECONDS;
 use arl_schemas::state::{FinishedAttemptV1, TrialRecordV2};
 use arl_schemas::{Bucket, Domain, RunId, TrialId};
@@ -112,6 +112,32 @@ struct Trial {
     task: TaskRecord,
     started: Instant,
     started_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// The URLs of `rollout.mcp_servers`: `arl` is the trial's own sandbox tools, at the MCP
+/// URL the proxy issued with the trial's key.
+fn mcp_servers(listed: &[String], key: &TrialKeyGrantV1) -> Result<Vec<String>, TrialError> {
+    listed
+        .iter()
+        .map(|server| match (server.as_str(), &key.mcp_url) {
+            (ARL_MCP_SERVER, Some(url)) => Ok(url.clone()),
+            (ARL_MCP_SERVER, None) => Err(TrialError::new(
+                FailureClass::Infrastructure,
+                "the token proxy issued no MCP URL with the trial's key: it is older than this \
+                 rollout service (upgrade arl-proxy)",
+            )),
+            (url, _) => Ok(url.to_owned()),
+        })
+        .collect()
+}
+
+/// What the agent did besides its LLM calls, reported with the trajectory.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct AgentCounts {
+    /// Replies that broke the action protocol.
+    pub parse_failures: u32,
+    /// Tool calls made (MCP tools).
+    pub tool_calls: u32,
 }
 
 /// The agent's part of a trial, done.
@@ -352,7 +378,7 @@ impl Rollout {
         let agent = tokio::select! {
             agent = tokio::time::timeout(
                 budget,
-                self.agent(&ctx, spec, lease.as_ref(), &key.trial_key),
+                self.agent(&ctx, spec, lease.as_ref(), &key),
             ) => agent,
             // A cancelled (or failed) run's trials stop now and give their sandboxes back.
             () = self.run_ended(&req.run_id, budget) => Ok(Err(TrialError::new(
@@ -403,15 +429,24 @@ impl Rollout {
         ctx: &AgentContext<'_>,
         spec: &RunSpec,
         lease: Option<&Lease>,
-        trial_key: &str,
+        key: &TrialKeyGrantV1,
     ) -> Result<AgentOutcome, TrialError> {
-        let Some(lease) = lease else {
-            return agent::run_math(ctx).await;
-        };
-        match spec.rollout.agent {
-            AgentKind::SweText => agent::run_text(ctx, lease).await,
-            AgentKind::Swe => agent::run_tools(ctx, lease).await,
-            AgentKind::MiniSweAgent => agent::run_mini_swe_agent(ctx, lease, trial_key).await,
+        match (spec.rollout.agent, lease) {
+            (AgentKind::McpTools, None) => {
+                let servers = mcp_servers(&spec.rollout.mcp_servers, key)?;
+                agent::run_mcp_tools(ctx, &servers).await
+            }
+            (_, None) => agent::run_math(ctx).await,
+            (AgentKind::SweText, Some(lease)) => agent::run_text(ctx, lease).await,
+            (AgentKind::Swe, Some(lease)) => agent::run_tools(ctx, lease).await,
+            (AgentKind::MiniSweAgent, Some(lease)) => {
+                agent::run_mini_swe_agent(ctx, lease, &key.trial_key).await
+            }
+            (AgentKind::McpTools, Some(_)) => Err(TrialError::new(
+                FailureClass::Infrastructure,
+                "the mcp-tools agent answers math tasks; this run's admission should have \
+                 refused it for a code task",
+            )),
         }
     }
 
@@ -605,6 +640,7 @@ impl Rollout {
             calls: u32::try_from(ran.calls.len()).unwrap_or(u32::MAX),
             call_sequences: ran.calls,
             parse_failures: ran.outcome.parse_failures,
+            tool_calls: ran.outcome.tool_calls,
         };
         self.bus
             .modify_record::<TrialRecordV2>(Bucket::Trials, req.trial_id.as_str(), |r| match r {
@@ -682,7 +718,7 @@ impl Rollout {
             _ => SampleStatus::Masked,
         };
         let turns = u32::try_from(calls.len()).unwrap_or(u32::MAX);
-        self.publish_trajectory(req, status, 0.0, &calls, turns, 0)
+        self.publish_trajectory(req, status, 0.0, &calls, turns, AgentCounts::default())
             .await?;
         self.mark_done(req).await
     }
@@ -694,7 +730,7 @@ impl Rollout {
         reward: f64,
         calls: &[LlmCallV2],
         turns: u32,
-        parse_failures: u32,
+        counts: AgentCounts,
     ) -> Result<(), HandlerError> {
         // Validation trials are graded for the evaluator, never trained on.
         if req.slot.split == Split::Validation {
@@ -705,7 +741,7 @@ impl Rollout {
             calls: spans,
             unproven_tokens,
         } = assemble(calls);
-        tracing::info!(trial = %req.trial_id, branches = branches.len(), unproven_tokens, parse_failures, ?status, reward, "trajectory");
+        tracing::info!(trial = %req.trial_id, branches = branches.len(), unproven_tokens, counts.parse_failures, counts.tool_calls, ?status, reward, "trajectory");
         self.metrics.trajectories.inc();
         self.metrics.branches.inc_by(branches.len() as u64);
         self.metrics
@@ -725,7 +761,8 @@ impl Rollout {
                 branches,
                 calls: spans,
                 unproven_tokens,
-                tool_parse_failures: parse_failures,
+                tool_parse_failures: counts.parse_failures,
+                tool_calls: counts.tool_calls,
             })
             .await?;
         Ok(())

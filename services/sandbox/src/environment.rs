@@ -86,11 +86,22 @@ pub fn check_name(name: &str) -> Result<(), EnvironmentError> {
     }
 }
 
+/// The environment that is always there: an empty work folder with the machine's own
+/// tools (`python3`, a shell) — what the MCP sandbox tools of a math trial run in.
+pub const SCRATCH: &str = "scratch";
+
 pub fn resolve(root: &Path, env: &EnvironmentRef) -> Result<Environment, EnvironmentError> {
     let name = env.name.as_str();
     check_name(name)?;
     let dir = root.join(name);
     let tree = dir.join("tree");
+    if name == SCRATCH && !tree.is_dir() {
+        std::fs::create_dir_all(&tree).map_err(|e| EnvironmentError::BadMetadata {
+            name: name.to_owned(),
+            path: tree.display().to_string(),
+            reason: format!("cannot create the scratch environment: {e}"),
+        })?;
+    }
     if !tree.is_dir() {
         return Err(EnvironmentError::Missing {
             name: name.to_owned(),
@@ -205,5 +216,13 @@ mod tests {
             resolve(root.path(), &env("nope")),
             Err(EnvironmentError::Missing { .. })
         ));
+    }
+
+    #[test]
+    fn the_scratch_environment_is_always_there() {
+        let root = tempfile::tempdir().unwrap();
+        let scratch = resolve(root.path(), &env(SCRATCH)).unwrap();
+        assert!(scratch.tree.is_dir());
+        assert_eq!(scratch.workdir, "/app");
     }
 }

@@ -35,6 +35,7 @@ pub struct Assembled {
     pub masked: usize,
     pub stale: usize,
     pub num_turns_mean: f64,
+    pub tool_calls_mean: f64,
     /// Completion tokens the rollout masked as unproven (no logprobs, or no known
     /// serving policy version), over every trajectory of the batch.
     pub unproven_tokens: usize,
@@ -101,9 +102,10 @@ impl StepBatch {
             ..Assembled::default()
         };
         let mut groups: BTreeMap<&TaskId, u64> = BTreeMap::new();
-        let mut turns = 0u64;
+        let (mut turns, mut tool_calls) = (0u64, 0u64);
         for ((task, _), trajectory) in &self.trajectories {
             turns += u64::from(trajectory.num_turns);
+            tool_calls += u64::from(trajectory.tool_calls);
             out.unproven_tokens += trajectory.unproven_tokens as usize;
             let next_group = groups.len() as u64;
             let group = *groups.entry(task).or_insert(next_group);
@@ -129,11 +131,9 @@ impl StepBatch {
                 });
             }
         }
-        out.num_turns_mean = if self.trajectories.is_empty() {
-            0.0
-        } else {
-            turns as f64 / self.trajectories.len() as f64
-        };
+        let mean = |total: u64| total as f64 / self.trajectories.len().max(1) as f64;
+        out.num_turns_mean = mean(turns);
+        out.tool_calls_mean = mean(tool_calls);
         out
     }
 }

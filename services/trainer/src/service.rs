@@ -558,6 +558,7 @@ impl Trainer {
                 reward_max: step_metrics.reward_max,
                 response_length_mean: step_metrics.response_length_mean,
                 num_turns_mean: assembled.num_turns_mean,
+                tool_calls_mean: assembled.tool_calls_mean,
                 tokens_per_second: step_metrics.tokens_per_second,
                 trajectories: assembled.trajectories as u32,
                 groups_dropped: step_metrics.groups_dropped as u32,

@@ -20,6 +20,9 @@ pub struct TrainMetrics {
     pub reward_max: f64,
     pub response_length_mean: f64,
     pub num_turns_mean: f64,
+    /// Tool calls per trajectory (MCP tools). 0 from an older trainer.
+    #[serde(default)]
+    pub tool_calls_mean: f64,
     pub tokens_per_second: f64,
     pub trajectories: u32,
     /// Groups dropped by dynamic sampling (all rewards equal).
@@ -69,6 +72,7 @@ impl Example for TrainStepV1 {
                 reward_max: 1.1,
                 response_length_mean: 211.0,
                 num_turns_mean: 4.5,
+                tool_calls_mean: 0.0,
                 tokens_per_second: 1830.0,
                 trajectories: 16,
                 groups_dropped: 1,

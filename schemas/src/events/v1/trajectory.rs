@@ -54,6 +54,9 @@ pub struct TrajectoryV1 {
     /// Completion tokens masked because their origin could not be proven.
     pub unproven_tokens: u32,
     pub tool_parse_failures: u32,
+    /// Tool calls the agent made in the trial (MCP tools). 0 from an older rollout.
+    #[serde(default)]
+    pub tool_calls: u32,
 }
 event!(TrajectoryV1, trajectory, "ready", 1, |e| format!(
     "trajectory.ready:{}:{}",
@@ -89,6 +92,7 @@ impl Example for TrajectoryV1 {
             }],
             unproven_tokens: 0,
             tool_parse_failures: 0,
+            tool_calls: 0,
         }
     }
 }
