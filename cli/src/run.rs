@@ -464,38 +464,56 @@ fn exit_for(state: &RunStateV1) -> ExitCode {
     }
 }
 
-/// Waits on the run's key until `done` holds, or `limit` passes.
+/// Waits on the run's key until `done` holds, or `limit` passes. A watch the server drops
+/// (a missed heartbeat on a busy machine, a server restart) is opened again — it starts
+/// from the key's latest value, so nothing is missed; only a watch that cannot be opened
+/// again within a few tries is an error.
 async fn follow(
     bus: &Bus,
     run_id: &RunId,
     limit: Duration,
     mut on_update: impl FnMut(&RunStateV1) -> bool,
 ) -> Result<RunStateV1, CliError> {
+    const REOPEN_TRIES: u32 = 5;
     let store = bus.bucket(Bucket::RunState).await?;
-    let mut updates = store
-        .watch_with_history(run_id.as_str())
-        .await
-        .map_err(|e| CliError::Bus(format!("watching run {run_id}: {e}")))?;
     let deadline = (!limit.is_zero()).then(|| tokio::time::Instant::now() + limit);
+    let mut failed_opens = 0;
     loop {
-        let next = match deadline {
-            Some(deadline) => tokio::time::timeout_at(deadline, updates.next())
-                .await
-                .map_err(|_| CliError::TimedOut(run_id.to_string()))?,
-            None => updates.next().await,
+        let mut updates = match store.watch_with_history(run_id.as_str()).await {
+            Ok(updates) => updates,
+            Err(e) if failed_opens + 1 < REOPEN_TRIES => {
+                failed_opens += 1;
+                eprintln!("watching run {run_id}: {e}; trying again");
+                tokio::time::sleep(Duration::from_secs(u64::from(failed_opens))).await;
+                continue;
+            }
+            Err(e) => return Err(CliError::Bus(format!("watching run {run_id}: {e}"))),
         };
-        let entry = match next {
-            Some(Ok(entry)) => entry,
-            Some(Err(err)) => return Err(CliError::Bus(format!("watching run {run_id}: {err}"))),
-            None => return Err(CliError::Bus("the watch ended".into())),
-        };
-        if entry.operation != kv::Operation::Put {
-            continue;
-        }
-        let state = RunStateV1::decode(&entry.value)
-            .map_err(|e| CliError::Bus(format!("the state of run {run_id} is unreadable: {e}")))?;
-        if on_update(&state) {
-            return Ok(state);
+        loop {
+            let next = match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline, updates.next())
+                    .await
+                    .map_err(|_| CliError::TimedOut(run_id.to_string()))?,
+                None => updates.next().await,
+            };
+            let entry = match next {
+                Some(Ok(entry)) => entry,
+                Some(Err(err)) => {
+                    eprintln!("watching run {run_id}: {err}; watching again");
+                    break;
+                }
+                None => break,
+            };
+            failed_opens = 0;
+            if entry.operation != kv::Operation::Put {
+                continue;
+            }
+            let state = RunStateV1::decode(&entry.value).map_err(|e| {
+                CliError::Bus(format!("the state of run {run_id} is unreadable: {e}"))
+            })?;
+            if on_update(&state) {
+                return Ok(state);
+            }
         }
     }
 }

@@ -246,6 +246,64 @@ async fn a_killed_controller_restarts_with_the_run_intact_and_watch_sees_it_fini
     assert_eq!(state.name, "e2e");
 }
 
+/// `arl run watch` outlives its watch failing: nats-server stalls (stopped for 15 s, as an
+/// overloaded machine starves it) so the watch misses its idle heartbeats, then restarts;
+/// the watch is opened again and still sees the run complete.
+#[tokio::test(flavor = "multi_thread")]
+async fn run_watch_follows_a_run_across_a_stalled_and_restarted_nats_server() {
+    let mut deployment = Deployment::start();
+    let submitted = deployment.arl(&["run", "submit", "smoke.toml", "--wait"]);
+    assert!(submitted.status.success(), "{}", text(&submitted.stderr));
+    let run_id = RunId::new(text(&submitted.stdout).trim()).unwrap();
+    let mut watch = Command::new(built_binary("arl"));
+    deployment.env(&mut watch);
+    let watch = watch
+        .args(["run", "watch", run_id.as_str(), "--timeout-s", "120"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let pid = deployment.server.pid().unwrap().to_string();
+    let signal = |name: &str| {
+        let sent = Command::new("kill").args([name, &pid]).status().unwrap();
+        assert!(sent.success(), "kill {name} {pid}");
+    };
+    signal("-STOP");
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    signal("-CONT");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    deployment.server.restart().unwrap();
+    let bus = deployment.bus().await;
+    for n in 1..=2 {
+        bus.publish(&TrainStepV2 {
+            run_id: run_id.clone(),
+            step: n,
+            policy_version: u64::from(n),
+            ..TrainStepV2::example()
+        })
+        .await
+        .unwrap();
+    }
+    bus.publish(&EvaluationCompletedV1 {
+        run_id: run_id.clone(),
+        step: 2,
+        ..EvaluationCompletedV1::example()
+    })
+    .await
+    .unwrap();
+    let watched = tokio::task::spawn_blocking(move || watch.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(watched.status.success(), "{}", text(&watched.stderr));
+    assert!(
+        text(&watched.stdout).contains("status      completed"),
+        "{}",
+        text(&watched.stdout)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_stops_the_controller_gracefully() {
     let mut deployment = Deployment::start();

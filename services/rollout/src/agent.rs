@@ -59,6 +59,11 @@ const MATH_TOOLS_SYSTEM: &str = "You are a math assistant with a Python tool. Fi
 run_code tool with a short program that prints the answer. After you see its output, reply \
 with the final answer on a last line `#### <number>`.";
 
+/// After the output of a call written as text (a user message, ours to word): without it
+/// a small model repeats the call it just made.
+const TEXT_CALL_FOLLOW_UP: &str = "If this answers the question, reply with the final answer \
+on a last line `#### <number>`; otherwise call a tool again.";
+
 const MATH_SYSTEM: &str = "Solve the problem step by step. End your answer with a line \
 `#### <number>` holding only the final number.";
 
@@ -453,7 +458,9 @@ pub async fn run_mcp_tools(
                         no_such_tool(&name, &owner)
                     }
                 };
-                messages.push(user(format!("{name} returned:\n{result}")));
+                messages.push(user(format!(
+                    "{name} returned:\n{result}\n{TEXT_CALL_FOLLOW_UP}"
+                )));
                 continue;
             }
             messages.push(json!({"role": "assistant", "content": content, "tool_calls": calls}));
