@@ -190,6 +190,9 @@ impl Mcp {
 
     /// `POST /mcp`: one JSON-RPC message.
     pub async fn post(&self, key: Option<&str>, headers: &HeaderMap, body: &Bytes) -> Response {
+        if let Some(refused) = foreign_origin(headers) {
+            return refused;
+        }
         let Some((key, trial)) = key.and_then(|k| Some((k, self.keys.get(k)?))) else {
             return rpc_error(
                 StatusCode::UNAUTHORIZED,
@@ -608,6 +611,26 @@ fn tool_error(message: &str) -> Value {
     json!({"content": [{"type": "text", "text": message}], "isError": true})
 }
 
+/// The transport's guard against DNS rebinding: a browser's request (it sends `Origin`)
+/// from a page of another host than the one it addresses is refused (403). Agents send no
+/// `Origin`.
+fn foreign_origin(headers: &HeaderMap) -> Option<Response> {
+    let origin = header_str(headers, "origin")?;
+    let host = header_str(headers, "host").unwrap_or_default();
+    let origin_host = origin
+        .split_once("://")
+        .map_or(origin, |(_, rest)| rest)
+        .trim_end_matches('/');
+    (origin_host != host).then(|| {
+        rpc_error(
+            StatusCode::FORBIDDEN,
+            Value::Null,
+            INVALID_REQUEST,
+            &format!("requests from pages of {origin} are refused (it is not {host})"),
+        )
+    })
+}
+
 fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name)?.to_str().ok()
 }
@@ -680,6 +703,29 @@ mod tests {
             Tool::parse("rm_rf", &json!({}), &config),
             Err(ToolProblem::Unknown)
         );
+    }
+
+    #[test]
+    fn a_page_of_another_host_is_refused() {
+        let headers = |pairs: &[(&'static str, &'static str)]| {
+            let mut map = HeaderMap::new();
+            for (name, value) in pairs {
+                map.insert(*name, HeaderValue::from_static(value));
+            }
+            map
+        };
+        assert!(foreign_origin(&headers(&[("host", "127.0.0.1:8200")])).is_none());
+        let same = headers(&[
+            ("host", "127.0.0.1:8200"),
+            ("origin", "http://127.0.0.1:8200"),
+        ]);
+        assert!(foreign_origin(&same).is_none());
+        let other = headers(&[
+            ("host", "127.0.0.1:8200"),
+            ("origin", "http://evil.example"),
+        ]);
+        let refused = foreign_origin(&other).map(|r| r.status());
+        assert_eq!(refused, Some(StatusCode::FORBIDDEN));
     }
 
     #[test]
