@@ -152,8 +152,13 @@ async fn a_tool_using_agent_trains_through_mcp() {
             .filter(|c| c.trial_id == trajectory.trial_id)
             .collect();
         assert_eq!(mine.len(), trajectory.calls.len());
-        let branch = &trajectory.branches[0];
-        let trained = branch.loss_mask.iter().filter(|&&m| m == 1).count();
+        // A prompt that does not extend the previous one token for token (the template
+        // re-tokenizes what the model wrote) starts a new branch: count over all of them.
+        let trained: usize = trajectory
+            .branches
+            .iter()
+            .map(|b| b.loss_mask.iter().filter(|&&m| m == 1).count())
+            .sum();
         let completions: usize = trajectory
             .calls
             .iter()
