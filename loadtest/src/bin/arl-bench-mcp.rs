@@ -97,21 +97,7 @@ async fn main() -> anyhow::Result<()> {
 
     // Direct: a lease of the same environment, exec over its HTTP API.
     let sandbox = SandboxClient::new(bus.clone());
-    let lease = sandbox
-        .lease(
-            &LeaseRequestV1 {
-                run_id: RunId::new("run-bench")?,
-                trial_id: None,
-                environment: EnvironmentRef {
-                    name: "scratch".into(),
-                    digest: None,
-                },
-                ttl_s: 600,
-                limits: SandboxLimits::default(),
-            },
-            Duration::from_secs(60),
-        )
-        .await?;
+    let lease = scratch_lease(&sandbox).await?;
     let mut direct = Vec::with_capacity(args.calls);
     for _ in 0..args.calls {
         let started = Instant::now();
@@ -134,23 +120,7 @@ async fn main() -> anyhow::Result<()> {
     let per_session = (args.calls / 2).max(10);
     let mut leases = Vec::new();
     for _ in 0..args.sessions {
-        leases.push(
-            sandbox
-                .lease(
-                    &LeaseRequestV1 {
-                        run_id: RunId::new("run-bench")?,
-                        trial_id: None,
-                        environment: EnvironmentRef {
-                            name: "scratch".into(),
-                            digest: None,
-                        },
-                        ttl_s: 600,
-                        limits: SandboxLimits::default(),
-                    },
-                    Duration::from_secs(60),
-                )
-                .await?,
-        );
+        leases.push(scratch_lease(&sandbox).await?);
     }
     let started = Instant::now();
     let runs = leases.iter().map(|lease| async move {
@@ -210,6 +180,21 @@ async fn main() -> anyhow::Result<()> {
     );
     shutdown.trigger();
     Ok(())
+}
+
+/// A lease of the environment MCP sessions use, for the direct side.
+async fn scratch_lease(sandbox: &SandboxClient) -> anyhow::Result<Lease> {
+    let request = LeaseRequestV1 {
+        run_id: RunId::new("run-bench")?,
+        trial_id: None,
+        environment: EnvironmentRef {
+            name: "scratch".into(),
+            digest: None,
+        },
+        ttl_s: 600,
+        limits: SandboxLimits::default(),
+    };
+    Ok(sandbox.lease(&request, Duration::from_secs(60)).await?)
 }
 
 async fn exec(lease: &Lease) -> anyhow::Result<()> {

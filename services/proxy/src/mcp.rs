@@ -348,18 +348,16 @@ impl Mcp {
             .get("arguments")
             .cloned()
             .unwrap_or_else(|| json!({}));
-        let tool = Tool::parse(name, &arguments, &self.config).map_err(|problem| match problem {
-            ToolProblem::Unknown => (
-                INVALID_PARAMS,
-                format!("unknown tool {name:?}: tools/list says which there are"),
-            ),
-            ToolProblem::Arguments(message) => (0, message),
-        });
-        let tool = match tool {
+        let tool = match Tool::parse(name, &arguments, &self.config) {
             Ok(tool) => tool,
-            Err((INVALID_PARAMS, message)) => return Err((INVALID_PARAMS, message)),
+            Err(ToolProblem::Unknown) => {
+                return Err((
+                    INVALID_PARAMS,
+                    format!("unknown tool {name:?}: tools/list says which there are"),
+                ));
+            }
             // Wrong arguments are the model's to fix: a tool error it can read.
-            Err((_, message)) => return Ok(tool_error(&message)),
+            Err(ToolProblem::Arguments(message)) => return Ok(tool_error(&message)),
         };
         let lease = match self.lease(session).await {
             Ok(lease) => lease,

@@ -447,17 +447,15 @@ pub async fn run_mcp_tools(
                 // A call written as text: answered as text, so that the conversation
                 // the model sees next is exactly what it wrote.
                 messages.push(json!({"role": "assistant", "content": content}));
-                let result = match owner.get(&name) {
-                    Some(&server) => {
-                        outcome.tool_calls += 1;
-                        let output = sessions[server].call_tool(&name, &arguments).await?;
-                        truncate(&output.text, ctx.max_observation_chars)
-                    }
-                    None => {
-                        outcome.parse_failures += 1;
-                        no_such_tool(&name, &owner)
-                    }
-                };
+                let result = call_mcp_tool(
+                    ctx,
+                    &mut sessions,
+                    &owner,
+                    &name,
+                    Some(arguments),
+                    &mut outcome,
+                )
+                .await?;
                 messages.push(user(format!(
                     "{name} returned:\n{result}\n{TEXT_CALL_FOLLOW_UP}"
                 )));
@@ -470,21 +468,9 @@ pub async fn run_mcp_tools(
                     .as_str()
                     .and_then(|a| serde_json::from_str(a).ok())
                     .filter(Value::is_object);
-                let result = match (owner.get(name), arguments) {
-                    (Some(&server), Some(arguments)) => {
-                        outcome.tool_calls += 1;
-                        let output = sessions[server].call_tool(name, &arguments).await?;
-                        truncate(&output.text, ctx.max_observation_chars)
-                    }
-                    (None, _) => {
-                        outcome.parse_failures += 1;
-                        no_such_tool(name, &owner)
-                    }
-                    (Some(_), None) => {
-                        outcome.parse_failures += 1;
-                        format!("the arguments of {name} must be a JSON object")
-                    }
-                };
+                let result =
+                    call_mcp_tool(ctx, &mut sessions, &owner, name, arguments, &mut outcome)
+                        .await?;
                 messages.push(
                     json!({"role": "tool", "tool_call_id": call["id"].clone(), "content": result}),
                 );
@@ -497,6 +483,33 @@ pub async fn run_mcp_tools(
         session.close().await;
     }
     ran.map(|()| outcome)
+}
+
+/// One tool call of the `mcp-tools` agent, on the server that offers `name`: its output
+/// (cut to the observation budget), or what was wrong with the call (a parse failure).
+async fn call_mcp_tool(
+    ctx: &AgentContext<'_>,
+    sessions: &mut [McpSession],
+    owner: &std::collections::HashMap<String, usize>,
+    name: &str,
+    arguments: Option<Value>,
+    outcome: &mut AgentOutcome,
+) -> Result<String, TrialError> {
+    match (owner.get(name), arguments) {
+        (Some(&server), Some(arguments)) => {
+            outcome.tool_calls += 1;
+            let output = sessions[server].call_tool(name, &arguments).await?;
+            Ok(truncate(&output.text, ctx.max_observation_chars))
+        }
+        (None, _) => {
+            outcome.parse_failures += 1;
+            Ok(no_such_tool(name, owner))
+        }
+        (Some(_), None) => {
+            outcome.parse_failures += 1;
+            Ok(format!("the arguments of {name} must be a JSON object"))
+        }
+    }
 }
 
 fn no_such_tool(name: &str, tools: &std::collections::HashMap<String, usize>) -> String {
