@@ -59,6 +59,11 @@ async fn a_tool_using_agent_trains_through_mcp() {
             "rollout.n=2",
             "--set",
             "rollout.max_turns=3",
+            // Greedy: the same two problems get the same replies every time, so whether
+            // the model calls a tool does not depend on sampling luck (at 0.7 it once
+            // named only tools that do not exist).
+            "--set",
+            "rollout.temperature=0",
             "--set",
             "rollout.max_response_tokens=96",
             "--set",
