@@ -202,13 +202,15 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         up: &Self::Buf,
     );
 
-    /// Causal grouped-query attention of each span on its own. q, out: (N, nh, hd);
-    /// k, v: (N, nkv, hd); att: Σ_spans nh·T² probabilities, span after span. Overwrites.
+    /// Causal grouped-query attention of each span on its own, flash-style: q, out:
+    /// (N, nh, hd); k, v: (N, nkv, hd); lse: (N, nh), the log-sum-exp of each row's scaled
+    /// scores. No (T, T) probabilities are kept: the backward rebuilds them from q, k and
+    /// lse. Overwrites.
     #[allow(clippy::too_many_arguments)]
     fn attention_forward(
         &self,
         out: &mut Self::Buf,
-        att: &mut Self::Buf,
+        lse: &mut Self::Buf,
         q: &Self::Buf,
         k: &Self::Buf,
         v: &Self::Buf,
@@ -217,7 +219,7 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         kv_heads: usize,
         hd: usize,
     );
-    /// dq, dk, dv += from dout. Accumulates.
+    /// dq, dk, dv += from dout, given the forward's output `out` and `lse`. Accumulates.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
@@ -225,7 +227,8 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         dk: &mut Self::Buf,
         dv: &mut Self::Buf,
         dout: &Self::Buf,
-        att: &Self::Buf,
+        out: &Self::Buf,
+        lse: &Self::Buf,
         q: &Self::Buf,
         k: &Self::Buf,
         v: &Self::Buf,

@@ -20,7 +20,7 @@ struct LayerActs<B: Backend> {
     q: B::Buf,       // (N, Q) after RoPE (and its attention factor)
     k: B::Buf,       // (N, KV) after RoPE
     v: B::Buf,       // (N, KV)
-    att: B::Buf,     // Σ_spans (nh, T, T)
+    att_lse: B::Buf, // (N, nh) attention's row log-sum-exp
     att_out: B::Buf, // (N, Q)
     x_mid: B::Buf,   // (N, C)
     rstd2: B::Buf,   // (N)
@@ -131,7 +131,6 @@ impl<B: Backend> Model<B> {
             positions.extend(0..seq.len());
         }
         let n = tokens.len();
-        let att_len: usize = spans.iter().map(|&(_, t)| heads * t * t).sum();
         let mut x = be.zeros(n * c);
         be.embedding_forward(&mut x, &self.weights.embed.data, &tokens);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
@@ -191,10 +190,10 @@ impl<B: Backend> Model<B> {
                 be.scale(&mut q, rope_factor);
                 be.scale(&mut k, rope_factor);
             }
-            let (mut att_out, mut att) = (be.zeros(n * qd), be.zeros(att_len));
+            let (mut att_out, mut att_lse) = (be.zeros(n * qd), be.zeros(n * heads));
             be.attention_forward(
                 &mut att_out,
-                &mut att,
+                &mut att_lse,
                 &q,
                 &k,
                 &v,
@@ -227,7 +226,7 @@ impl<B: Backend> Model<B> {
                 q,
                 k,
                 v,
-                att,
+                att_lse,
                 att_out,
                 x_mid,
                 rstd2,
@@ -425,7 +424,8 @@ impl<B: Backend> Model<B> {
                 &mut dk,
                 &mut dv,
                 &d_att_out,
-                &acts.att,
+                &acts.att_out,
+                &acts.att_lse,
                 &acts.q,
                 &acts.k,
                 &acts.v,

@@ -147,7 +147,7 @@ impl Backend for Device {
     fn attention_forward(
         &self,
         out: &mut B,
-        att: &mut B,
+        lse: &mut B,
         q: &B,
         k: &B,
         v: &B,
@@ -157,7 +157,7 @@ impl Backend for Device {
         hd: usize,
     ) {
         Cpu.attention_forward(
-            &mut out.0, &mut att.0, &q.0, &k.0, &v.0, spans, heads, kv_heads, hd,
+            &mut out.0, &mut lse.0, &q.0, &k.0, &v.0, spans, heads, kv_heads, hd,
         );
     }
     fn attention_backward(
@@ -166,7 +166,8 @@ impl Backend for Device {
         dk: &mut B,
         dv: &mut B,
         dout: &B,
-        att: &B,
+        out: &B,
+        lse: &B,
         q: &B,
         k: &B,
         v: &B,
@@ -176,8 +177,8 @@ impl Backend for Device {
         hd: usize,
     ) {
         Cpu.attention_backward(
-            &mut dq.0, &mut dk.0, &mut dv.0, &dout.0, &att.0, &q.0, &k.0, &v.0, spans, heads,
-            kv_heads, hd,
+            &mut dq.0, &mut dk.0, &mut dv.0, &dout.0, &out.0, &lse.0, &q.0, &k.0, &v.0, spans,
+            heads, kv_heads, hd,
         );
     }
     fn attention_cached(

@@ -186,14 +186,25 @@ fn rope_and_attention_match_the_cpu() {
     let Some(g) = gpu("rope_and_attention_match_the_cpu") else {
         return;
     };
-    // (heads, kv heads, head size, sequence lengths): the tiny models' head sizes, SmolLM2's
-    // (64) and Qwen's (128), packed sequences of uneven lengths, one longer than a tile.
+    // (heads, kv heads, head size, sequence lengths): the tiny models' head sizes and 48 on
+    // the generic f32 kernels; SmolLM2's and Qwen2.5-0.5B's 64 and Qwen's 128 on tensor
+    // cores (bf16 operands), with packed sequences of uneven lengths, shorter and longer than
+    // a tile, and Qwen2.5-0.5B's seven query heads per kv head.
     for &(heads, kv_heads, hd, ref lens) in &[
         (4usize, 2usize, 4usize, vec![1usize, 5, 3]),
         (4, 2, 8, vec![7, 2]),
+        (3, 1, 48, vec![40, 9]),
         (9, 3, 64, vec![33, 64]),
+        (14, 2, 64, vec![1, 17, 65, 130]),
         (2, 1, 128, vec![1100]),
+        (4, 1, 128, vec![5, 40, 97]),
     ] {
+        // Tensor cores round q, k, v, P and dS to bf16: compared as the products are.
+        let (atol, rtol) = if matches!(hd, 64 | 128) {
+            (1e-3, BF16_RTOL)
+        } else {
+            (1e-5, 1e-4)
+        };
         let mut spans = Vec::new();
         let mut positions = Vec::new();
         let mut n = 0;
@@ -226,20 +237,26 @@ fn rope_and_attention_match_the_cpu() {
         // Continue from the GPU's own rotated values so only attention is compared below.
         let (q, k) = (g.download(&gq), g.download(&gk));
 
-        let att_len: usize = lens.iter().map(|t| heads * t * t).sum();
-        let (mut out, mut att) = (vec![0.0; n * c], vec![0.0; att_len]);
-        Cpu.attention_forward(&mut out, &mut att, &q, &k, &v, &spans, heads, kv_heads, hd);
-        let (mut g_out, mut g_att) = (g.zeros(n * c), g.zeros(att_len));
+        let (mut out, mut lse) = (vec![0.0; n * c], vec![0.0; n * heads]);
+        Cpu.attention_forward(&mut out, &mut lse, &q, &k, &v, &spans, heads, kv_heads, hd);
+        let (mut g_out, mut g_lse) = (g.zeros(n * c), g.zeros(n * heads));
         g.attention_forward(
-            &mut g_out, &mut g_att, &gq, &gk, &gv, &spans, heads, kv_heads, hd,
+            &mut g_out, &mut g_lse, &gq, &gk, &gv, &spans, heads, kv_heads, hd,
         );
-        assert_close("attention out", &g.download(&g_out), &out, 1e-5, 1e-4);
+        let what = format!("hd {hd}, {heads}/{kv_heads} heads, lengths {lens:?}");
         assert_close(
-            "attention probabilities",
-            &g.download(&g_att),
-            &att,
-            1e-6,
-            1e-4,
+            &format!("attention out ({what})"),
+            &g.download(&g_out),
+            &out,
+            atol,
+            rtol,
+        );
+        assert_close(
+            &format!("attention lse ({what})"),
+            &g.download(&g_lse),
+            &lse,
+            atol,
+            rtol,
         );
 
         let dout = random(n * c, 23, 1.0);
@@ -250,14 +267,15 @@ fn rope_and_attention_match_the_cpu() {
         );
         let (mut g_dq, mut g_dk, mut g_dv) = (g.upload(&dq), g.upload(&dk), g.upload(&dv));
         Cpu.attention_backward(
-            &mut dq, &mut dk, &mut dv, &dout, &att, &q, &k, &v, &spans, heads, kv_heads, hd,
+            &mut dq, &mut dk, &mut dv, &dout, &out, &lse, &q, &k, &v, &spans, heads, kv_heads, hd,
         );
         g.attention_backward(
             &mut g_dq,
             &mut g_dk,
             &mut g_dv,
             &g.upload(&dout),
-            &g_att,
+            &g_out,
+            &g_lse,
             &gq,
             &gk,
             &gv,
@@ -266,9 +284,21 @@ fn rope_and_attention_match_the_cpu() {
             kv_heads,
             hd,
         );
-        assert_close("attention dq", &g.download(&g_dq), &dq, 1e-4, 1e-4);
-        assert_close("attention dk", &g.download(&g_dk), &dk, 1e-4, 1e-4);
-        assert_close("attention dv", &g.download(&g_dv), &dv, 1e-4, 1e-4);
+        for (name, got, want) in [("dq", &g_dq, &dq), ("dk", &g_dk, &dk), ("dv", &g_dv, &dv)] {
+            let got = g.download(got);
+            assert_close(
+                &format!("attention {name} ({what})"),
+                &got,
+                want,
+                atol.max(1e-4),
+                rtol,
+            );
+            let similarity = cosine(&got, want);
+            assert!(
+                similarity > 0.9999,
+                "attention {name} ({what}): cosine {similarity}"
+            );
+        }
 
         // The last sequence's final rows again, against a cache of all its keys.
         let (start, t) = *spans.last().unwrap();

@@ -206,95 +206,111 @@ extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float
     dgate[i] += d * up[i] * (sig * (1.0f + g * (1.0f - sig)));
 }
 
-// ---- causal grouped-query attention over packed spans ----
-// Per row r of the batch: span[r] = (first row of its sequence, length T, offset of the
-// sequence's (nh, T, T) probabilities in att). att keeps every probability for the backward
-// (the flash-style kernels of the next GPU issue drop it).
+// ---- causal grouped-query attention over packed spans, flash-style ----
+// Nothing of size T² is kept: the forward writes each (row, head)'s log-sum-exp of scaled
+// scores (lse: (N, nh)) and the backward rebuilds probabilities from q, k and lse. Head
+// sizes 64 and 128 run on tensor cores (mma.sync, bf16 operands, f32 accumulation); any
+// other head size runs the generic kernels below them (f32 throughout).
 
-// One block per (row, head). out: (N, nh, hd); att row (span, h, i) gets P_i·.
-extern "C" __global__ void attention_forward(float* out, float* att, const float* q, const float* k, const float* v,
-                                             const long long* span, int heads, int kv_heads, int hd) {
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+// ---- the generic path: per row, span[2·row] = first row of its sequence, span[2·row+1] = T ----
+
+// One block per (row, head): lse from an online max and sum, then out = Σ_j p_j v_j with
+// p_j = exp(s_j − lse) computed a tile of keys at a time.
+#define TILE 1024
+extern "C" __global__ void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+                                             const int* span, int heads, int kv_heads, int hd) {
     __shared__ float shared[32];
+    __shared__ float pc[TILE];
     int row = blockIdx.x, h = blockIdx.y;
-    long long start = span[3 * row], t = span[3 * row + 1], off = span[3 * row + 2];
+    long long start = span[2 * row];
     int i = (int)(row - start);
     int kvh = h / (heads / kv_heads);
     float scale = 1.0f / sqrtf((float)hd);
     const float* qi = q + ((long long)row * heads + h) * hd;
-    float* p = att + off + ((long long)h * t + i) * t;
-    float local_max = NEG_INF;
+    float m = NEG_INF, l = 0.f;
     for (int j = threadIdx.x; j <= i; j += blockDim.x) {
         const float* kj = k + ((start + j) * kv_heads + kvh) * hd;
         float s = 0.f;
         for (int d = 0; d < hd; d++) s += qi[d] * kj[d];
         s *= scale;
-        p[j] = s;
-        local_max = fmaxf(local_max, s);
+        float m_new = fmaxf(m, s);
+        l = l * expf(m - m_new) + expf(s - m_new);
+        m = m_new;
     }
-    float m = block_max(local_max, shared);
-    float local_sum = 0.f;
-    for (int j = threadIdx.x; j <= i; j += blockDim.x) {
-        float e = expf(p[j] - m);
-        p[j] = e;
-        local_sum += e;
-    }
-    float sum = block_sum(local_sum, shared);
-    for (int j = threadIdx.x; j < t; j += blockDim.x) p[j] = j <= i ? p[j] / sum : 0.f;
-    __syncthreads();
+    float row_max = block_max(m, shared);
+    float total = block_sum(m == NEG_INF ? 0.f : l * expf(m - row_max), shared);
+    float row_lse = row_max + logf(total);
     float* oi = out + ((long long)row * heads + h) * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float acc = 0.f;
-        for (int j = 0; j <= i; j++) acc += p[j] * v[((start + j) * kv_heads + kvh) * hd + d];
-        oi[d] = acc;
-    }
-}
-
-// D (N, nh) = Σ_j P_ij (dout_i · v_j), the softmax backward's row dot. One block per (row, head).
-extern "C" __global__ void attention_backward_rowdot(float* dot, const float* dout, const float* att, const float* v,
-                                                     const long long* span, int heads, int kv_heads, int hd) {
-    __shared__ float shared[32];
-    int row = blockIdx.x, h = blockIdx.y;
-    long long start = span[3 * row], t = span[3 * row + 1], off = span[3 * row + 2];
-    int i = (int)(row - start);
-    int kvh = h / (heads / kv_heads);
-    const float* doi = dout + ((long long)row * heads + h) * hd;
-    const float* p = att + off + ((long long)h * t + i) * t;
-    float acc = 0.f;
-    for (int j = threadIdx.x; j <= i; j += blockDim.x) {
-        const float* vj = v + ((start + j) * kv_heads + kvh) * hd;
-        float dp = 0.f;
-        for (int d = 0; d < hd; d++) dp += doi[d] * vj[d];
-        acc += p[j] * dp;
-    }
-    float total = block_sum(acc, shared);
-    if (threadIdx.x == 0) dot[(long long)row * heads + h] = total;
-}
-
-// Rows of the softmax backward held in shared memory at once (tiles of a sequence).
-#define TILE 1024
-
-// dq_i += scale · Σ_j P_ij (dout_i·v_j − D_i) k_j. One block per (row, head); j in tiles.
-extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, const float* att, const float* k,
-                                                 const float* v, const float* dot,
-                                                 const long long* span, int heads, int kv_heads, int hd) {
-    __shared__ float ds[TILE];  // this row's dS over one tile of keys
-    int row = blockIdx.x, h = blockIdx.y;
-    long long start = span[3 * row], t = span[3 * row + 1], off = span[3 * row + 2];
-    int i = (int)(row - start);
-    int kvh = h / (heads / kv_heads);
-    float scale = 1.0f / sqrtf((float)hd);
-    const float* doi = dout + ((long long)row * heads + h) * hd;
-    const float* p = att + off + ((long long)h * t + i) * t;
-    float di = dot[(long long)row * heads + h];
-    float* dqi = dq + ((long long)row * heads + h) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) oi[d] = 0.f;
     for (int j0 = 0; j0 <= i; j0 += TILE) {
         int j1 = min(i + 1, j0 + TILE);
         __syncthreads();
         for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+            const float* kj = k + ((start + j) * kv_heads + kvh) * hd;
+            float s = 0.f;
+            for (int d = 0; d < hd; d++) s += qi[d] * kj[d];
+            pc[j - j0] = expf(s * scale - row_lse);
+        }
+        __syncthreads();
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float acc = 0.f;
+            for (int j = j0; j < j1; j++) acc += pc[j - j0] * v[((start + j) * kv_heads + kvh) * hd + d];
+            oi[d] += acc;
+        }
+    }
+    if (threadIdx.x == 0) lse[(long long)row * heads + h] = row_lse;
+}
+
+// D (N·nh) = Σ_d dout·out per (row, head), the softmax backward's row dot (Σ_j P_ij dP_ij).
+// One warp per (row, head).
+extern "C" __global__ void attention_rowdot(float* dot, const float* dout, const float* out, long long pairs, int hd) {
+    long long pair = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (pair >= pairs) return;
+    const float* a = dout + pair * hd;
+    const float* b = out + pair * hd;
+    float acc = 0.f;
+    for (int d = lane; d < hd; d += 32) acc += a[d] * b[d];
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
+    if (lane == 0) dot[pair] = acc;
+}
+
+// q_i · k_j · scale
+__device__ float score(const float* qi, const float* kj, int hd, float scale) {
+    float s = 0.f;
+    for (int d = 0; d < hd; d++) s += qi[d] * kj[d];
+    return s * scale;
+}
+
+// dq_i += scale · Σ_j P_ij (dout_i·v_j − D_i) k_j, P_ij = exp(s_ij − lse_i). One block per
+// (row, head); j in tiles.
+extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, const float* lse, const float* q,
+                                                 const float* k, const float* v, const float* dot,
+                                                 const int* span, int heads, int kv_heads, int hd) {
+    __shared__ float ds[TILE];  // this row's dS over one tile of keys
+    int row = blockIdx.x, h = blockIdx.y;
+    long long start = span[2 * row];
+    int i = (int)(row - start);
+    int kvh = h / (heads / kv_heads);
+    float scale = 1.0f / sqrtf((float)hd);
+    long long pair = (long long)row * heads + h;
+    const float* qi = q + pair * hd;
+    const float* doi = dout + pair * hd;
+    float li = lse[pair], di = dot[pair];
+    float* dqi = dq + pair * hd;
+    for (int j0 = 0; j0 <= i; j0 += TILE) {
+        int j1 = min(i + 1, j0 + TILE);
+        __syncthreads();
+        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+            const float* kj = k + ((start + j) * kv_heads + kvh) * hd;
             const float* vj = v + ((start + j) * kv_heads + kvh) * hd;
+            float p = expf(score(qi, kj, hd, scale) - li);
             float dp = 0.f;
             for (int d = 0; d < hd; d++) dp += doi[d] * vj[d];
-            ds[j - j0] = p[j] * (dp - di) * scale;
+            ds[j - j0] = p * (dp - di) * scale;
         }
         __syncthreads();
         for (int d = threadIdx.x; d < hd; d += blockDim.x) {
@@ -307,16 +323,17 @@ extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, c
 
 // For key row j and kv head g, over the heads h of its group and the rows i ≥ j (in tiles):
 // dv_j += Σ P_ij dout_i; dk_j += scale · Σ P_ij (dout_i·v_j − D_i) q_i. One block per (row, kv head).
-extern "C" __global__ void attention_backward_dkv(float* dk, float* dv, const float* dout, const float* att, const float* q,
-                                                  const float* v, const float* dot,
-                                                  const long long* span, int heads, int kv_heads, int hd) {
+extern "C" __global__ void attention_backward_dkv(float* dk, float* dv, const float* dout, const float* lse,
+                                                  const float* q, const float* k, const float* v, const float* dot,
+                                                  const int* span, int heads, int kv_heads, int hd) {
     __shared__ float pc[TILE];   // P_ij over one tile of query rows
     __shared__ float dsc[TILE];  // dS_ij over the same tile
     int row = blockIdx.x, g = blockIdx.y;
-    long long start = span[3 * row], t = span[3 * row + 1], off = span[3 * row + 2];
+    long long start = span[2 * row], t = span[2 * row + 1];
     int j = (int)(row - start);
     int group = heads / kv_heads;
     float scale = 1.0f / sqrtf((float)hd);
+    const float* kj = k + ((long long)row * kv_heads + g) * hd;
     const float* vj = v + ((long long)row * kv_heads + g) * hd;
     float* dkj = dk + ((long long)row * kv_heads + g) * hd;
     float* dvj = dv + ((long long)row * kv_heads + g) * hd;
@@ -326,27 +343,394 @@ extern "C" __global__ void attention_backward_dkv(float* dk, float* dv, const fl
             int i1 = (int)min((long long)(i0 + TILE), t);
             __syncthreads();
             for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
-                long long qrow = start + i;
-                const float* doi = dout + (qrow * heads + h) * hd;
-                float pij = att[off + ((long long)h * t + i) * t + j];
+                long long pair = (start + i) * heads + h;
+                const float* doi = dout + pair * hd;
+                float pij = expf(score(q + pair * hd, kj, hd, scale) - lse[pair]);
                 float dp = 0.f;
                 for (int d = 0; d < hd; d++) dp += doi[d] * vj[d];
                 pc[i - i0] = pij;
-                dsc[i - i0] = pij * (dp - dot[qrow * heads + h]) * scale;
+                dsc[i - i0] = pij * (dp - dot[pair]) * scale;
             }
             __syncthreads();
             for (int d = threadIdx.x; d < hd; d += blockDim.x) {
                 float acc_v = 0.f, acc_k = 0.f;
                 for (int i = i0; i < i1; i++) {
-                    long long qrow = start + i;
-                    acc_v += pc[i - i0] * dout[(qrow * heads + h) * hd + d];
-                    acc_k += dsc[i - i0] * q[(qrow * heads + h) * hd + d];
+                    long long pair = (start + i) * heads + h;
+                    acc_v += pc[i - i0] * dout[pair * hd + d];
+                    acc_k += dsc[i - i0] * q[pair * hd + d];
                 }
                 dvj[d] += acc_v;
                 dkj[d] += acc_k;
             }
         }
     }
+}
+
+// ---- the tensor-core path (head size 64 or 128) ----
+// mma.sync.m16n8k16 fragments (lane = 4·g + c, g = lane/4, c = lane%4):
+//   A (16×16, row-major): a[0] = (g, 2c..2c+1), a[1] = (g+8, 2c..), a[2] = (g, 2c+8..), a[3] = (g+8, 2c+8..)
+//   B (16×8, by column):  b[0] = (k 2c..2c+1, n g), b[1] = (k 2c+8..2c+9, n g)
+//   C (16×8, f32):        c[0..1] = (g, 2c..2c+1), c[2..3] = (g+8, 2c..2c+1)
+// Two adjacent C tiles of a row block are, packed to bf16, the A fragment of a 16-wide k
+// step: P or dS never leave registers between their two products.
+// Tiles are staged in shared memory as bf16 with rows padded by 8 (bank spread).
+// A tile table row per block: (first row of the sequence, its length, first row of the tile).
+
+// Two floats as bf16x2: lo in the low half (the lower column), hi in the high half.
+__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
+    unsigned int d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+__device__ __forceinline__ void mma16816(float* c, const unsigned int* a, const unsigned int* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ unsigned int ld32(const bf16_bits* p) { return *(const unsigned int*)p; }
+
+// A fragment of rows r0.., columns k0.. of a row-major shared tile.
+__device__ __forceinline__ void frag_a(unsigned int* a, const bf16_bits* s, int stride, int r0, int k0, int lane) {
+    const bf16_bits* p = s + (r0 + (lane >> 2)) * stride + k0 + 2 * (lane & 3);
+    a[0] = ld32(p);
+    a[1] = ld32(p + 8 * stride);
+    a[2] = ld32(p + 8);
+    a[3] = ld32(p + 8 * stride + 8);
+}
+
+// B fragment with B[k][n] = s[n0 + n][k0 + k] (the tile's rows are B's columns: Kᵀ in Q·Kᵀ).
+__device__ __forceinline__ void frag_b_t(unsigned int* b, const bf16_bits* s, int stride, int n0, int k0, int lane) {
+    const bf16_bits* p = s + (n0 + (lane >> 2)) * stride + k0 + 2 * (lane & 3);
+    b[0] = ld32(p);
+    b[1] = ld32(p + 8);
+}
+
+// B fragment with B[k][n] = s[k0 + k][n0 + n] (the tile's rows are B's rows: V in P·V).
+__device__ __forceinline__ void frag_b(unsigned int* b, const bf16_bits* s, int stride, int k0, int n0, int lane) {
+    const bf16_bits* p = s + (k0 + 2 * (lane & 3)) * stride + n0 + (lane >> 2);
+    b[0] = (unsigned int)p[0] | ((unsigned int)p[stride] << 16);
+    b[1] = (unsigned int)p[8 * stride] | ((unsigned int)p[9 * stride] << 16);
+}
+
+// The A fragment of k step kk from C tiles c[2kk], c[2kk+1] (16 rows × 16 columns).
+__device__ __forceinline__ void c_to_a(unsigned int* a, const float* c0, const float* c1) {
+    a[0] = pack2(c0[0], c0[1]);
+    a[1] = pack2(c0[2], c0[3]);
+    a[2] = pack2(c1[0], c1[1]);
+    a[3] = pack2(c1[2], c1[3]);
+}
+
+// rows × HD floats (row r at src + r·src_stride; rows ≥ valid are zero) → bf16 tile.
+template <int HD>
+__device__ __forceinline__ void stage(bf16_bits* s, const float* src, long long src_stride, int rows, int valid) {
+    const int stride = HD + 8;
+    for (int idx = threadIdx.x; idx < rows * (HD / 4); idx += blockDim.x) {
+        int r = idx / (HD / 4), c4 = (idx % (HD / 4)) * 4;
+        float4 x;
+        x.x = x.y = x.z = x.w = 0.f;
+        if (r < valid) x = *(const float4*)(src + r * src_stride + c4);
+        unsigned int* d = (unsigned int*)(s + r * stride + c4);
+        d[0] = pack2(x.x, x.y);
+        d[1] = pack2(x.z, x.w);
+    }
+}
+
+// The forward. Block: 4 warps × 16 query rows of one head; keys in blocks of 64.
+// Per row: running max m and sum l of 2^(s·scale·log2e − m); out = Σ p v / l.
+template <int HD>
+__device__ void flash_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+                              const int* tiles, int heads, int kv_heads) {
+    const int BN = 64, S = HD + 8;
+    __shared__ bf16_bits ks[BN * S];  // also stages the query tile (BN = 64 rows)
+    __shared__ bf16_bits vs[BN * S];
+    const int start = tiles[3 * blockIdx.x], len = tiles[3 * blockIdx.x + 1], q0 = tiles[3 * blockIdx.x + 2];
+    const int h = blockIdx.y, kvh = h / (heads / kv_heads);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int r0 = q0 + 16 * warp;
+    const float scale = LOG2E / sqrtf((float)HD);
+    const long long q_stride = (long long)heads * HD, kv_stride = (long long)kv_heads * HD;
+    stage<HD>(ks, q + ((long long)(start + q0) * heads + h) * HD, q_stride, 64, len - q0);
+    __syncthreads();
+    unsigned int qa[HD / 16][4];
+    for (int kk = 0; kk < HD / 16; kk++) frag_a(qa[kk], ks, S, 16 * warp, 16 * kk, lane);
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    float o[HD / 8][4];
+    for (int nt = 0; nt < HD / 8; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    const int kend = min(len, q0 + 64);
+    for (int kb = 0; kb < kend; kb += BN) {
+        __syncthreads();
+        stage<HD>(ks, k + ((long long)(start + kb) * kv_heads + kvh) * HD, kv_stride, BN, len - kb);
+        stage<HD>(vs, v + ((long long)(start + kb) * kv_heads + kvh) * HD, kv_stride, BN, len - kb);
+        __syncthreads();
+        if (kb > r0 + 15) continue;  // every key of this block follows every row of this warp
+        float s[BN / 8][4];
+        for (int nt = 0; nt < BN / 8; nt++) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            for (int kk = 0; kk < HD / 16; kk++) {
+                unsigned int b[2];
+                frag_b_t(b, ks, S, 8 * nt, 16 * kk, lane);
+                mma16816(s[nt], qa[kk], b);
+            }
+        }
+        for (int half = 0; half < 2; half++) {
+            const int row = r0 + g + 8 * half;
+            float mx = NEG_INF;
+            for (int nt = 0; nt < BN / 8; nt++)
+                for (int e = 0; e < 2; e++) {
+                    int col = kb + 8 * nt + 2 * c + e;
+                    float x = (col > row || col >= len) ? NEG_INF : s[nt][2 * half + e] * scale;
+                    s[nt][2 * half + e] = x;
+                    mx = fmaxf(mx, x);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            float m_new = fmaxf(m[half], mx);
+            float base = m_new == NEG_INF ? 0.f : m_new;
+            float corr = exp2f(m[half] - base);
+            m[half] = m_new;
+            float sum = 0.f;
+            for (int nt = 0; nt < BN / 8; nt++)
+                for (int e = 0; e < 2; e++) {
+                    float p = exp2f(s[nt][2 * half + e] - base);
+                    s[nt][2 * half + e] = p;
+                    sum += p;
+                }
+            l[half] = l[half] * corr + sum;
+            for (int nt = 0; nt < HD / 8; nt++) {
+                o[nt][2 * half] *= corr;
+                o[nt][2 * half + 1] *= corr;
+            }
+        }
+        for (int kk = 0; kk < BN / 16; kk++) {
+            unsigned int pa[4];
+            c_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+            for (int nt = 0; nt < HD / 8; nt++) {
+                unsigned int b[2];
+                frag_b(b, vs, S, 16 * kk, 8 * nt, lane);
+                mma16816(o[nt], pa, b);
+            }
+        }
+    }
+    for (int half = 0; half < 2; half++) {
+        float total = l[half];
+        total += __shfl_xor_sync(0xffffffff, total, 1);
+        total += __shfl_xor_sync(0xffffffff, total, 2);
+        const int row = r0 + g + 8 * half;
+        if (row >= len) continue;
+        const long long pair = (long long)(start + row) * heads + h;
+        const float inv = 1.0f / total;
+        for (int nt = 0; nt < HD / 8; nt++) {
+            float2 w;
+            w.x = o[nt][2 * half] * inv;
+            w.y = o[nt][2 * half + 1] * inv;
+            *(float2*)(out + pair * HD + 8 * nt + 2 * c) = w;
+        }
+        if (c == 0) lse[pair] = (m[half] + log2f(total)) * LN2;
+    }
+}
+
+// dq += Σ_j dS_ij k_j · (1/√hd), dS = P ∘ (dO·Vᵀ − D). Blocks as the forward's.
+template <int HD>
+__device__ void flash_backward_dq(float* dq, const float* dout, const float* lse, const float* q, const float* k,
+                                  const float* v, const float* dot, const int* tiles, int heads, int kv_heads) {
+    const int BN = HD == 128 ? 32 : 64, S = HD + 8;
+    __shared__ bf16_bits ks[BN * S];
+    __shared__ bf16_bits vs[BN * S];
+    __shared__ bf16_bits qs[64 * S];
+    const int start = tiles[3 * blockIdx.x], len = tiles[3 * blockIdx.x + 1], q0 = tiles[3 * blockIdx.x + 2];
+    const int h = blockIdx.y, kvh = h / (heads / kv_heads);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int r0 = q0 + 16 * warp;
+    const float scale = LOG2E / sqrtf((float)HD);
+    const long long q_stride = (long long)heads * HD, kv_stride = (long long)kv_heads * HD;
+    unsigned int qa[HD / 16][4], da[HD / 16][4];
+    stage<HD>(qs, q + ((long long)(start + q0) * heads + h) * HD, q_stride, 64, len - q0);
+    __syncthreads();
+    for (int kk = 0; kk < HD / 16; kk++) frag_a(qa[kk], qs, S, 16 * warp, 16 * kk, lane);
+    __syncthreads();
+    stage<HD>(qs, dout + ((long long)(start + q0) * heads + h) * HD, q_stride, 64, len - q0);
+    __syncthreads();
+    for (int kk = 0; kk < HD / 16; kk++) frag_a(da[kk], qs, S, 16 * warp, 16 * kk, lane);
+    float lse2[2], d[2];
+    for (int half = 0; half < 2; half++) {
+        const int row = r0 + g + 8 * half;
+        const long long pair = (long long)(start + min(row, len - 1)) * heads + h;
+        lse2[half] = lse[pair] * LOG2E;
+        d[half] = dot[pair];
+    }
+    float acc[HD / 8][4];
+    for (int nt = 0; nt < HD / 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    const int kend = min(len, q0 + 64);
+    for (int kb = 0; kb < kend; kb += BN) {
+        __syncthreads();
+        stage<HD>(ks, k + ((long long)(start + kb) * kv_heads + kvh) * HD, kv_stride, BN, len - kb);
+        stage<HD>(vs, v + ((long long)(start + kb) * kv_heads + kvh) * HD, kv_stride, BN, len - kb);
+        __syncthreads();
+        if (kb > r0 + 15) continue;
+        float s[BN / 8][4], dp[BN / 8][4];
+        for (int nt = 0; nt < BN / 8; nt++) {
+            for (int e = 0; e < 4; e++) s[nt][e] = dp[nt][e] = 0.f;
+            for (int kk = 0; kk < HD / 16; kk++) {
+                unsigned int b[2];
+                frag_b_t(b, ks, S, 8 * nt, 16 * kk, lane);
+                mma16816(s[nt], qa[kk], b);
+                frag_b_t(b, vs, S, 8 * nt, 16 * kk, lane);
+                mma16816(dp[nt], da[kk], b);
+            }
+        }
+        for (int nt = 0; nt < BN / 8; nt++)
+            for (int e = 0; e < 4; e++) {
+                const int half = e >> 1, row = r0 + g + 8 * half, col = kb + 8 * nt + 2 * c + (e & 1);
+                float p = (col > row || col >= len || row >= len) ? 0.f : exp2f(s[nt][e] * scale - lse2[half]);
+                s[nt][e] = p * (dp[nt][e] - d[half]);
+            }
+        for (int kk = 0; kk < BN / 16; kk++) {
+            unsigned int a[4];
+            c_to_a(a, s[2 * kk], s[2 * kk + 1]);
+            for (int nt = 0; nt < HD / 8; nt++) {
+                unsigned int b[2];
+                frag_b(b, ks, S, 16 * kk, 8 * nt, lane);
+                mma16816(acc[nt], a, b);
+            }
+        }
+    }
+    const float out_scale = 1.0f / sqrtf((float)HD);
+    for (int half = 0; half < 2; half++) {
+        const int row = r0 + g + 8 * half;
+        if (row >= len) continue;
+        float* dst = dq + ((long long)(start + row) * heads + h) * HD + 2 * c;
+        for (int nt = 0; nt < HD / 8; nt++) {
+            dst[8 * nt] += acc[nt][2 * half] * out_scale;
+            dst[8 * nt + 1] += acc[nt][2 * half + 1] * out_scale;
+        }
+    }
+}
+
+// dk, dv of a tile of keys (WARPS × 16 of them) for one kv head, over the heads of its
+// group and every query row at or after the tile's first key, BQ query rows at a time:
+// Pᵀ = 2^(K·Qᵀ·scale − lse), dV += Pᵀ·dO, dSᵀ = Pᵀ ∘ (V·dOᵀ − D), dK += dSᵀ·Q.
+template <int HD, int WARPS, int BQ>
+__device__ void flash_backward_dkv(float* dk, float* dv, const float* dout, const float* lse, const float* q,
+                                   const float* k, const float* v, const float* dot, const int* tiles, int heads,
+                                   int kv_heads) {
+    const int BK = 16 * WARPS, S = HD + 8;
+    __shared__ bf16_bits ks[BK * S];
+    __shared__ bf16_bits vs[BK * S];
+    __shared__ bf16_bits qs[BQ * S];
+    __shared__ bf16_bits dos[BQ * S];
+    __shared__ float lse_s[BQ], dot_s[BQ];
+    const int start = tiles[3 * blockIdx.x], len = tiles[3 * blockIdx.x + 1], k0 = tiles[3 * blockIdx.x + 2];
+    const int kvh = blockIdx.y, group = heads / kv_heads;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int j0 = k0 + 16 * warp;  // this warp's first key
+    const float scale = LOG2E / sqrtf((float)HD);
+    const long long q_stride = (long long)heads * HD, kv_stride = (long long)kv_heads * HD;
+    stage<HD>(ks, k + ((long long)(start + k0) * kv_heads + kvh) * HD, kv_stride, BK, len - k0);
+    stage<HD>(vs, v + ((long long)(start + k0) * kv_heads + kvh) * HD, kv_stride, BK, len - k0);
+    float dk_acc[HD / 8][4], dv_acc[HD / 8][4];
+    for (int nt = 0; nt < HD / 8; nt++)
+        for (int e = 0; e < 4; e++) dk_acc[nt][e] = dv_acc[nt][e] = 0.f;
+    for (int hh = 0; hh < group; hh++) {
+        const int h = kvh * group + hh;
+        for (int qb = k0; qb < len; qb += BQ) {
+            __syncthreads();
+            stage<HD>(qs, q + ((long long)(start + qb) * heads + h) * HD, q_stride, BQ, len - qb);
+            stage<HD>(dos, dout + ((long long)(start + qb) * heads + h) * HD, q_stride, BQ, len - qb);
+            for (int r = threadIdx.x; r < BQ; r += blockDim.x) {
+                const bool in = qb + r < len;
+                const long long pair = (long long)(start + qb + r) * heads + h;
+                lse_s[r] = in ? lse[pair] * LOG2E : 0.f;
+                dot_s[r] = in ? dot[pair] : 0.f;
+            }
+            __syncthreads();
+            if (qb + BQ - 1 < j0 || j0 >= len) continue;  // no query row here sees this warp's keys
+            float s[BQ / 8][4], dp[BQ / 8][4];
+            for (int nt = 0; nt < BQ / 8; nt++) {
+                for (int e = 0; e < 4; e++) s[nt][e] = dp[nt][e] = 0.f;
+                for (int kk = 0; kk < HD / 16; kk++) {
+                    unsigned int a[4], b[2];
+                    frag_b_t(b, qs, S, 8 * nt, 16 * kk, lane);
+                    frag_a(a, ks, S, 16 * warp, 16 * kk, lane);
+                    mma16816(s[nt], a, b);
+                    frag_b_t(b, dos, S, 8 * nt, 16 * kk, lane);
+                    frag_a(a, vs, S, 16 * warp, 16 * kk, lane);
+                    mma16816(dp[nt], a, b);
+                }
+            }
+            // s becomes Pᵀ, dp becomes dSᵀ (rows: keys j, columns: query rows i).
+            for (int nt = 0; nt < BQ / 8; nt++)
+                for (int e = 0; e < 4; e++) {
+                    const int key = j0 + g + 8 * (e >> 1), ci = 8 * nt + 2 * c + (e & 1), row = qb + ci;
+                    float p = (row < key || row >= len || key >= len) ? 0.f : exp2f(s[nt][e] * scale - lse_s[ci]);
+                    s[nt][e] = p;
+                    dp[nt][e] = p * (dp[nt][e] - dot_s[ci]);
+                }
+            for (int kk = 0; kk < BQ / 16; kk++) {
+                unsigned int pa[4], da[4];
+                c_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+                c_to_a(da, dp[2 * kk], dp[2 * kk + 1]);
+                for (int nt = 0; nt < HD / 8; nt++) {
+                    unsigned int b[2];
+                    frag_b(b, dos, S, 16 * kk, 8 * nt, lane);
+                    mma16816(dv_acc[nt], pa, b);
+                    frag_b(b, qs, S, 16 * kk, 8 * nt, lane);
+                    mma16816(dk_acc[nt], da, b);
+                }
+            }
+        }
+    }
+    const float out_scale = 1.0f / sqrtf((float)HD);
+    for (int half = 0; half < 2; half++) {
+        const int key = j0 + g + 8 * half;
+        if (key >= len) continue;
+        const long long at = ((long long)(start + key) * kv_heads + kvh) * HD + 2 * c;
+        for (int nt = 0; nt < HD / 8; nt++) {
+            dk[at + 8 * nt] += dk_acc[nt][2 * half] * out_scale;
+            dk[at + 8 * nt + 1] += dk_acc[nt][2 * half + 1] * out_scale;
+            dv[at + 8 * nt] += dv_acc[nt][2 * half];
+            dv[at + 8 * nt + 1] += dv_acc[nt][2 * half + 1];
+        }
+    }
+}
+
+// Entry points: head size 64 with 4 warps of keys and 64 query rows per dk/dv step; 128 with 2
+// and 32 (register and shared-memory room for its wider accumulators).
+
+extern "C" __global__ void __launch_bounds__(128) flash_forward_64(float* out, float* lse, const float* q, const float* k,
+                                                                   const float* v, const int* tiles, int heads, int kv_heads) {
+    flash_forward<64>(out, lse, q, k, v, tiles, heads, kv_heads);
+}
+
+extern "C" __global__ void __launch_bounds__(128) flash_backward_dq_64(float* dq, const float* dout, const float* lse, const float* q,
+                                                                       const float* k, const float* v, const float* dot,
+                                                                       const int* tiles, int heads, int kv_heads) {
+    flash_backward_dq<64>(dq, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
+}
+
+extern "C" __global__ void __launch_bounds__(128) flash_backward_dkv_64(float* dk, float* dv, const float* dout, const float* lse,
+                                                                       const float* q, const float* k, const float* v,
+                                                                       const float* dot, const int* tiles, int heads, int kv_heads) {
+    flash_backward_dkv<64, 4, 64>(dk, dv, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
+}
+
+extern "C" __global__ void __launch_bounds__(128) flash_forward_128(float* out, float* lse, const float* q, const float* k,
+                                                                   const float* v, const int* tiles, int heads, int kv_heads) {
+    flash_forward<128>(out, lse, q, k, v, tiles, heads, kv_heads);
+}
+
+extern "C" __global__ void __launch_bounds__(128) flash_backward_dq_128(float* dq, const float* dout, const float* lse, const float* q,
+                                                                       const float* k, const float* v, const float* dot,
+                                                                       const int* tiles, int heads, int kv_heads) {
+    flash_backward_dq<128>(dq, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
+}
+
+extern "C" __global__ void __launch_bounds__(64) flash_backward_dkv_128(float* dk, float* dv, const float* dout, const float* lse,
+                                                                       const float* q, const float* k, const float* v,
+                                                                       const float* dot, const int* tiles, int heads, int kv_heads) {
+    flash_backward_dkv<128, 2, 32>(dk, dv, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
 // Query rows (t of them, at positions start..) over a cache of start + t keys. One block per

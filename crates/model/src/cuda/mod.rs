@@ -306,18 +306,67 @@ fn columns(n: usize, c: usize) -> LaunchConfig {
     }
 }
 
-/// Per row of a packed batch: (first row of its sequence, length, offset of its
-/// probabilities in `att`), as the attention kernels read it.
-fn span_table(spans: &[Span], heads: usize) -> Vec<i64> {
+/// Per row of a packed batch: (first row of its sequence, its length), as the generic
+/// attention kernels read it.
+fn span_table(spans: &[Span]) -> Vec<i32> {
     let mut table = Vec::new();
-    let mut att_offset = 0usize;
     for &(start, t) in spans {
         for _ in 0..t {
-            table.extend([start as i64, t as i64, att_offset as i64]);
+            table.extend([start as i32, t as i32]);
         }
-        att_offset += heads * t * t;
     }
     table
+}
+
+/// Per tile of `rows` consecutive rows of a sequence: (first row of the sequence, its
+/// length, first row of the tile within it), as the tensor-core attention kernels read it.
+fn tile_table(spans: &[Span], rows: usize) -> Vec<i32> {
+    let mut table = Vec::new();
+    for &(start, t) in spans {
+        for first in (0..t).step_by(rows) {
+            table.extend([start as i32, t as i32, first as i32]);
+        }
+    }
+    table
+}
+
+/// The tensor-core attention kernels for a head size, with their tile shapes: query rows
+/// per block of the forward and dq kernels, key rows and threads per block of dk/dv.
+struct Flash {
+    forward: &'static str,
+    backward_dq: &'static str,
+    backward_dkv: &'static str,
+    key_rows: usize,
+}
+
+/// Query rows per block of the tensor-core forward and dq kernels (4 warps × 16).
+const FLASH_QUERY_ROWS: usize = 64;
+
+fn flash(hd: usize) -> Option<Flash> {
+    match hd {
+        64 => Some(Flash {
+            forward: "flash_forward_64",
+            backward_dq: "flash_backward_dq_64",
+            backward_dkv: "flash_backward_dkv_64",
+            key_rows: 64,
+        }),
+        128 => Some(Flash {
+            forward: "flash_forward_128",
+            backward_dq: "flash_backward_dq_128",
+            backward_dkv: "flash_backward_dkv_128",
+            key_rows: 32,
+        }),
+        _ => None,
+    }
+}
+
+/// One block of 2 threads per row of a tile (a warp per 16 rows) per (tile, head).
+fn per_tile(tiles: usize, heads: usize, rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (tiles as u32, heads as u32, 1),
+        block_dim: (2 * rows as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 impl Backend for Cuda {
@@ -628,7 +677,7 @@ impl Backend for Cuda {
     fn attention_forward(
         &self,
         out: &mut GpuBuf,
-        att: &mut GpuBuf,
+        lse: &mut GpuBuf,
         q: &GpuBuf,
         k: &GpuBuf,
         v: &GpuBuf,
@@ -637,16 +686,29 @@ impl Backend for Cuda {
         kv_heads: usize,
         hd: usize,
     ) {
-        let Some(table) = self.upload_any(&span_table(spans, heads)) else {
+        let (o, lp, qp, kp, vp) = (out.ptr(0), lse.ptr(0), q.ptr(0), k.ptr(0), v.ptr(0));
+        let (h, kvh) = (heads as i32, kv_heads as i32);
+        if let Some(flash) = flash(hd) {
+            let table = tile_table(spans, FLASH_QUERY_ROWS);
+            let Some(tiles) = self.upload_any(&table) else {
+                return;
+            };
+            self.launch(
+                flash.forward,
+                per_tile(table.len() / 3, heads, FLASH_QUERY_ROWS),
+                args![o, lp, qp, kp, vp, tiles, h, kvh],
+            );
+            return;
+        }
+        let Some(table) = self.upload_any(&span_table(spans)) else {
             return;
         };
         let n: usize = spans.iter().map(|s| s.1).sum();
-        let (o, at, qp, kp, vp) = (out.ptr(0), att.ptr(0), q.ptr(0), k.ptr(0), v.ptr(0));
-        let (h, kvh, hd32) = (heads as i32, kv_heads as i32, hd as i32);
+        let hd32 = hd as i32;
         self.launch(
             "attention_forward",
             per_row_head(n, heads),
-            args![o, at, qp, kp, vp, table, h, kvh, hd32],
+            args![o, lp, qp, kp, vp, table, h, kvh, hd32],
         );
     }
 
@@ -656,7 +718,8 @@ impl Backend for Cuda {
         dk: &mut GpuBuf,
         dv: &mut GpuBuf,
         dout: &GpuBuf,
-        att: &GpuBuf,
+        out: &GpuBuf,
+        lse: &GpuBuf,
         q: &GpuBuf,
         k: &GpuBuf,
         v: &GpuBuf,
@@ -665,28 +728,56 @@ impl Backend for Cuda {
         kv_heads: usize,
         hd: usize,
     ) {
-        let Some(table) = self.upload_any(&span_table(spans, heads)) else {
+        let n: usize = spans.iter().map(|s| s.1).sum();
+        // D = Σ dout·out per (row, head): Σ_j P_ij dP_ij without the probabilities.
+        let dot = self.alloc(n * heads, "attention backward");
+        let (dotp, dp, op, pairs, hd32) = (
+            dot.ptr(0),
+            dout.ptr(0),
+            out.ptr(0),
+            (n * heads) as i64,
+            hd as i32,
+        );
+        self.launch(
+            "attention_rowdot",
+            elementwise(n * heads * 32),
+            args![dotp, dp, op, pairs, hd32],
+        );
+        let (dqp, dkp, dvp, lp) = (dq.ptr(0), dk.ptr(0), dv.ptr(0), lse.ptr(0));
+        let (qp, kp, vp) = (q.ptr(0), k.ptr(0), v.ptr(0));
+        let (h, kvh) = (heads as i32, kv_heads as i32);
+        if let Some(flash) = flash(hd) {
+            let query_table = tile_table(spans, FLASH_QUERY_ROWS);
+            let key_table = tile_table(spans, flash.key_rows);
+            let (Some(query_tiles), Some(key_tiles)) =
+                (self.upload_any(&query_table), self.upload_any(&key_table))
+            else {
+                return;
+            };
+            self.launch(
+                flash.backward_dq,
+                per_tile(query_table.len() / 3, heads, FLASH_QUERY_ROWS),
+                args![dqp, dp, lp, qp, kp, vp, dotp, query_tiles, h, kvh],
+            );
+            self.launch(
+                flash.backward_dkv,
+                per_tile(key_table.len() / 3, kv_heads, flash.key_rows),
+                args![dkp, dvp, dp, lp, qp, kp, vp, dotp, key_tiles, h, kvh],
+            );
+            return;
+        }
+        let Some(table) = self.upload_any(&span_table(spans)) else {
             return;
         };
-        let n: usize = spans.iter().map(|s| s.1).sum();
-        let dot = self.alloc(n * heads, "attention backward");
-        let (dqp, dkp, dvp, dp, at) = (dq.ptr(0), dk.ptr(0), dv.ptr(0), dout.ptr(0), att.ptr(0));
-        let (qp, kp, vp, dotp) = (q.ptr(0), k.ptr(0), v.ptr(0), dot.ptr(0));
-        let (h, kvh, hd32) = (heads as i32, kv_heads as i32, hd as i32);
-        self.launch(
-            "attention_backward_rowdot",
-            per_row_head(n, heads),
-            args![dotp, dp, at, vp, table, h, kvh, hd32],
-        );
         self.launch(
             "attention_backward_dq",
             per_row_head(n, heads),
-            args![dqp, dp, at, kp, vp, dotp, table, h, kvh, hd32],
+            args![dqp, dp, lp, qp, kp, vp, dotp, table, h, kvh, hd32],
         );
         self.launch(
             "attention_backward_dkv",
             per_row_head(n, kv_heads),
-            args![dkp, dvp, dp, at, qp, vp, dotp, table, h, kvh, hd32],
+            args![dkp, dvp, dp, lp, qp, kp, vp, dotp, table, h, kvh, hd32],
         );
     }
 
@@ -877,10 +968,16 @@ mod tests {
 
     #[test]
     fn the_span_table_gives_every_row_its_sequence() {
-        // Two sequences of 2 and 3 tokens, 2 heads: the second's probabilities start after
-        // the first's 2·2·2.
-        let table = span_table(&[(0, 2), (2, 3)], 2);
-        assert_eq!(table, vec![0, 2, 0, 0, 2, 0, 2, 3, 8, 2, 3, 8, 2, 3, 8]);
+        let table = span_table(&[(0, 2), (2, 3)]);
+        assert_eq!(table, vec![0, 2, 0, 2, 2, 3, 2, 3, 2, 3]);
+    }
+
+    #[test]
+    fn the_tile_table_covers_every_row_once() {
+        // A sequence of 70 rows takes two tiles of 64; one of 3 rows, one tile.
+        let table = tile_table(&[(0, 70), (70, 3)], 64);
+        assert_eq!(table, vec![0, 70, 0, 0, 70, 64, 70, 3, 0]);
+        assert!(flash(64).is_some() && flash(128).is_some() && flash(8).is_none());
     }
 
     #[test]

@@ -186,7 +186,7 @@ impl Backend for Cpu {
     fn attention_forward(
         &self,
         out: &mut Buf,
-        att: &mut Buf,
+        lse: &mut Buf,
         q: &Buf,
         k: &Buf,
         v: &Buf,
@@ -196,12 +196,11 @@ impl Backend for Cpu {
         hd: usize,
     ) {
         let (c, kv) = (heads * hd, kv_heads * hd);
-        let mut att_offset = 0;
         for &(start, t) in spans {
             let rows = start..start + t;
             super::attention_forward(
                 &mut out[rows_of(&rows, c)],
-                &mut att[att_offset..att_offset + heads * t * t],
+                &mut lse[rows_of(&rows, heads)],
                 &q[rows_of(&rows, c)],
                 &k[rows_of(&rows, kv)],
                 &v[rows_of(&rows, kv)],
@@ -210,7 +209,6 @@ impl Backend for Cpu {
                 kv_heads,
                 hd,
             );
-            att_offset += heads * t * t;
         }
     }
 
@@ -220,7 +218,8 @@ impl Backend for Cpu {
         dk: &mut Buf,
         dv: &mut Buf,
         dout: &Buf,
-        att: &Buf,
+        _out: &Buf,
+        lse: &Buf,
         q: &Buf,
         k: &Buf,
         v: &Buf,
@@ -230,7 +229,6 @@ impl Backend for Cpu {
         hd: usize,
     ) {
         let (c, kv) = (heads * hd, kv_heads * hd);
-        let mut att_offset = 0;
         for &(start, t) in spans {
             let rows = start..start + t;
             super::attention_backward(
@@ -238,7 +236,7 @@ impl Backend for Cpu {
                 &mut dk[rows_of(&rows, kv)],
                 &mut dv[rows_of(&rows, kv)],
                 &dout[rows_of(&rows, c)],
-                &att[att_offset..att_offset + heads * t * t],
+                &lse[rows_of(&rows, heads)],
                 &q[rows_of(&rows, c)],
                 &k[rows_of(&rows, kv)],
                 &v[rows_of(&rows, kv)],
@@ -247,7 +245,6 @@ impl Backend for Cpu {
                 kv_heads,
                 hd,
             );
-            att_offset += heads * t * t;
         }
     }
 

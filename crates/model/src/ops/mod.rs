@@ -138,11 +138,12 @@ pub fn swiglu_backward(dgate: &mut [f32], dup: &mut [f32], dout: &[f32], gate: &
 /// Causal self-attention of one sequence with grouped-query heads. Per head, the scores
 /// and the weighted sum are two sgemm products (the masked upper triangle is computed and
 /// discarded: at these lengths the packed SIMD kernels more than pay for it).
-/// q: (T, nh, hd); k, v: (T, nkv, hd); out: (T, nh, hd); att: (nh, T, T) probabilities.
+/// q: (T, nh, hd); k, v: (T, nkv, hd); out: (T, nh, hd); lse: (T, nh), the log-sum-exp of
+/// each row's scaled scores — all the backward keeps: it recomputes the probabilities.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
     out: &mut [f32],
-    att: &mut [f32],
+    lse: &mut [f32],
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -152,57 +153,96 @@ pub fn attention_forward(
     hd: usize,
 ) {
     let group = heads / kv_heads;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let (qs, kvs) = (heads * hd, kv_heads * hd);
-    let head_outputs: Vec<Vec<f32>> = att
-        .par_chunks_mut(t * t)
-        .enumerate()
-        .map(|(h, att_h)| {
+    let per_head: Vec<(Vec<f32>, Vec<f32>)> = (0..heads)
+        .into_par_iter()
+        .map(|h| {
             let kvh = h / group;
-            // S (T, T) = Q_h (T, hd) · K_hᵀ (hd, T)
-            gemm::sgemm(
-                t,
-                hd,
-                t,
-                &q[h * hd..],
-                qs,
-                1,
-                &k[kvh * hd..],
-                1,
-                kvs,
-                att_h,
-                t,
-                0.0,
-            );
-            for (i, row) in att_h.chunks_mut(t).enumerate() {
-                row[..=i].iter_mut().for_each(|s| *s *= scale);
-                softmax(&mut row[..=i]);
-                row[i + 1..].iter_mut().for_each(|s| *s = 0.0);
-            }
+            let mut p = vec![0f32; t * t];
+            let lse_h = head_scores(&mut p, q, k, None, h, kvh, t, heads, kv_heads, hd);
             // O_h (T, hd) = P (T, T) · V_h (T, hd)
             let mut out_h = vec![0f32; t * hd];
             gemm::sgemm(
                 t,
                 t,
                 hd,
-                att_h,
+                &p,
                 t,
                 1,
                 &v[kvh * hd..],
-                kvs,
+                kv_heads * hd,
                 1,
                 &mut out_h,
                 hd,
                 0.0,
             );
-            out_h
+            (out_h, lse_h)
         })
         .collect();
-    for (h, out_h) in head_outputs.iter().enumerate() {
+    for (h, (out_h, lse_h)) in per_head.iter().enumerate() {
         for i in 0..t {
             out[(i * heads + h) * hd..][..hd].copy_from_slice(&out_h[i * hd..][..hd]);
+            lse[i * heads + h] = lse_h[i];
         }
     }
+}
+
+/// Head h's causal probabilities P (T, T) into `p` (0 above the diagonal). Without `lse`
+/// each row is normalised and its log-sum-exp returned; with the forward's `lse` (T, nh) the
+/// probabilities are rebuilt from it (the backward), and the returned vector is empty.
+#[allow(clippy::too_many_arguments)]
+fn head_scores(
+    p: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    lse: Option<&[f32]>,
+    h: usize,
+    kvh: usize,
+    t: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+) -> Vec<f32> {
+    let scale = 1.0 / (hd as f32).sqrt();
+    // S (T, T) = Q_h (T, hd) · K_hᵀ (hd, T)
+    gemm::sgemm(
+        t,
+        hd,
+        t,
+        &q[h * hd..],
+        heads * hd,
+        1,
+        &k[kvh * hd..],
+        1,
+        kv_heads * hd,
+        p,
+        t,
+        0.0,
+    );
+    let mut row_lse = Vec::with_capacity(if lse.is_none() { t } else { 0 });
+    for (i, row) in p.chunks_mut(t).enumerate() {
+        row[..=i].iter_mut().for_each(|s| *s *= scale);
+        match lse {
+            None => row_lse.push(log_softmax_exp(&mut row[..=i])),
+            Some(lse) => {
+                let l = lse[i * heads + h];
+                row[..=i].iter_mut().for_each(|s| *s = (*s - l).exp());
+            }
+        }
+        row[i + 1..].iter_mut().for_each(|s| *s = 0.0);
+    }
+    row_lse
+}
+
+/// In-place softmax of one row of scores; returns its log-sum-exp.
+fn log_softmax_exp(row: &mut [f32]) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    row.iter_mut().for_each(|v| *v /= sum);
+    max + sum.ln()
 }
 
 /// Attention of `t` new query rows at positions start.. over a cache of start + t keys.
@@ -230,14 +270,15 @@ pub fn attention_cached(
         });
 }
 
-/// Backward of [`attention_forward`]: dq, dk, dv += from dout, per head as sgemm products.
+/// Backward of [`attention_forward`]: dq, dk, dv += from dout, per head as sgemm
+/// products, with the probabilities rebuilt from q, k and the forward's `lse`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
     dout: &[f32],
-    att: &[f32],
+    lse: &[f32],
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -254,7 +295,8 @@ pub fn attention_backward(
         .into_par_iter()
         .map(|h| {
             let kvh = h / group;
-            let p = &att[h * t * t..][..t * t];
+            let mut p = vec![0f32; t * t];
+            head_scores(&mut p, q, k, Some(lse), h, kvh, t, heads, kv_heads, hd);
             let (q_h, do_h) = (&q[h * hd..], &dout[h * hd..]);
             let (k_h, v_h) = (&k[kvh * hd..], &v[kvh * hd..]);
             let (mut dq_h, mut dk_h, mut dv_h) =
@@ -262,7 +304,7 @@ pub fn attention_backward(
             // dP (T, T) = dO_h (T, hd) · V_hᵀ ; dV_h (T, hd) = Pᵀ (T, T) · dO_h
             let mut ds = vec![0f32; t * t];
             gemm::sgemm(t, hd, t, do_h, qs, 1, v_h, 1, kvs, &mut ds, t, 0.0);
-            gemm::sgemm(t, t, hd, p, 1, t, do_h, qs, 1, &mut dv_h, hd, 0.0);
+            gemm::sgemm(t, t, hd, &p, 1, t, do_h, qs, 1, &mut dv_h, hd, 0.0);
             // softmax backward: dS_ij = P_ij (dP_ij − Σ_l P_il dP_il), times the score scale
             for (p_i, ds_i) in p.chunks(t).zip(ds.chunks_mut(t)) {
                 let dot: f32 = p_i.iter().zip(ds_i.iter()).map(|(a, b)| a * b).sum();
@@ -338,11 +380,5 @@ pub fn logsumexp_entropy(logits: &[f32]) -> (f32, f32) {
 
 /// In-place softmax of one row.
 pub fn softmax(row: &mut [f32]) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for v in row.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    row.iter_mut().for_each(|v| *v /= sum);
+    log_softmax_exp(row);
 }
