@@ -243,6 +243,7 @@ bench: deps models loadtest
 	$(CARGO_TARGET_DIR)/release/arl-bench-images
 	$(CARGO_TARGET_DIR)/release/arl-bench-sandbox
 	$(CARGO_TARGET_DIR)/release/arl-bench-mcp
+	$(CARGO_TARGET_DIR)/release/arl-bench-train --device cpu --layers 2 --sequences 2 --seq-len 256 --prompt-len 64 --steps 1
 
 # Admission (arl-loadtest), then thousands of concurrent trials through every service as
 # its own process of the release `arl` (arl-loadtest-trials: math at 2,000 trials a step,

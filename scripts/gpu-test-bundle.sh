@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the GPU test binaries here (no CUDA needed: cudarc loads it at run time) and puts
-# them, stripped, with a compressed nats-server into .device/bin — what the device call
-# carries (scripts/device-gpu-tests.sh runs them there; the README has the commands).
+# Builds the GPU test binaries and the training benchmark here (no CUDA needed: cudarc loads
+# it at run time) and puts them, stripped, with a compressed nats-server into .device/bin —
+# what the device call carries (scripts/device-gpu-tests.sh and scripts/device-bench-train.sh
+# run them there; the README has the commands).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.device/bin
@@ -29,5 +30,7 @@ EOF
     [ -n "$exe" ] || { echo "no executable for $spec"; exit 1; }
     strip -o "$out/test-$name" "$exe"
 done
+cargo build --release --quiet -p arl-loadtest --bin arl-bench-train
+strip -o "$out/arl-bench-train" "${CARGO_TARGET_DIR:-target}/release/arl-bench-train"
 xz -T0 -6 -c "${ARL_NATS_SERVER:-$HOME/.cache/arl/tools/bin/nats-server}" > "$out/nats-server.xz"
 du -sh "$out"/*

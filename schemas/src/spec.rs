@@ -462,6 +462,10 @@ pub struct TrainerSpec {
     /// Tokens per micro-batch; gradients of micro-batches add up (VeRL
     /// `ppo_max_token_len_per_gpu`).
     pub micro_batch_tokens: u32,
+    /// Keep only each layer's input during the forward and run the layer again in the
+    /// backward (VeRL `enable_gradient_checkpointing`): activation memory falls to about
+    /// one layer's, for one more forward pass; gradients are the same.
+    pub activation_checkpointing: bool,
     /// Start from another run's checkpoint (`arl run resume`): its weights and optimizer
     /// state after `step`; this run then trains steps `step + 1 ..= total_steps` with the
     /// same batches and learning-rate schedule the other run would have had.
@@ -495,6 +499,7 @@ impl Default for TrainerSpec {
             ppo_epochs: 1,
             ppo_mini_batches: 1,
             micro_batch_tokens: 4096,
+            activation_checkpointing: false,
             resume_from: None,
         }
     }

@@ -143,6 +143,11 @@ const ALIASES: &[(&str, &str, Translate)] = &[
         "trainer.total_steps",
         Translate::Same,
     ),
+    (
+        "actor_rollout_ref.model.enable_gradient_checkpointing",
+        "trainer.activation_checkpointing",
+        Translate::Same,
+    ),
     ("trainer.test_freq", "trainer.eval_every", Translate::Same),
     ("trainer.save_freq", "trainer.save_every", Translate::Same),
 ];
@@ -199,10 +204,6 @@ const IGNORED: &[(&str, &str)] = &[
     (
         "actor_rollout_ref.model.use_remove_padding",
         "ARL never pads sequences",
-    ),
-    (
-        "actor_rollout_ref.model.enable_gradient_checkpointing",
-        "memory only; it does not change results",
     ),
     (
         "data.max_prompt_length",

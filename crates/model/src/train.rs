@@ -37,6 +37,26 @@ struct QkNormActs<B: Backend> {
     rstd_k: B::Buf, // (N·nkv)
 }
 
+/// What a pass keeps of one layer for the backward.
+enum LayerMemory<B: Backend> {
+    /// Every activation.
+    Kept(LayerActs<B>),
+    /// Only the layer's input: the backward runs the layer's forward again (activation
+    /// checkpointing — less memory for one more forward of each layer).
+    Checkpoint(B::Buf),
+}
+
+/// How much of the forward a training pass keeps for the backward.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activations {
+    /// Every activation of every layer.
+    #[default]
+    Keep,
+    /// Each layer's input only; the backward recomputes the rest, one layer at a time.
+    /// Gradients are the same; peak memory falls to about one layer's activations.
+    Recompute,
+}
+
 /// Everything the backward pass needs from a forward pass.
 pub struct TrainPass<B: Backend = Cpu> {
     tokens: Vec<u32>,
@@ -45,7 +65,7 @@ pub struct TrainPass<B: Backend = Cpu> {
     positions: Vec<usize>,
     /// The token each row predicts (None on a sequence's last row).
     targets: Vec<Option<u32>>,
-    layers: Vec<LayerActs<B>>,
+    layers: Vec<LayerMemory<B>>,
     x_final: B::Buf, // (N, C)
     rstd_final: B::Buf,
     h_final: B::Buf, // (N, C)
@@ -89,8 +109,7 @@ impl<B: Backend> Model<B> {
     /// Forward over whole sequences (each at least 2 tokens), keeping activations.
     /// Returns the pass and, per sequence, the log-probabilities of its next tokens.
     pub fn forward_train(&self, sequences: &[&[u32]]) -> (TrainPass<B>, Vec<Vec<f32>>) {
-        self.backend
-            .scope(|| self.forward_train_in_scope(sequences, None))
+        self.forward_train_with(sequences, None, Activations::Keep)
     }
 
     /// [`Self::forward_train`], scoring only the tokens a mask marks: `masks[s][t] == 1`
@@ -102,25 +121,28 @@ impl<B: Backend> Model<B> {
         sequences: &[&[u32]],
         masks: &[&[u8]],
     ) -> (TrainPass<B>, Vec<Vec<f32>>) {
+        self.forward_train_with(sequences, Some(masks), Activations::Keep)
+    }
+
+    /// The training forward with a choice of what it keeps for the backward.
+    pub fn forward_train_with(
+        &self,
+        sequences: &[&[u32]],
+        masks: Option<&[&[u8]]>,
+        activations: Activations,
+    ) -> (TrainPass<B>, Vec<Vec<f32>>) {
         self.backend
-            .scope(|| self.forward_train_in_scope(sequences, Some(masks)))
+            .scope(|| self.forward_train_in_scope(sequences, masks, activations))
     }
 
     fn forward_train_in_scope(
         &self,
         sequences: &[&[u32]],
         masks: Option<&[&[u8]]>,
+        activations: Activations,
     ) -> (TrainPass<B>, Vec<Vec<f32>>) {
         let (cfg, be) = (&self.config, &self.backend);
-        let (c, qd, kv, hd, i_dim) = (
-            cfg.hidden_size,
-            cfg.q_dim(),
-            cfg.kv_dim(),
-            cfg.head_dim(),
-            cfg.intermediate_size,
-        );
-        let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-        let rope_factor = cfg.rope_attention_factor() as f32;
+        let c = cfg.hidden_size;
         let eps = cfg.rms_norm_eps as f32;
         let mut spans = Vec::with_capacity(sequences.len());
         let mut tokens = Vec::new();
@@ -134,107 +156,13 @@ impl<B: Backend> Model<B> {
         let mut x = be.zeros(n * c);
         be.embedding_forward(&mut x, &self.weights.embed.data, &tokens);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for w in &self.weights.layers {
-            let x_in = x;
-            let (mut h1, mut rstd1) = (be.zeros(n * c), be.zeros(n));
-            be.rmsnorm_forward(&mut h1, &mut rstd1, &x_in, &w.attn_norm.data, eps);
-            let (mut q, mut k, mut v) = (be.zeros(n * qd), be.zeros(n * kv), be.zeros(n * kv));
-            be.matmul_forward(
-                &mut q,
-                &h1,
-                &w.wq.data,
-                w.bq.as_ref().map(|b| &b.data),
-                n,
-                c,
-                qd,
-            );
-            be.matmul_forward(
-                &mut k,
-                &h1,
-                &w.wk.data,
-                w.bk.as_ref().map(|b| &b.data),
-                n,
-                c,
-                kv,
-            );
-            let qk_norm = match (&w.q_norm, &w.k_norm) {
-                (Some(qn), Some(kn)) => {
-                    // Per-head RMSNorm: rows of hd.
-                    let (q_pre, k_pre) = (q, k);
-                    let (mut rstd_q, mut rstd_k) = (be.zeros(n * heads), be.zeros(n * kv_heads));
-                    (q, k) = (be.zeros(n * qd), be.zeros(n * kv));
-                    be.rmsnorm_forward(&mut q, &mut rstd_q, &q_pre, &qn.data, eps);
-                    be.rmsnorm_forward(&mut k, &mut rstd_k, &k_pre, &kn.data, eps);
-                    Some(QkNormActs {
-                        q_pre,
-                        rstd_q,
-                        k_pre,
-                        rstd_k,
-                    })
-                }
-                _ => None,
-            };
-            be.matmul_forward(
-                &mut v,
-                &h1,
-                &w.wv.data,
-                w.bv.as_ref().map(|b| &b.data),
-                n,
-                c,
-                kv,
-            );
-            be.rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
-            be.rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
-            if rope_factor != 1.0 {
-                // transformers scales cos and sin (YaRN's mscale): the rotated q and k.
-                be.scale(&mut q, rope_factor);
-                be.scale(&mut k, rope_factor);
-            }
-            let (mut att_out, mut att_lse) = (be.zeros(n * qd), be.zeros(n * heads));
-            be.attention_forward(
-                &mut att_out,
-                &mut att_lse,
-                &q,
-                &k,
-                &v,
-                &spans,
-                heads,
-                kv_heads,
-                hd,
-            );
-            let mut x_mid = be.zeros(n * c);
-            be.matmul_forward(&mut x_mid, &att_out, &w.wo.data, None, n, qd, c);
-            be.add_assign(&mut x_mid, &x_in);
-            let (mut h2, mut rstd2) = (be.zeros(n * c), be.zeros(n));
-            be.rmsnorm_forward(&mut h2, &mut rstd2, &x_mid, &w.ffn_norm.data, eps);
-            let (mut gate, mut up, mut act) = (
-                be.zeros(n * i_dim),
-                be.zeros(n * i_dim),
-                be.zeros(n * i_dim),
-            );
-            be.matmul_forward(&mut gate, &h2, &w.w_gate.data, None, n, c, i_dim);
-            be.matmul_forward(&mut up, &h2, &w.w_up.data, None, n, c, i_dim);
-            be.swiglu_forward(&mut act, &gate, &up);
-            x = be.zeros(n * c);
-            be.matmul_forward(&mut x, &act, &w.w_down.data, None, n, i_dim, c);
-            be.add_assign(&mut x, &x_mid);
-            layers.push(LayerActs {
-                x_in,
-                rstd1,
-                h1,
-                qk_norm,
-                q,
-                k,
-                v,
-                att_lse,
-                att_out,
-                x_mid,
-                rstd2,
-                h2,
-                gate,
-                up,
-                act,
+        for l in 0..cfg.num_hidden_layers {
+            let (acts, x_out) = self.layer_forward(l, x, &spans, &positions);
+            layers.push(match activations {
+                Activations::Keep => LayerMemory::Kept(acts),
+                Activations::Recompute => LayerMemory::Checkpoint(acts.x_in),
             });
+            x = x_out;
         }
         let (mut h_final, mut rstd_final) = (be.zeros(n * c), be.zeros(n));
         be.rmsnorm_forward(
@@ -292,6 +220,129 @@ impl<B: Backend> Model<B> {
         };
         let logprobs = pass.per_sequence(&logprob_rows);
         (pass, logprobs)
+    }
+
+    /// Layer `l`'s forward from its input x_in (N, C): its activations and its output.
+    fn layer_forward(
+        &self,
+        l: usize,
+        x_in: B::Buf,
+        spans: &[Span],
+        positions: &[usize],
+    ) -> (LayerActs<B>, B::Buf) {
+        let (cfg, be) = (&self.config, &self.backend);
+        let w = &self.weights.layers[l];
+        let (c, qd, kv, hd, i_dim) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.head_dim(),
+            cfg.intermediate_size,
+        );
+        let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let rope_factor = cfg.rope_attention_factor() as f32;
+        let eps = cfg.rms_norm_eps as f32;
+        let n = positions.len();
+        let (mut h1, mut rstd1) = (be.zeros(n * c), be.zeros(n));
+        be.rmsnorm_forward(&mut h1, &mut rstd1, &x_in, &w.attn_norm.data, eps);
+        let (mut q, mut k, mut v) = (be.zeros(n * qd), be.zeros(n * kv), be.zeros(n * kv));
+        be.matmul_forward(
+            &mut q,
+            &h1,
+            &w.wq.data,
+            w.bq.as_ref().map(|b| &b.data),
+            n,
+            c,
+            qd,
+        );
+        be.matmul_forward(
+            &mut k,
+            &h1,
+            &w.wk.data,
+            w.bk.as_ref().map(|b| &b.data),
+            n,
+            c,
+            kv,
+        );
+        let qk_norm = match (&w.q_norm, &w.k_norm) {
+            (Some(qn), Some(kn)) => {
+                // Per-head RMSNorm: rows of hd.
+                let (q_pre, k_pre) = (q, k);
+                let (mut rstd_q, mut rstd_k) = (be.zeros(n * heads), be.zeros(n * kv_heads));
+                (q, k) = (be.zeros(n * qd), be.zeros(n * kv));
+                be.rmsnorm_forward(&mut q, &mut rstd_q, &q_pre, &qn.data, eps);
+                be.rmsnorm_forward(&mut k, &mut rstd_k, &k_pre, &kn.data, eps);
+                Some(QkNormActs {
+                    q_pre,
+                    rstd_q,
+                    k_pre,
+                    rstd_k,
+                })
+            }
+            _ => None,
+        };
+        be.matmul_forward(
+            &mut v,
+            &h1,
+            &w.wv.data,
+            w.bv.as_ref().map(|b| &b.data),
+            n,
+            c,
+            kv,
+        );
+        be.rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
+        be.rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
+        if rope_factor != 1.0 {
+            // transformers scales cos and sin (YaRN's mscale): the rotated q and k.
+            be.scale(&mut q, rope_factor);
+            be.scale(&mut k, rope_factor);
+        }
+        let (mut att_out, mut att_lse) = (be.zeros(n * qd), be.zeros(n * heads));
+        be.attention_forward(
+            &mut att_out,
+            &mut att_lse,
+            &q,
+            &k,
+            &v,
+            &spans,
+            heads,
+            kv_heads,
+            hd,
+        );
+        let mut x_mid = be.zeros(n * c);
+        be.matmul_forward(&mut x_mid, &att_out, &w.wo.data, None, n, qd, c);
+        be.add_assign(&mut x_mid, &x_in);
+        let (mut h2, mut rstd2) = (be.zeros(n * c), be.zeros(n));
+        be.rmsnorm_forward(&mut h2, &mut rstd2, &x_mid, &w.ffn_norm.data, eps);
+        let (mut gate, mut up, mut act) = (
+            be.zeros(n * i_dim),
+            be.zeros(n * i_dim),
+            be.zeros(n * i_dim),
+        );
+        be.matmul_forward(&mut gate, &h2, &w.w_gate.data, None, n, c, i_dim);
+        be.matmul_forward(&mut up, &h2, &w.w_up.data, None, n, c, i_dim);
+        be.swiglu_forward(&mut act, &gate, &up);
+        let mut x = be.zeros(n * c);
+        be.matmul_forward(&mut x, &act, &w.w_down.data, None, n, i_dim, c);
+        be.add_assign(&mut x, &x_mid);
+        let acts = LayerActs {
+            x_in,
+            rstd1,
+            h1,
+            qk_norm,
+            q,
+            k,
+            v,
+            att_lse,
+            att_out,
+            x_mid,
+            rstd2,
+            h2,
+            gate,
+            up,
+            act,
+        };
+        (acts, x)
     }
 
     /// Adds to `grads` the gradient of L, given ∂L/∂logprob and ∂L/∂entropy for every
@@ -354,7 +405,17 @@ impl<B: Backend> Model<B> {
             &pass.rstd_final,
         );
 
-        for (l, acts) in pass.layers.iter().enumerate().rev() {
+        for (l, memory) in pass.layers.iter().enumerate().rev() {
+            let rebuilt;
+            let acts = match memory {
+                LayerMemory::Kept(acts) => acts,
+                LayerMemory::Checkpoint(x_in) => {
+                    rebuilt = self
+                        .layer_forward(l, x_in.clone(), &pass.spans, &pass.positions)
+                        .0;
+                    &rebuilt
+                }
+            };
             let w = &self.weights.layers[l];
             let g = &mut grads.layers[l];
             // MLP: x_out = x_mid + down(swiglu(gate(h2), up(h2)))

@@ -4,7 +4,7 @@
 
 use arl_model::config::{Architecture, ModelConfig, RopeScaling, YarnRopeScaling};
 use arl_model::model::Model;
-use arl_model::train::AdamW;
+use arl_model::train::{Activations, AdamW};
 use arl_model::weights::Weights;
 
 fn tiny(architecture: Architecture) -> ModelConfig {
@@ -231,6 +231,36 @@ fn a_masked_pass_scores_only_marked_tokens_with_the_same_gradients() {
             for (a, b) in w.data.iter().zip(&g.data) {
                 assert!((a - b).abs() < 1e-5, "{architecture:?} {name}: {a} vs {b}");
             }
+        }
+    }
+}
+
+/// Activation checkpointing keeps one tensor per layer and runs each layer again in the
+/// backward: the log-probabilities and every gradient are bit for bit those of a pass that
+/// kept everything.
+#[test]
+fn recomputed_activations_give_the_same_gradients() {
+    for config in [
+        tiny(Architecture::Llama),
+        tiny(Architecture::Qwen2),
+        tiny_qwen3(),
+    ] {
+        let architecture = config.architecture;
+        let model = Model::new(config.clone(), Weights::random(&config, 12, 0.4));
+        let masks: [&[u8]; 2] = [&[0, 0, 1, 1, 1, 1, 1], &[0, 1, 1, 1, 1]];
+        let (kept, want_lp) = model.forward_train_with(&SEQUENCES, Some(&masks), Activations::Keep);
+        let (recomputed, got_lp) =
+            model.forward_train_with(&SEQUENCES, Some(&masks), Activations::Recompute);
+        assert_eq!(got_lp, want_lp, "{architecture:?} log-probabilities");
+        let d: Vec<Vec<f32>> = want_lp
+            .iter()
+            .map(|r| (0..r.len()).map(|t| 0.2 + 0.05 * t as f32).collect())
+            .collect();
+        let (mut want, mut got) = (model.weights().zeros_like(), model.weights().zeros_like());
+        model.backward(&kept, &d, &d, &mut want);
+        model.backward(&recomputed, &d, &d, &mut got);
+        for ((name, w), (_, g)) in want.named().iter().zip(got.named()) {
+            assert_eq!(w.data, g.data, "{architecture:?} {name}");
         }
     }
 }

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use arl_model::backend::{BackendError, BackendErrorKind};
 use arl_model::cuda::Cuda;
+use arl_model::train::Activations;
 use arl_runtime::args::default_runs_dir;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::objects::ObjectError;
@@ -980,6 +981,11 @@ pub fn step_config(spec: &RunSpec) -> StepConfig {
         weight_decay: spec.optim.weight_decay as f32,
         grad_clip: spec.optim.grad_clip,
         micro_batch_tokens: spec.trainer.micro_batch_tokens as usize,
+        activations: if spec.trainer.activation_checkpointing {
+            Activations::Recompute
+        } else {
+            Activations::Keep
+        },
         mini_batches: spec.trainer.ppo_mini_batches as usize,
         epochs: spec.trainer.ppo_epochs as usize,
         old_logprobs: match a.old_logprobs {

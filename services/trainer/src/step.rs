@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use arl_model::backend::Backend;
 use arl_model::model::Model;
-use arl_model::train::AdamW;
+use arl_model::train::{Activations, AdamW};
 use arl_schemas::spec::AdvEstimator;
 
 use crate::objective::{self, Clip, KlEstimator, LossAggregation};
@@ -47,6 +47,8 @@ pub struct StepConfig {
     pub grad_clip: f64,
     /// Tokens per micro-batch (a sample is never split).
     pub micro_batch_tokens: usize,
+    /// What the training forward keeps for the backward (recomputing saves memory).
+    pub activations: Activations,
     pub mini_batches: usize,
     pub epochs: usize,
     pub old_logprobs: OldLogprobs,
@@ -71,6 +73,7 @@ impl Default for StepConfig {
             weight_decay: 0.0,
             grad_clip: 1.0,
             micro_batch_tokens: 4096,
+            activations: Activations::Keep,
             mini_batches: 1,
             epochs: 1,
             old_logprobs: OldLogprobs::Recompute,
@@ -207,7 +210,8 @@ pub fn train_step<B: Backend>(
                     .iter()
                     .map(|&k| &samples[kept[k]].loss_mask[..])
                     .collect();
-                let (pass, logprobs) = model.forward_train_masked(&sequences, &masks);
+                let (pass, logprobs) =
+                    model.forward_train_with(&sequences, Some(&masks), config.activations);
                 let entropies = pass.entropies();
                 let mut d_lp = Vec::with_capacity(micro.len());
                 let mut d_h = Vec::with_capacity(micro.len());
@@ -301,7 +305,9 @@ fn logprobs_of<B: Backend>(
             .iter()
             .map(|&k| &samples[kept[k]].loss_mask[..])
             .collect();
-        let (_, logprobs) = model.forward_train_masked(&sequences, &masks);
+        // No backward follows: keep as little as the forward allows.
+        let (_, logprobs) =
+            model.forward_train_with(&sequences, Some(&masks), Activations::Recompute);
         for (k, lp) in micro.into_iter().zip(logprobs) {
             out[k] = lp;
         }

@@ -3,7 +3,7 @@
 //! device's architecture, and the cuBLAS handle. Every way this can fail is a
 //! [`CudaError`] that names the cause and what to do.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
@@ -104,6 +104,9 @@ pub struct Device {
     pub(crate) kernels: HashMap<&'static str, CudaFunction>,
     pub(crate) blas: Mutex<CudaBlas>,
     pub(crate) fault: Mutex<Option<CudaError>>,
+    /// With `ARL_CUDA_PROFILE=1`: per kernel or product, (calls, seconds), each timed alone
+    /// (the stream is drained before and after it, so the total runs slower than usual).
+    pub(crate) profile: Option<Mutex<BTreeMap<&'static str, (u64, f64)>>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -247,6 +250,9 @@ impl Device {
             kernels,
             blas: Mutex::new(blas),
             fault: Mutex::new(None),
+            profile: std::env::var_os("ARL_CUDA_PROFILE")
+                .is_some_and(|v| v == "1")
+                .then(|| Mutex::new(BTreeMap::new())),
         })
     }
 

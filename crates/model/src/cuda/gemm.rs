@@ -19,7 +19,7 @@ pub(super) struct Bf16 {
 }
 
 impl Bf16 {
-    fn ptr(&self, cuda: &Cuda) -> u64 {
+    pub(super) fn ptr(&self, cuda: &Cuda) -> u64 {
         self.slice
             .as_ref()
             .map_or(0, |s| s.device_ptr(&cuda.device.stream).0)
@@ -39,7 +39,7 @@ impl Cuda {
     }
 
     /// Room for `len` bf16 values (written by the caller's kernel before any read).
-    fn bf16_alloc(&self, len: usize) -> Bf16 {
+    pub(super) fn bf16_alloc(&self, len: usize) -> Bf16 {
         if len == 0 || !self.ok() {
             return Bf16 { slice: None };
         }
@@ -201,7 +201,7 @@ impl Cuda {
         // lda·(k or m), ldb·(n or k) and ldc·n elements of the stated types (bf16, bf16,
         // f32) — the callers derive every size from the same shapes; the handle is bound to
         // the stream all buffers are ordered on; α and β are host scalars that outlive the call.
-        let result = unsafe {
+        let result = self.timed(what, || unsafe {
             cudarc::cublas::result::gemm_ex(
                 *blas.handle(),
                 op_a.into(),
@@ -223,7 +223,7 @@ impl Cuda {
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cudarc::cublas::sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
-        };
+        });
         if let Err(e) = result {
             self.fail(CudaError::Cublas {
                 what,

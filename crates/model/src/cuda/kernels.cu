@@ -774,23 +774,33 @@ extern "C" __global__ void attention_cached(float* out, float* scores, const flo
 
 // ---- the vocabulary head, on a chunk of R rows of logits (R, V) ----
 
-// lse, entropy, logprob (rows r0..r0+R) from logits. One block per row. target −1 = none.
+// lse, entropy, logprob (rows r0..r0+R) from logits, in one read of each row: every thread
+// keeps a running max m, Σ e^(z−m) and Σ e^(z−m)·z, rescaled when m grows; the block then
+// combines them (H = lse − Σ p z). One block per row. target −1 = none.
 extern "C" __global__ void head_stats(float* lse, float* entropy, float* logprob, const float* logits,
                                       const int* targets, int r0, int vocab) {
     __shared__ float shared[32];
     const float* z = logits + (long long)blockIdx.x * vocab;
     int r = r0 + blockIdx.x;
-    float local_max = NEG_INF;
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) local_max = fmaxf(local_max, z[j]);
-    float m = block_max(local_max, shared);
-    float local_sum = 0.f;
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) local_sum += expf(z[j] - m);
-    float l = m + logf(block_sum(local_sum, shared));
-    // H = lse − Σ p z
-    float local_pz = 0.f;
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) local_pz += expf(z[j] - l) * z[j];
-    float pz = block_sum(local_pz, shared);
+    float m = NEG_INF, sum = 0.f, weighted = 0.f;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+        float x = z[j];
+        if (x > m) {
+            float corr = expf(m - x);
+            sum *= corr;
+            weighted *= corr;
+            m = x;
+        }
+        float e = expf(x - m);
+        sum += e;
+        weighted += e * x;
+    }
+    float row_max = block_max(m, shared);
+    float corr = m == NEG_INF ? 0.f : expf(m - row_max);
+    float total = block_sum(sum * corr, shared);
+    float pz = block_sum(weighted * corr, shared) / total;
     if (threadIdx.x == 0) {
+        float l = row_max + logf(total);
         lse[r] = l;
         entropy[r] = l - pz;
         int target = targets[r];
@@ -798,19 +808,23 @@ extern "C" __global__ void head_stats(float* lse, float* entropy, float* logprob
     }
 }
 
-// logits (R, V) → ∂L/∂z in place: −d_lp·p − d_H·p·(log p + H), plus d_lp at the target.
-extern "C" __global__ void head_dlogits(float* z, const float* lse, const float* entropy, const float* d_logprob,
-                                        const float* d_entropy, const int* targets, int r0, int vocab) {
+// logits (R, V) → ∂L/∂z = −d_lp·p − d_H·p·(log p + H), plus d_lp at the target, written as
+// bf16 hi + lo (16 significant bits: it flows back to every layer) for the products after it.
+extern "C" __global__ void head_dlogits(bf16_bits* hi, bf16_bits* lo, const float* z, const float* lse,
+                                        const float* entropy, const float* d_logprob, const float* d_entropy,
+                                        const int* targets, int r0, int vocab) {
     int r = r0 + blockIdx.x;
-    float* zr = z + (long long)blockIdx.x * vocab;
+    long long base = (long long)blockIdx.x * vocab;
     float l = lse[r], h = entropy[r], d_lp = d_logprob[r], d_h = d_entropy[r];
     int target = targets[r];
     for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-        float logp = zr[j] - l;
+        float logp = z[base + j] - l;
         float p = expf(logp);
         float g = -d_lp * p - d_h * p * (logp + h);
         if (j == target) g += d_lp;
-        zr[j] = g;
+        bf16_bits top = round_bf16(g);
+        hi[base + j] = top;
+        lo[base + j] = round_bf16(g - __uint_as_float(((unsigned int)top) << 16));
     }
 }
 

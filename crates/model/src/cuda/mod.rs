@@ -123,6 +123,83 @@ impl Cuda {
             .map_err(device::driver("reading free memory"))
     }
 
+    /// The most bytes the stream's allocations held at once since the last
+    /// [`Self::reset_peak_memory`] (they come from the device's default memory pool; cuBLAS's
+    /// own workspace is not counted).
+    pub fn peak_memory(&self) -> Result<usize, CudaError> {
+        let mut bytes = 0u64;
+        self.pool_attribute(&mut bytes, false)?;
+        Ok(bytes as usize)
+    }
+
+    /// Starts a new high-water mark for [`Self::peak_memory`] at what is in use now.
+    pub fn reset_peak_memory(&self) -> Result<(), CudaError> {
+        let mut zero = 0u64;
+        self.pool_attribute(&mut zero, true)
+    }
+
+    /// Reads (or, with `set`, writes) the default pool's used-memory high-water mark.
+    fn pool_attribute(&self, value: &mut u64, set: bool) -> Result<(), CudaError> {
+        use cudarc::driver::sys;
+        let ctx = self.device.stream.context();
+        if !ctx.has_async_alloc() {
+            return Err(CudaError::Driver {
+                what: "reading peak memory",
+                reason: "this GPU or driver has no stream-ordered memory pools".into(),
+            });
+        }
+        ctx.bind_to_thread()
+            .map_err(device::driver("binding the context"))?;
+        let mut pool = std::ptr::null_mut();
+        let attribute = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        // SAFETY: the device ordinal belongs to this context, `pool` and `value` outlive the
+        // calls, and USED_MEM_HIGH takes a cuuint64_t.
+        let result = unsafe {
+            sys::cuDeviceGetDefaultMemPool(&raw mut pool, ctx.cu_device())
+                .result()
+                .and_then(|()| {
+                    let value = (value as *mut u64).cast();
+                    if set {
+                        sys::cuMemPoolSetAttribute(pool, attribute, value).result()
+                    } else {
+                        sys::cuMemPoolGetAttribute(pool, attribute, value).result()
+                    }
+                })
+        };
+        result.map_err(device::driver("reading the memory pool"))
+    }
+
+    /// With `ARL_CUDA_PROFILE=1`: (kernel or product, calls, seconds) since the last call,
+    /// slowest first; empty otherwise.
+    pub fn take_profile(&self) -> Vec<(&'static str, u64, f64)> {
+        let Some(Ok(mut profile)) = self.device.profile.as_ref().map(|p| p.lock()) else {
+            return Vec::new();
+        };
+        let mut rows: Vec<_> = std::mem::take(&mut *profile)
+            .into_iter()
+            .map(|(name, (calls, seconds))| (name, calls, seconds))
+            .collect();
+        rows.sort_by(|a, b| b.2.total_cmp(&a.2));
+        rows
+    }
+
+    /// Runs `f` (which queues work on the stream); when profiling, alone and timed under `name`.
+    fn timed<R>(&self, name: &'static str, f: impl FnOnce() -> R) -> R {
+        let Some(profile) = &self.device.profile else {
+            return f();
+        };
+        let _ = self.device.stream.synchronize();
+        let started = std::time::Instant::now();
+        let result = f();
+        let _ = self.device.stream.synchronize();
+        if let Ok(mut profile) = profile.lock() {
+            let entry = profile.entry(name).or_default();
+            entry.0 += 1;
+            entry.1 += started.elapsed().as_secs_f64();
+        }
+        result
+    }
+
     fn fail(&self, error: CudaError) {
         self.device.record(error);
     }
@@ -218,7 +295,7 @@ impl Cuda {
         // enough for the shapes passed with it (see each call; temporaries are freed in
         // stream order, after the kernel), every other argument a scalar of the type the
         // kernel declares at that position.
-        if let Err(e) = unsafe { builder.launch(cfg) } {
+        if let Err(e) = self.timed(name, || unsafe { builder.launch(cfg) }) {
             self.fail(device::driver("launching a kernel")(e));
         }
     }
@@ -891,12 +968,13 @@ impl Backend for Cuda {
             let h_bf = self.bf16(h, r0 * c, rows * c);
             self.gemm_bf16_forward(zp, &h_bf, &w_bf, rows, c, vocab);
             let r032 = r0 as i32;
+            let dz_bf = (self.bf16_alloc(rows * vocab), self.bf16_alloc(rows * vocab));
+            let (hi, lo) = (dz_bf.0.ptr(self), dz_bf.1.ptr(self));
             self.launch(
                 "head_dlogits",
                 per_row_head(rows, 1),
-                args![zp, lp, ep, d_lp, d_h, target_ids, r032, v32],
+                args![hi, lo, zp, lp, ep, d_lp, d_h, target_ids, r032, v32],
             );
-            let dz_bf = self.bf16_split(&logits, 0, rows * vocab);
             self.gemm_dx_split(dh.ptr(r0 * c), &dz_bf, &w_bf, rows, c, vocab);
             self.gemm_dw(dw.ptr(0), &dz_bf.0, &h_bf, rows, c, vocab);
         }
