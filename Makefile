@@ -236,6 +236,7 @@ image: image-deps
 bench: deps models loadtest
 	cargo build --release --quiet -p arl-sandbox -p arl-proxy --bins
 	cargo build --release --quiet -p arl-loadtest --bins
+	cargo build --release --quiet -p arl-trainer --bin arl-bench-train
 	$(CARGO_TARGET_DIR)/release/arl-bench-model
 	$(CARGO_TARGET_DIR)/release/arl-bench-inference
 	$(CARGO_TARGET_DIR)/release/arl-bench-proxy

@@ -21,13 +21,20 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 
-def config(layers):
+SHAPES = {  # hidden, intermediate, heads
+    "qwen2.5-0.5b": (896, 4864, 14),
+    "qwen2.5-1.5b": (1536, 8960, 12),
+}
+
+
+def config(model, layers):
+    hidden, intermediate, heads = SHAPES[model]
     return Qwen2Config(
         vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
-        num_attention_heads=14,
+        num_attention_heads=heads,
         num_key_value_heads=2,
         max_position_embeddings=32768,
         rms_norm_eps=1e-6,
@@ -47,7 +54,7 @@ def completion_logprobs(model, ids, completion):
 
 def run(mode, args, ids, advantages):
     torch.manual_seed(0)
-    policy = Qwen2ForCausalLM(config(args.layers)).cuda()
+    policy = Qwen2ForCausalLM(config(args.model, args.layers)).cuda()
     reference = copy.deepcopy(policy).to(torch.bfloat16).eval()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=True)
     if mode == "compile":
@@ -99,6 +106,7 @@ def main():
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--modes", default="eager,compile")

@@ -30,7 +30,7 @@ EOF
     [ -n "$exe" ] || { echo "no executable for $spec"; exit 1; }
     strip -o "$out/test-$name" "$exe"
 done
-cargo build --release --quiet -p arl-loadtest --bin arl-bench-train
+cargo build --release --quiet -p arl-trainer --bin arl-bench-train
 strip -o "$out/arl-bench-train" "${CARGO_TARGET_DIR:-target}/release/arl-bench-train"
 xz -T0 -6 -c "${ARL_NATS_SERVER:-$HOME/.cache/arl/tools/bin/nats-server}" > "$out/nats-server.xz"
 du -sh "$out"/*

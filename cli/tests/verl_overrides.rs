@@ -81,6 +81,7 @@ fn verl_gsm8k_grpo_command_line_becomes_our_spec() {
         ("/trainer/save_every", 20.into()),
         ("/trainer/eval_every", 5.into()),
         ("/trainer/total_steps", 100.into()),
+        ("/trainer/activation_checkpointing", true.into()),
     ];
     for (pointer, value) in expected {
         assert_eq!(spec.pointer(pointer), Some(&value), "{pointer}");

@@ -90,8 +90,9 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
     fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf);
     /// x *= factor
     fn scale(&self, x: &mut Self::Buf, factor: f32);
-    /// Σ x², accumulated in f64.
-    fn sum_squares(&self, x: &Self::Buf) -> f64;
+    /// Σ x² over every buffer of `xs`, accumulated in f64 (one answer for all: a device
+    /// backend waits once, not once per tensor).
+    fn sum_squares(&self, xs: &[&Self::Buf]) -> f64;
 
     /// Runs `f` where this backend's kernels are cheapest to issue (the CPU backend's
     /// thread pool); identity elsewhere.

@@ -583,12 +583,8 @@ impl<B: Backend> Model<B> {
 
     /// The global L2 norm of all gradients.
     pub fn grad_norm(&self, grads: &Weights<B::Buf>) -> f32 {
-        grads
-            .named()
-            .iter()
-            .map(|(_, t)| self.backend.sum_squares(&t.data))
-            .sum::<f64>()
-            .sqrt() as f32
+        let tensors: Vec<&B::Buf> = grads.named().into_iter().map(|(_, t)| &t.data).collect();
+        self.backend.sum_squares(&tensors).sqrt() as f32
     }
 
     /// Multiplies every gradient by `factor` (for clipping).

@@ -89,8 +89,8 @@ impl Backend for Device {
     fn scale(&self, x: &mut B, factor: f32) {
         Cpu.scale(&mut x.0, factor);
     }
-    fn sum_squares(&self, x: &B) -> f64 {
-        Cpu.sum_squares(&x.0)
+    fn sum_squares(&self, xs: &[&B]) -> f64 {
+        Cpu.sum_squares(&xs.iter().map(|x| &x.0).collect::<Vec<_>>())
     }
     fn embedding_forward(&self, out: &mut B, table: &B, tokens: &[u32]) {
         Cpu.embedding_forward(&mut out.0, &table.0, tokens);

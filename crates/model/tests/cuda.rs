@@ -128,7 +128,10 @@ fn elementwise_and_norm_kernels_match_the_cpu() {
         g.add_assign(&mut g_sum, &gd);
         g.scale(&mut g_sum, 0.37);
         assert_close("add+scale", &g.download(&g_sum), &sum, 1e-6, 1e-6);
-        let (ss_cpu, ss_gpu) = (Cpu.sum_squares(&sum), g.sum_squares(&g_sum));
+        let (ss_cpu, ss_gpu) = (
+            Cpu.sum_squares(&[&sum, &x]),
+            g.sum_squares(&[&g_sum, &g.upload(&x)]),
+        );
         assert!(
             (ss_cpu - ss_gpu).abs() <= 1e-9 * ss_cpu.max(1.0),
             "{ss_cpu} vs {ss_gpu}"

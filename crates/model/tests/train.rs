@@ -236,8 +236,9 @@ fn a_masked_pass_scores_only_marked_tokens_with_the_same_gradients() {
 }
 
 /// Activation checkpointing keeps one tensor per layer and runs each layer again in the
-/// backward: the log-probabilities and every gradient are bit for bit those of a pass that
-/// kept everything.
+/// backward: the log-probabilities are bit for bit, and every gradient to the rounding of
+/// the CPU's parallel sums (whose order varies from run to run), those of a pass that kept
+/// everything.
 #[test]
 fn recomputed_activations_give_the_same_gradients() {
     for config in [
@@ -260,7 +261,12 @@ fn recomputed_activations_give_the_same_gradients() {
         model.backward(&kept, &d, &d, &mut want);
         model.backward(&recomputed, &d, &d, &mut got);
         for ((name, w), (_, g)) in want.named().iter().zip(got.named()) {
-            assert_eq!(w.data, g.data, "{architecture:?} {name}");
+            for (a, b) in w.data.iter().zip(&g.data) {
+                assert!(
+                    (a - b).abs() <= 1e-6 * a.abs().max(1.0),
+                    "{architecture:?} {name}: {a} vs {b}"
+                );
+            }
         }
     }
 }

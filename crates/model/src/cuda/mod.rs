@@ -541,8 +541,8 @@ impl Backend for Cuda {
         self.launch("scale", elementwise(x.len), args![xp, factor, len]);
     }
 
-    fn sum_squares(&self, x: &GpuBuf) -> f64 {
-        if x.len == 0 || !self.ok() {
+    fn sum_squares(&self, xs: &[&GpuBuf]) -> f64 {
+        if xs.iter().all(|x| x.len == 0) || !self.ok() {
             return 0.0;
         }
         let total = match self.device.stream.alloc_zeros::<f64>(1) {
@@ -552,14 +552,13 @@ impl Backend for Cuda {
                 return 0.0;
             }
         };
-        let (tp, xp, len) = (
-            total.device_ptr(&self.device.stream).0,
-            x.ptr(0),
-            x.len as i64,
-        );
-        let mut cfg = elementwise(x.len);
-        cfg.grid_dim.0 = cfg.grid_dim.0.min(1024);
-        self.launch("sum_squares", cfg, args![tp, xp, len]);
+        let tp = total.device_ptr(&self.device.stream).0;
+        for x in xs {
+            let (xp, len) = (x.ptr(0), x.len as i64);
+            let mut cfg = elementwise(x.len);
+            cfg.grid_dim.0 = cfg.grid_dim.0.min(1024);
+            self.launch("sum_squares", cfg, args![tp, xp, len]);
+        }
         let mut host = [0f64];
         if self.ok()
             && let Err(e) = self.device.stream.memcpy_dtoh(&total, &mut host)

@@ -68,10 +68,14 @@ impl Backend for Cpu {
             .for_each(|x| *x *= factor);
     }
 
-    fn sum_squares(&self, x: &Buf) -> f64 {
-        x.par_iter()
-            .with_min_len(4096)
-            .map(|g| f64::from(*g) * f64::from(*g))
+    fn sum_squares(&self, xs: &[&Buf]) -> f64 {
+        xs.iter()
+            .map(|x| {
+                x.par_iter()
+                    .with_min_len(4096)
+                    .map(|g| f64::from(*g) * f64::from(*g))
+                    .sum::<f64>()
+            })
             .sum()
     }
 

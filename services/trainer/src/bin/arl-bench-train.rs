@@ -1,27 +1,36 @@
 //! `arl-bench-train`: one GRPO step as the trainer runs it (`arl_trainer::step::train_step`)
 //! on Qwen2.5-0.5B shapes with random weights (nothing to download): old log-probabilities,
 //! reference log-probabilities, then the policy's forward, backward and AdamW. It prints
-//! tokens/s, MFU and peak memory per part, and, given `--torch-python`, the same step in
+//! tokens/s, MFU and peak memory per part (`--model qwen2.5-1.5b --recompute` for the larger
+//! shapes with activation checkpointing), and, given `--torch-python`, the same step in
 //! PyTorch eager and `torch.compile` (scripts/bench_train_torch.py) measured in the same run,
 //! with ARL's ratio to each.
 //!
 //! On the GPU machine (README: GPU): `arl-bench-train --device cuda --torch-python python3`.
-//! `make bench` runs a CPU-sized form: `--device cpu --layers 2 --sequences 2 --seq-len 256`.
+//! `make bench` runs a CPU-sized form: `--device cpu --layers 2 --sequences 2 --seq-len 256
+//! --prompt-len 64 --steps 1`.
 //! `ARL_CUDA_PROFILE=1` adds where the device time of a step goes, kernel by kernel.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, bail};
 use arl_model::backend::Backend;
 use arl_model::config::{Architecture, ModelConfig};
 use arl_model::model::Model;
 use arl_model::ops::Cpu;
-use arl_model::train::AdamW;
+use arl_model::train::{Activations, AdamW};
 use arl_model::weights::Weights;
 use arl_trainer::objective::{Clip, KlEstimator};
 use arl_trainer::step::{OldLogprobs, Sample, StepConfig, train_step};
 use clap::Parser;
+
+/// What went wrong, for the exit message.
+type Result<T> = std::result::Result<T, String>;
+
+/// Fails with `message` unless `condition` holds.
+fn ensure(condition: bool, message: impl FnOnce() -> String) -> Result<()> {
+    if condition { Ok(()) } else { Err(message()) }
+}
 
 /// The dense bf16 peak the MFU is taken against (H100/H200 SXM datasheet).
 const PEAK_BF16_FLOPS: f64 = 989e12;
@@ -41,9 +50,16 @@ struct Args {
     /// Prompt tokens per sequence (not trained on); the rest is the completion.
     #[arg(long, default_value_t = 256)]
     prompt_len: usize,
-    /// Transformer layers (24 in Qwen2.5-0.5B; fewer for a CPU-sized run).
-    #[arg(long, default_value_t = 24)]
-    layers: usize,
+    /// qwen2.5-0.5b or qwen2.5-1.5b (shapes only: the weights are random).
+    #[arg(long, default_value = "qwen2.5-0.5b")]
+    model: String,
+    /// Transformer layers (the model's own when not given; fewer for a CPU-sized run).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Activation checkpointing (trainer.activation_checkpointing): keep each layer's
+    /// input only and run the layer again in the backward.
+    #[arg(long)]
+    recompute: bool,
     /// Timed steps after one warm-up step; the median counts.
     #[arg(long, default_value_t = 3)]
     steps: usize,
@@ -55,22 +71,32 @@ struct Args {
     torch_script: PathBuf,
 }
 
-/// Qwen2.5-0.5B(-Instruct)'s config.json, with `layers` transformer layers.
-fn qwen25_05b(layers: usize) -> ModelConfig {
-    ModelConfig {
+/// The config.json of Qwen2.5-0.5B or -1.5B (the -Instruct builds share it), with `layers`
+/// transformer layers when given.
+fn qwen25(model: &str, layers: Option<usize>) -> Result<ModelConfig> {
+    let (hidden, intermediate, own_layers, heads, tied) = match model {
+        "qwen2.5-0.5b" => (896, 4864, 24, 14, true),
+        "qwen2.5-1.5b" => (1536, 8960, 28, 12, true),
+        other => {
+            return Err(format!(
+                "--model must be qwen2.5-0.5b or qwen2.5-1.5b, not {other:?}"
+            ));
+        }
+    };
+    Ok(ModelConfig {
         architecture: Architecture::Qwen2,
         vocab_size: 151_936,
-        hidden_size: 896,
-        intermediate_size: 4864,
-        num_hidden_layers: layers,
-        num_attention_heads: 14,
+        hidden_size: hidden,
+        intermediate_size: intermediate,
+        num_hidden_layers: layers.unwrap_or(own_layers),
+        num_attention_heads: heads,
         num_key_value_heads: 2,
         rms_norm_eps: 1e-6,
         rope_theta: 1_000_000.0,
         rope_scaling: None,
         max_position_embeddings: 32_768,
-        tie_word_embeddings: true,
-    }
+        tie_word_embeddings: tied,
+    })
 }
 
 /// Model FLOPs per token of a sequence of `t` tokens: 2·params per matrix product pass plus
@@ -117,6 +143,11 @@ fn step_config(args: &Args) -> StepConfig {
         },
         kl: Some((KlEstimator::LowVarKl, 0.04)),
         micro_batch_tokens: args.sequences * args.seq_len,
+        activations: if args.recompute {
+            Activations::Recompute
+        } else {
+            Activations::Keep
+        },
         old_logprobs: OldLogprobs::Recompute,
         tis_cap: None,
         ..StepConfig::default()
@@ -139,7 +170,7 @@ fn run_steps<B: Backend>(
     config: &StepConfig,
     steps: usize,
     mut before_timed: impl FnMut(),
-) -> anyhow::Result<Vec<Timing>> {
+) -> Result<Vec<Timing>> {
     let mut optimizer = AdamW::new(policy, 0.01);
     let mut timings = Vec::new();
     for step in 0..=steps {
@@ -158,12 +189,11 @@ fn run_steps<B: Backend>(
         policy
             .backend
             .check()
-            .context("the step failed on the device")?;
+            .map_err(|e| format!("the step failed on the device: {e}"))?;
         let total = started.elapsed().as_secs_f64();
-        anyhow::ensure!(
-            metrics.updates == 1 && metrics.trained_tokens > 0,
-            "the step trained nothing: {metrics:?}"
-        );
+        ensure(metrics.updates == 1 && metrics.trained_tokens > 0, || {
+            format!("the step trained nothing: {metrics:?}")
+        })?;
         if step > 0 {
             timings.push(Timing {
                 logprobs: metrics.old_logprob_seconds,
@@ -198,7 +228,7 @@ fn peak_rss_bytes() -> u64 {
         .map_or(0, |kib| kib * 1024)
 }
 
-fn torch_rows(args: &Args, python: &PathBuf) -> anyhow::Result<Vec<Row>> {
+fn torch_rows(args: &Args, config: &ModelConfig, python: &PathBuf) -> Result<Vec<Row>> {
     let script = if args.torch_script.exists() {
         args.torch_script.clone()
     } else {
@@ -211,14 +241,15 @@ fn torch_rows(args: &Args, python: &PathBuf) -> anyhow::Result<Vec<Row>> {
         .args(["--sequences", &args.sequences.to_string()])
         .args(["--seq-len", &args.seq_len.to_string()])
         .args(["--prompt-len", &args.prompt_len.to_string()])
-        .args(["--layers", &args.layers.to_string()])
+        .args(["--model", &args.model])
+        .args(["--layers", &config.num_hidden_layers.to_string()])
         .args(["--steps", &args.steps.to_string()])
         .stderr(std::process::Stdio::inherit())
         .output()
-        .with_context(|| format!("running {}", script.display()))?;
-    if !output.status.success() {
-        bail!("{} failed ({})", script.display(), output.status);
-    }
+        .map_err(|e| format!("running {}: {e}", script.display()))?;
+    ensure(output.status.success(), || {
+        format!("{} failed ({})", script.display(), output.status)
+    })?;
     let mut rows = Vec::new();
     for line in String::from_utf8_lossy(&output.stdout).lines() {
         let Ok(row) = serde_json::from_str::<serde_json::Value>(line) else {
@@ -227,7 +258,7 @@ fn torch_rows(args: &Args, python: &PathBuf) -> anyhow::Result<Vec<Row>> {
         let field = |name: &str| {
             row[name]
                 .as_f64()
-                .with_context(|| format!("the PyTorch row lacks {name}: {line}"))
+                .ok_or_else(|| format!("the PyTorch row lacks {name}: {line}"))
         };
         rows.push(Row {
             name: format!("PyTorch {}", row["mode"].as_str().unwrap_or("?")),
@@ -236,29 +267,40 @@ fn torch_rows(args: &Args, python: &PathBuf) -> anyhow::Result<Vec<Row>> {
             peak_bytes: row["peak_bytes"].as_u64(),
         });
     }
-    anyhow::ensure!(!rows.is_empty(), "the PyTorch script printed no rows");
+    ensure(!rows.is_empty(), || {
+        "the PyTorch script printed no rows".into()
+    })?;
     Ok(rows)
 }
 
-fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    anyhow::ensure!(
-        args.prompt_len + 1 < args.seq_len,
-        "--prompt-len must leave a completion of at least 2 tokens in --seq-len"
-    );
-    anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
-    let config = qwen25_05b(args.layers);
+fn main() -> std::process::ExitCode {
+    match bench(&Args::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("arl-bench-train: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn bench(args: &Args) -> Result<()> {
+    ensure(args.prompt_len + 1 < args.seq_len, || {
+        "--prompt-len must leave a completion of at least 2 tokens in --seq-len".into()
+    })?;
+    ensure(args.steps > 0, || "--steps must be at least 1".into())?;
+    let config = qwen25(&args.model, args.layers)?;
     let started = Instant::now();
     let host = Model::<Cpu>::new(config.clone(), Weights::random(&config, 7, 0.02));
     let params = host.weights().parameter_count();
     eprintln!(
-        "random Qwen2.5-0.5B shapes, {} layers, {:.3}B parameters ({:.1} s)",
-        args.layers,
+        "random {} shapes, {} layers, {:.3}B parameters ({:.1} s)",
+        args.model,
+        config.num_hidden_layers,
         params as f64 / 1e9,
         started.elapsed().as_secs_f64()
     );
-    let samples = samples(&args, config.vocab_size);
-    let step = step_config(&args);
+    let samples = samples(args, config.vocab_size);
+    let step = step_config(args);
     let (timings, peak, device) = match args.device.as_str() {
         "cpu" => {
             let mut policy = host.clone();
@@ -266,11 +308,14 @@ fn main() -> anyhow::Result<()> {
             (
                 timings,
                 peak_rss_bytes(),
-                format!("CPU, {} threads", rayon::current_num_threads()),
+                format!(
+                    "CPU, {} threads",
+                    std::thread::available_parallelism().map_or(1, |n| n.get())
+                ),
             )
         }
         "cuda" => {
-            let gpu = arl_model::cuda::Cuda::new(0).context("opening GPU 0")?;
+            let gpu = arl_model::cuda::Cuda::new(0).map_err(|e| format!("opening GPU 0: {e}"))?;
             let device = gpu.info().name.clone();
             let mut policy = host.to_backend(gpu.clone());
             let reference = host.to_backend(gpu.clone());
@@ -284,7 +329,7 @@ fn main() -> anyhow::Result<()> {
             print_profile(&gpu.take_profile(), args.steps);
             (timings, gpu.peak_memory().unwrap_or(0) as u64, device)
         }
-        other => bail!("--device must be cpu or cuda, not {other:?}"),
+        other => return Err(format!("--device must be cpu or cuda, not {other:?}")),
     };
     let mut rows = vec![Row {
         name: "ARL".into(),
@@ -293,9 +338,9 @@ fn main() -> anyhow::Result<()> {
         peak_bytes: Some(peak),
     }];
     if let Some(python) = &args.torch_python {
-        rows.extend(torch_rows(&args, python)?);
+        rows.extend(torch_rows(args, &config, python)?);
     }
-    print_table(&args, &config, params, &device, &rows);
+    print_table(args, &config, params, &device, &rows);
     Ok(())
 }
 
@@ -328,11 +373,17 @@ fn print_table(args: &Args, config: &ModelConfig, params: usize, device: &str, r
     // The whole step: two forwards without gradients (old and reference) and a training pass.
     let whole = 2.0 * forward + train;
     println!(
-        "\nGRPO step, {} × {} tokens ({} prompt), {} layers, on {device}; MFU against {:.0} TFLOP/s\n",
+        "\nGRPO step, {} ({} layers{}), {} × {} tokens ({} prompt), on {device}; MFU against {:.0} TFLOP/s\n",
+        args.model,
+        config.num_hidden_layers,
+        if args.recompute {
+            ", activations recomputed"
+        } else {
+            ""
+        },
         args.sequences,
         args.seq_len,
         args.prompt_len,
-        args.layers,
         PEAK_BF16_FLOPS / 1e12
     );
     println!(
