@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
 /// The CUDA C source of every kernel.
@@ -107,6 +107,10 @@ pub struct Device {
     /// With `ARL_CUDA_PROFILE=1`: per kernel or product, (calls, seconds), each timed alone
     /// (the stream is drained before and after it, so the total runs slower than usual).
     pub(crate) profile: Option<Mutex<BTreeMap<&'static str, (u64, f64)>>>,
+    /// Small host tables uploaded lately (positions, RoPE frequencies, attention tile
+    /// tables), newest first: every layer of a pass asks for the same ones, and each host
+    /// upload can stall the stream.
+    pub(crate) tables: Mutex<Vec<(Vec<u32>, Arc<CudaSlice<u32>>)>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -250,6 +254,7 @@ impl Device {
             kernels,
             blas: Mutex::new(blas),
             fault: Mutex::new(None),
+            tables: Mutex::new(Vec::new()),
             profile: std::env::var_os("ARL_CUDA_PROFILE")
                 .is_some_and(|v| v == "1")
                 .then(|| Mutex::new(BTreeMap::new())),

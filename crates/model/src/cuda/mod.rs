@@ -247,6 +247,23 @@ impl Cuda {
         }
     }
 
+    /// A device copy of a small table, shared with the last callers that uploaded the same
+    /// values (32-bit words: i32 indices as they are, f32 as their bits).
+    fn upload_table(&self, host: &[u32]) -> Option<Arc<CudaSlice<u32>>> {
+        const KEPT: usize = 16;
+        let mut tables = self.device.tables.lock().ok()?;
+        if let Some(at) = tables.iter().position(|(values, _)| values == host) {
+            let hit = tables.remove(at);
+            let slice = hit.1.clone();
+            tables.insert(0, hit);
+            return Some(slice);
+        }
+        let slice = Arc::new(self.upload_any(host)?);
+        tables.insert(0, (host.to_vec(), slice.clone()));
+        tables.truncate(KEPT);
+        Some(slice)
+    }
+
     /// dst[at..at+len] = src[from..from+len] (device to device).
     fn copy_within(&self, dst: &mut GpuBuf, at: usize, src: &GpuBuf, from: usize, len: usize) {
         if len == 0 || !self.ok() || dst.slice.is_none() || src.slice.is_none() {
@@ -342,6 +359,12 @@ impl From<&f32> for Arg {
     }
 }
 
+impl<T> From<&Arc<CudaSlice<T>>> for Arg {
+    fn from(slice: &Arc<CudaSlice<T>>) -> Self {
+        Arg::from(&**slice)
+    }
+}
+
 impl<T> From<&CudaSlice<T>> for Arg {
     fn from(slice: &CudaSlice<T>) -> Self {
         Arg::Ptr(slice.device_ptr(slice.stream()).0)
@@ -385,11 +408,11 @@ fn columns(n: usize, c: usize) -> LaunchConfig {
 
 /// Per row of a packed batch: (first row of its sequence, its length), as the generic
 /// attention kernels read it.
-fn span_table(spans: &[Span]) -> Vec<i32> {
+fn span_table(spans: &[Span]) -> Vec<u32> {
     let mut table = Vec::new();
     for &(start, t) in spans {
         for _ in 0..t {
-            table.extend([start as i32, t as i32]);
+            table.extend([start as u32, t as u32]);
         }
     }
     table
@@ -397,11 +420,11 @@ fn span_table(spans: &[Span]) -> Vec<i32> {
 
 /// Per tile of `rows` consecutive rows of a sequence: (first row of the sequence, its
 /// length, first row of the tile within it), as the tensor-core attention kernels read it.
-fn tile_table(spans: &[Span], rows: usize) -> Vec<i32> {
+fn tile_table(spans: &[Span], rows: usize) -> Vec<u32> {
     let mut table = Vec::new();
     for &(start, t) in spans {
         for first in (0..t).step_by(rows) {
-            table.extend([start as i32, t as i32, first as i32]);
+            table.extend([start as u32, t as u32, first as u32]);
         }
     }
     table
@@ -709,8 +732,9 @@ impl Backend for Cuda {
         inv_freq: &[f32],
         sign: f32,
     ) {
-        let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-        let (Some(pos), Some(freq)) = (self.upload_any(&pos), self.upload_any(inv_freq)) else {
+        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let freq: Vec<u32> = inv_freq.iter().map(|f| f.to_bits()).collect();
+        let (Some(pos), Some(freq)) = (self.upload_table(&pos), self.upload_table(&freq)) else {
             return;
         };
         let half = inv_freq.len();
@@ -766,7 +790,7 @@ impl Backend for Cuda {
         let (h, kvh) = (heads as i32, kv_heads as i32);
         if let Some(flash) = flash(hd) {
             let table = tile_table(spans, FLASH_QUERY_ROWS);
-            let Some(tiles) = self.upload_any(&table) else {
+            let Some(tiles) = self.upload_table(&table) else {
                 return;
             };
             self.launch(
@@ -776,7 +800,7 @@ impl Backend for Cuda {
             );
             return;
         }
-        let Some(table) = self.upload_any(&span_table(spans)) else {
+        let Some(table) = self.upload_table(&span_table(spans)) else {
             return;
         };
         let n: usize = spans.iter().map(|s| s.1).sum();
@@ -825,9 +849,10 @@ impl Backend for Cuda {
         if let Some(flash) = flash(hd) {
             let query_table = tile_table(spans, FLASH_QUERY_ROWS);
             let key_table = tile_table(spans, flash.key_rows);
-            let (Some(query_tiles), Some(key_tiles)) =
-                (self.upload_any(&query_table), self.upload_any(&key_table))
-            else {
+            let (Some(query_tiles), Some(key_tiles)) = (
+                self.upload_table(&query_table),
+                self.upload_table(&key_table),
+            ) else {
                 return;
             };
             self.launch(
@@ -842,7 +867,7 @@ impl Backend for Cuda {
             );
             return;
         }
-        let Some(table) = self.upload_any(&span_table(spans)) else {
+        let Some(table) = self.upload_table(&span_table(spans)) else {
             return;
         };
         self.launch(
