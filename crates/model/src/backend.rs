@@ -43,6 +43,26 @@ pub struct AdamStep {
     pub correction2: f32,
 }
 
+/// One product of [`Backend::matmul_forward_shared`]: out (N, O) = x · Wᵀ + b.
+#[derive(Debug)]
+pub struct Product<'a, Buf> {
+    pub out: &'a mut Buf,
+    pub w: &'a Buf,
+    pub bias: Option<&'a Buf>,
+    pub o: usize,
+}
+
+/// One product's gradients in [`Backend::matmul_backward_shared`]: dw (O, I), db (O) from
+/// its output's gradient dout (N, O).
+#[derive(Debug)]
+pub struct ProductGrad<'a, Buf> {
+    pub dw: &'a mut Buf,
+    pub db: Option<&'a mut Buf>,
+    pub dout: &'a Buf,
+    pub w: &'a Buf,
+    pub o: usize,
+}
+
 /// Why a backend's queued work failed, in words that name the cause and what to do.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
@@ -165,6 +185,34 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         bias: Option<&Self::Buf>,
         n: usize,
     );
+    /// Several products of one input x (N, I) — q, k and v of one normed hidden state; gate
+    /// and up — each overwriting its `out`. By default one `matmul_forward` each; a backend
+    /// may read (or convert) x once for all of them.
+    fn matmul_forward_shared(
+        &self,
+        x: &Self::Buf,
+        n: usize,
+        i: usize,
+        products: &mut [Product<'_, Self::Buf>],
+    ) {
+        for p in products {
+            self.matmul_forward(p.out, x, p.w, p.bias, n, i, p.o);
+        }
+    }
+    /// The backward of [`Self::matmul_forward_shared`]: dx += Σ dout·W over the products,
+    /// and each product's dw, db as `matmul_backward` gives them. Accumulates.
+    fn matmul_backward_shared(
+        &self,
+        dx: &mut Self::Buf,
+        x: &Self::Buf,
+        n: usize,
+        i: usize,
+        grads: &mut [ProductGrad<'_, Self::Buf>],
+    ) {
+        for g in grads {
+            self.matmul_backward(dx, g.dw, g.db.as_deref_mut(), g.dout, x, g.w, n, i, g.o);
+        }
+    }
     /// dx += dout · W; dw += doutᵀ · x; db += Σ_rows dout. Accumulates.
     #[allow(clippy::too_many_arguments)]
     fn matmul_backward(

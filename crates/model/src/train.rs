@@ -6,9 +6,10 @@
 //! tokens[..=t])`. The vocabulary projection is the backend's fused head
 //! ([`Backend::head_forward`]), so all (N, V) logits never exist at once.
 
-use crate::backend::{AdamStep, Backend, Span};
+use crate::backend::{AdamStep, Backend, Product, ProductGrad, Span};
 use crate::model::Model;
 use crate::ops::Cpu;
+use crate::tensor::Tensor;
 use crate::weights::Weights;
 
 struct LayerActs<B: Backend> {
@@ -246,23 +247,30 @@ impl<B: Backend> Model<B> {
         let (mut h1, mut rstd1) = (be.zeros(n * c), be.zeros(n));
         be.rmsnorm_forward(&mut h1, &mut rstd1, &x_in, &w.attn_norm.data, eps);
         let (mut q, mut k, mut v) = (be.zeros(n * qd), be.zeros(n * kv), be.zeros(n * kv));
-        be.matmul_forward(
-            &mut q,
+        be.matmul_forward_shared(
             &h1,
-            &w.wq.data,
-            w.bq.as_ref().map(|b| &b.data),
             n,
             c,
-            qd,
-        );
-        be.matmul_forward(
-            &mut k,
-            &h1,
-            &w.wk.data,
-            w.bk.as_ref().map(|b| &b.data),
-            n,
-            c,
-            kv,
+            &mut [
+                Product {
+                    out: &mut q,
+                    w: &w.wq.data,
+                    bias: bias(&w.bq),
+                    o: qd,
+                },
+                Product {
+                    out: &mut k,
+                    w: &w.wk.data,
+                    bias: bias(&w.bk),
+                    o: kv,
+                },
+                Product {
+                    out: &mut v,
+                    w: &w.wv.data,
+                    bias: bias(&w.bv),
+                    o: kv,
+                },
+            ],
         );
         let qk_norm = match (&w.q_norm, &w.k_norm) {
             (Some(qn), Some(kn)) => {
@@ -281,15 +289,6 @@ impl<B: Backend> Model<B> {
             }
             _ => None,
         };
-        be.matmul_forward(
-            &mut v,
-            &h1,
-            &w.wv.data,
-            w.bv.as_ref().map(|b| &b.data),
-            n,
-            c,
-            kv,
-        );
         be.rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
         be.rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
         if rope_factor != 1.0 {
@@ -319,8 +318,25 @@ impl<B: Backend> Model<B> {
             be.zeros(n * i_dim),
             be.zeros(n * i_dim),
         );
-        be.matmul_forward(&mut gate, &h2, &w.w_gate.data, None, n, c, i_dim);
-        be.matmul_forward(&mut up, &h2, &w.w_up.data, None, n, c, i_dim);
+        be.matmul_forward_shared(
+            &h2,
+            n,
+            c,
+            &mut [
+                Product {
+                    out: &mut gate,
+                    w: &w.w_gate.data,
+                    bias: None,
+                    o: i_dim,
+                },
+                Product {
+                    out: &mut up,
+                    w: &w.w_up.data,
+                    bias: None,
+                    o: i_dim,
+                },
+            ],
+        );
         be.swiglu_forward(&mut act, &gate, &up);
         let mut x = be.zeros(n * c);
         be.matmul_forward(&mut x, &act, &w.w_down.data, None, n, i_dim, c);
@@ -434,27 +450,27 @@ impl<B: Backend> Model<B> {
             let (mut d_gate, mut d_up) = (be.zeros(n * i_dim), be.zeros(n * i_dim));
             be.swiglu_backward(&mut d_gate, &mut d_up, &d_act, &acts.gate, &acts.up);
             let mut d_h2 = be.zeros(n * c);
-            be.matmul_backward(
+            be.matmul_backward_shared(
                 &mut d_h2,
-                &mut g.w_gate.data,
-                None,
-                &d_gate,
                 &acts.h2,
-                &w.w_gate.data,
                 n,
                 c,
-                i_dim,
-            );
-            be.matmul_backward(
-                &mut d_h2,
-                &mut g.w_up.data,
-                None,
-                &d_up,
-                &acts.h2,
-                &w.w_up.data,
-                n,
-                c,
-                i_dim,
+                &mut [
+                    ProductGrad {
+                        dw: &mut g.w_gate.data,
+                        db: None,
+                        dout: &d_gate,
+                        w: &w.w_gate.data,
+                        o: i_dim,
+                    },
+                    ProductGrad {
+                        dw: &mut g.w_up.data,
+                        db: None,
+                        dout: &d_up,
+                        w: &w.w_up.data,
+                        o: i_dim,
+                    },
+                ],
             );
             // dx now means ∂L/∂x_mid: the residual path plus the norm's path.
             be.rmsnorm_backward(
@@ -532,14 +548,35 @@ impl<B: Backend> Model<B> {
                 (dq, dk) = (dq_pre, dk_pre);
             }
             let mut d_h1 = be.zeros(n * c);
-            for (d_out, dw, db, wt, o) in [
-                (&dq, &mut g.wq.data, g.bq.as_mut(), &w.wq.data, qd),
-                (&dk, &mut g.wk.data, g.bk.as_mut(), &w.wk.data, kv),
-                (&dv, &mut g.wv.data, g.bv.as_mut(), &w.wv.data, kv),
-            ] {
-                let db = db.map(|b| &mut b.data);
-                be.matmul_backward(&mut d_h1, dw, db, d_out, &acts.h1, wt, n, c, o);
-            }
+            be.matmul_backward_shared(
+                &mut d_h1,
+                &acts.h1,
+                n,
+                c,
+                &mut [
+                    ProductGrad {
+                        dw: &mut g.wq.data,
+                        db: bias_grad(&mut g.bq),
+                        dout: &dq,
+                        w: &w.wq.data,
+                        o: qd,
+                    },
+                    ProductGrad {
+                        dw: &mut g.wk.data,
+                        db: bias_grad(&mut g.bk),
+                        dout: &dk,
+                        w: &w.wk.data,
+                        o: kv,
+                    },
+                    ProductGrad {
+                        dw: &mut g.wv.data,
+                        db: bias_grad(&mut g.bv),
+                        dout: &dv,
+                        w: &w.wv.data,
+                        o: kv,
+                    },
+                ],
+            );
             be.rmsnorm_backward(
                 &mut dx,
                 &mut g.attn_norm.data,
@@ -593,6 +630,16 @@ impl<B: Backend> Model<B> {
             self.backend.scale(&mut t.data, factor);
         }
     }
+}
+
+/// A projection's bias, where it has one (Qwen2's q, k, v).
+fn bias<S>(b: &Option<Tensor<S>>) -> Option<&S> {
+    b.as_ref().map(|b| &b.data)
+}
+
+/// The gradient of a projection's bias, where it has one.
+fn bias_grad<S>(b: &mut Option<Tensor<S>>) -> Option<&mut S> {
+    b.as_mut().map(|b| &mut b.data)
 }
 
 /// Per-sequence values laid out as one value per row (0 on rows without a value).

@@ -33,7 +33,8 @@ impl Cuda {
         if let Some(slice) = &copy.slice {
             let out = slice.device_ptr(&self.device.stream).0;
             let (xp, len64) = (x.ptr(offset), len as i64);
-            self.launch("to_bf16", super::elementwise(len), args![out, xp, len64]);
+            let cfg = super::elementwise(len.div_ceil(4));
+            self.launch("to_bf16", cfg, args![out, xp, len64]);
         }
         copy
     }
@@ -74,7 +75,7 @@ impl Cuda {
         let (xp, len64) = (x.ptr(offset), len as i64);
         self.launch(
             "to_bf16_split",
-            super::elementwise(len),
+            super::elementwise(len.div_ceil(4)),
             args![hp, lp, xp, len64],
         );
         (hi, lo)
@@ -92,23 +93,6 @@ impl Cuda {
     ) {
         self.gemm_dx(dx, &dout.0, w, n, i, o);
         self.gemm_dx(dx, &dout.1, w, n, i, o);
-    }
-
-    /// out (N, O) = x[x_offset..] (N, I) · Wᵀ. Overwrites.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn gemm_forward(
-        &self,
-        out: u64,
-        x: &GpuBuf,
-        x_offset: usize,
-        w: &GpuBuf,
-        n: usize,
-        i: usize,
-        o: usize,
-    ) {
-        let x_bf = self.bf16(x, x_offset, n * i);
-        let w_bf = self.bf16(w, 0, o * i);
-        self.gemm_bf16_forward(out, &x_bf, &w_bf, n, i, o);
     }
 
     /// out (N, O) = x (N, I) · Wᵀ from bf16 operands. Overwrites.

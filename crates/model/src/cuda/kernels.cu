@@ -46,20 +46,60 @@ __device__ bf16_bits round_bf16(float v) {
     return (bf16_bits)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// out (len) = bf16(x).
+// Two floats as bf16x2 (round to nearest even): lo in the low half (the lower address or
+// column), hi in the high half.
+__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
+    unsigned int d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// The two floats a bf16x2 word holds.
+__device__ __forceinline__ float low_half(unsigned int w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float high_half(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
+
+// Elementwise kernels take 4 elements per thread: one 16-byte load per operand where the
+// quad is whole and aligned (the memory-bound common case), one element at a time otherwise.
+__device__ __forceinline__ bool aligned16(const void* p) { return (((unsigned long long)p) & 15) == 0; }
+
+// out (len) = bf16(x). Threads: ceil(len / 4).
 extern "C" __global__ void to_bf16(bf16_bits* out, const float* x, long long len) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i < len) out[i] = round_bf16(x[i]);
+    long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x);
+    if (i >= len) return;
+    if (i + 4 <= len && aligned16(x + i) && (((unsigned long long)(out + i)) & 7) == 0) {
+        float4 v = *(const float4*)(x + i);
+        uint2 w;
+        w.x = pack2(v.x, v.y);
+        w.y = pack2(v.z, v.w);
+        *(uint2*)(out + i) = w;
+        return;
+    }
+    for (long long j = i; j < len && j < i + 4; j++) out[j] = round_bf16(x[j]);
 }
 
 // x ≈ hi + lo, both bf16 (16 significant bits together): gradients flowing back through
 // the layers keep f32-like precision in products that otherwise take one bf16 operand.
+// Threads: ceil(len / 4).
 extern "C" __global__ void to_bf16_split(bf16_bits* hi, bf16_bits* lo, const float* x, long long len) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x);
     if (i >= len) return;
-    bf16_bits h = round_bf16(x[i]);
-    hi[i] = h;
-    lo[i] = round_bf16(x[i] - __uint_as_float(((unsigned int)h) << 16));
+    if (i + 4 <= len && aligned16(x + i) && (((unsigned long long)(hi + i)) & 7) == 0 &&
+        (((unsigned long long)(lo + i)) & 7) == 0) {
+        float4 v = *(const float4*)(x + i);
+        uint2 h, l;
+        h.x = pack2(v.x, v.y);
+        h.y = pack2(v.z, v.w);
+        l.x = pack2(v.x - low_half(h.x), v.y - high_half(h.x));
+        l.y = pack2(v.z - low_half(h.y), v.w - high_half(h.y));
+        *(uint2*)(hi + i) = h;
+        *(uint2*)(lo + i) = l;
+        return;
+    }
+    for (long long j = i; j < len && j < i + 4; j++) {
+        bf16_bits top = round_bf16(x[j]);
+        hi[j] = top;
+        lo[j] = round_bf16(x[j] - __uint_as_float(((unsigned int)top) << 16));
+    }
 }
 
 extern "C" __global__ void add_assign(float* x, const float* y, long long len) {
@@ -190,20 +230,49 @@ extern "C" __global__ void rope_apply(float* x, const int* positions, const floa
 
 // ---- SwiGLU ----
 
+__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// out = silu(gate) · up. Threads: ceil(len / 4).
 extern "C" __global__ void swiglu_forward(float* out, const float* gate, const float* up, long long len) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x);
     if (i >= len) return;
-    float g = gate[i];
-    out[i] = g / (1.0f + expf(-g)) * up[i];
+    if (i + 4 <= len && aligned16(out + i) && aligned16(gate + i) && aligned16(up + i)) {
+        float4 g = *(const float4*)(gate + i), u = *(const float4*)(up + i), o;
+        o.x = silu_times(g.x, u.x);
+        o.y = silu_times(g.y, u.y);
+        o.z = silu_times(g.z, u.z);
+        o.w = silu_times(g.w, u.w);
+        *(float4*)(out + i) = o;
+        return;
+    }
+    for (long long j = i; j < len && j < i + 4; j++) out[j] = silu_times(gate[j], up[j]);
 }
 
-extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up, long long len) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= len) return;
-    float g = gate[i], d = dout[i];
+// dgate += d·up·σ(g)(1 + g(1 − σ(g))), dup += d·silu(g).
+__device__ __forceinline__ void swiglu_grad(float& dg, float& du, float d, float g, float u) {
     float sig = 1.0f / (1.0f + expf(-g));
-    dup[i] += d * g * sig;
-    dgate[i] += d * up[i] * (sig * (1.0f + g * (1.0f - sig)));
+    du += d * g * sig;
+    dg += d * u * (sig * (1.0f + g * (1.0f - sig)));
+}
+
+// Threads: ceil(len / 4).
+extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up,
+                                           long long len) {
+    long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x);
+    if (i >= len) return;
+    if (i + 4 <= len && aligned16(dgate + i) && aligned16(dup + i) && aligned16(dout + i) && aligned16(gate + i) &&
+        aligned16(up + i)) {
+        float4 dg = *(float4*)(dgate + i), du = *(float4*)(dup + i);
+        float4 d = *(const float4*)(dout + i), g = *(const float4*)(gate + i), u = *(const float4*)(up + i);
+        swiglu_grad(dg.x, du.x, d.x, g.x, u.x);
+        swiglu_grad(dg.y, du.y, d.y, g.y, u.y);
+        swiglu_grad(dg.z, du.z, d.z, g.z, u.z);
+        swiglu_grad(dg.w, du.w, d.w, g.w, u.w);
+        *(float4*)(dgate + i) = dg;
+        *(float4*)(dup + i) = du;
+        return;
+    }
+    for (long long j = i; j < len && j < i + 4; j++) swiglu_grad(dgate[j], dup[j], dout[j], gate[j], up[j]);
 }
 
 // ---- causal grouped-query attention over packed spans, flash-style ----
@@ -375,13 +444,6 @@ extern "C" __global__ void attention_backward_dkv(float* dk, float* dv, const fl
 // step: P or dS never leave registers between their two products.
 // Tiles are staged in shared memory as bf16 with rows padded by 8 (bank spread).
 // A tile table row per block: (first row of the sequence, its length, first row of the tile).
-
-// Two floats as bf16x2: lo in the low half (the lower column), hi in the high half.
-__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
-    unsigned int d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
 
 __device__ __forceinline__ void mma16816(float* c, const unsigned int* a, const unsigned int* b) {
     asm volatile(
@@ -774,6 +836,19 @@ extern "C" __global__ void attention_cached(float* out, float* scores, const flo
 
 // ---- the vocabulary head, on a chunk of R rows of logits (R, V) ----
 
+// One logit into a thread's running (max m, Σ e^(z−m), Σ e^(z−m)·z).
+__device__ __forceinline__ void softmax_stats_add(float& m, float& sum, float& weighted, float x) {
+    if (x > m) {
+        float corr = expf(m - x);
+        sum *= corr;
+        weighted *= corr;
+        m = x;
+    }
+    float e = expf(x - m);
+    sum += e;
+    weighted += e * x;
+}
+
 // lse, entropy, logprob (rows r0..r0+R) from logits, in one read of each row: every thread
 // keeps a running max m, Σ e^(z−m) and Σ e^(z−m)·z, rescaled when m grows; the block then
 // combines them (H = lse − Σ p z). One block per row. target −1 = none.
@@ -783,17 +858,23 @@ extern "C" __global__ void head_stats(float* lse, float* entropy, float* logprob
     const float* z = logits + (long long)blockIdx.x * vocab;
     int r = r0 + blockIdx.x;
     float m = NEG_INF, sum = 0.f, weighted = 0.f;
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-        float x = z[j];
-        if (x > m) {
-            float corr = expf(m - x);
-            sum *= corr;
-            weighted *= corr;
-            m = x;
+    if ((vocab & 3) == 0 && aligned16(z)) {
+        // Four logits per load; the running max moves at most once per quad.
+        for (int j = 4 * threadIdx.x; j < vocab; j += 4 * blockDim.x) {
+            float4 v = *(const float4*)(z + j);
+            float top = fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w));
+            if (top > m) {
+                float corr = expf(m - top);
+                sum *= corr;
+                weighted *= corr;
+                m = top;
+            }
+            float e0 = expf(v.x - m), e1 = expf(v.y - m), e2 = expf(v.z - m), e3 = expf(v.w - m);
+            sum += (e0 + e1) + (e2 + e3);
+            weighted += (e0 * v.x + e1 * v.y) + (e2 * v.z + e3 * v.w);
         }
-        float e = expf(x - m);
-        sum += e;
-        weighted += e * x;
+    } else {
+        for (int j = threadIdx.x; j < vocab; j += blockDim.x) softmax_stats_add(m, sum, weighted, z[j]);
     }
     float row_max = block_max(m, shared);
     float corr = m == NEG_INF ? 0.f : expf(m - row_max);

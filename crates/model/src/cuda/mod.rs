@@ -28,7 +28,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 pub use device::{CudaError, Device, DeviceInfo, MIN_COMPUTE_CAPABILITY, devices};
 
-use crate::backend::{AdamStep, Backend, Span};
+use crate::backend::{AdamStep, Backend, Product, ProductGrad, Span};
 use crate::ops::PackedMatrix;
 
 const BLOCK: u32 = 256;
@@ -675,10 +675,25 @@ impl Backend for Cuda {
         i: usize,
         o: usize,
     ) {
-        self.gemm_forward(out.ptr(0), x, 0, w, n, i, o);
-        if let Some(bias) = bias {
-            let (op, bp, n32, o32) = (out.ptr(0), bias.ptr(0), n as i32, o as i32);
-            self.launch("add_bias", elementwise(n * o), args![op, bp, n32, o32]);
+        self.matmul_forward_shared(x, n, i, &mut [Product { out, w, bias, o }]);
+    }
+
+    fn matmul_forward_shared(
+        &self,
+        x: &GpuBuf,
+        n: usize,
+        i: usize,
+        products: &mut [Product<'_, GpuBuf>],
+    ) {
+        // x goes to bf16 once for every product that reads it.
+        let x_bf = self.bf16(x, 0, n * i);
+        for p in products {
+            let w_bf = self.bf16(p.w, 0, p.o * i);
+            self.gemm_bf16_forward(p.out.ptr(0), &x_bf, &w_bf, n, i, p.o);
+            if let Some(bias) = p.bias {
+                let (op, bp, n32, o32) = (p.out.ptr(0), bias.ptr(0), n as i32, p.o as i32);
+                self.launch("add_bias", elementwise(n * p.o), args![op, bp, n32, o32]);
+            }
         }
     }
 
@@ -705,22 +720,40 @@ impl Backend for Cuda {
         i: usize,
         o: usize,
     ) {
-        // The input gradient carries dout to every earlier layer, so dout keeps 16
-        // significant bits there (hi + lo); the weight gradient ends here and takes bf16.
-        let dout_bf = self.bf16_split(dout, 0, n * o);
+        let grad = ProductGrad { dw, db, dout, w, o };
+        self.matmul_backward_shared(dx, x, n, i, &mut [grad]);
+    }
+
+    fn matmul_backward_shared(
+        &self,
+        dx: &mut GpuBuf,
+        x: &GpuBuf,
+        n: usize,
+        i: usize,
+        grads: &mut [ProductGrad<'_, GpuBuf>],
+    ) {
         let x_bf = self.bf16(x, 0, n * i);
-        let w_bf = self.bf16(w, 0, o * i);
-        self.gemm_dx_split(dx.ptr(0), &dout_bf, &w_bf, n, i, o);
-        self.gemm_dw(dw.ptr(0), &dout_bf.0, &x_bf, n, i, o);
-        if let Some(db) = db {
-            let (dbp, dp, n32, o32, rows) = (
-                db.ptr(0),
-                dout.ptr(0),
-                n as i32,
-                o as i32,
-                ROWS_PER_BLOCK as i32,
-            );
-            self.launch("column_sums", columns(n, o), args![dbp, dp, n32, o32, rows]);
+        for g in grads {
+            // The input gradient carries dout to every earlier layer, so dout keeps 16
+            // significant bits there (hi + lo); the weight gradient ends here and takes bf16.
+            let dout_bf = self.bf16_split(g.dout, 0, n * g.o);
+            let w_bf = self.bf16(g.w, 0, g.o * i);
+            self.gemm_dx_split(dx.ptr(0), &dout_bf, &w_bf, n, i, g.o);
+            self.gemm_dw(g.dw.ptr(0), &dout_bf.0, &x_bf, n, i, g.o);
+            if let Some(db) = g.db.as_deref_mut() {
+                let (dbp, dp, n32, o32, rows) = (
+                    db.ptr(0),
+                    g.dout.ptr(0),
+                    n as i32,
+                    g.o as i32,
+                    ROWS_PER_BLOCK as i32,
+                );
+                self.launch(
+                    "column_sums",
+                    columns(n, g.o),
+                    args![dbp, dp, n32, o32, rows],
+                );
+            }
         }
     }
 
@@ -748,7 +781,8 @@ impl Backend for Cuda {
 
     fn swiglu_forward(&self, out: &mut GpuBuf, gate: &GpuBuf, up: &GpuBuf) {
         let (o, g, u, len) = (out.ptr(0), gate.ptr(0), up.ptr(0), gate.len as i64);
-        self.launch("swiglu_forward", elementwise(gate.len), args![o, g, u, len]);
+        let cfg = elementwise(gate.len.div_ceil(4));
+        self.launch("swiglu_forward", cfg, args![o, g, u, len]);
     }
 
     fn swiglu_backward(
@@ -769,7 +803,7 @@ impl Backend for Cuda {
         );
         self.launch(
             "swiglu_backward",
-            elementwise(gate.len),
+            elementwise(gate.len.div_ceil(4)),
             args![dg, du, d, g, u, len],
         );
     }
