@@ -442,7 +442,8 @@ extern "C" __global__ void attention_backward_dkv(float* dk, float* dv, const fl
 //   C (16×8, f32):        c[0..1] = (g, 2c..2c+1), c[2..3] = (g+8, 2c..2c+1)
 // Two adjacent C tiles of a row block are, packed to bf16, the A fragment of a 16-wide k
 // step: P or dS never leave registers between their two products.
-// Tiles are staged in shared memory as bf16 with rows padded by 8 (bank spread).
+// q, k, v and dout arrive as bf16 (converted once per call, not once per block); tiles are
+// staged in shared memory with rows padded by 8 (bank spread).
 // A tile table row per block: (first row of the sequence, its length, first row of the tile).
 
 __device__ __forceinline__ void mma16816(float* c, const unsigned int* a, const unsigned int* b) {
@@ -485,25 +486,28 @@ __device__ __forceinline__ void c_to_a(unsigned int* a, const float* c0, const f
     a[3] = pack2(c1[2], c1[3]);
 }
 
-// rows × HD floats (row r at src + r·src_stride; rows ≥ valid are zero) → bf16 tile.
+// rows × HD bf16 values (row r at src + r·src_stride; rows ≥ valid are zero) → a shared
+// tile, 8 values (16 bytes) per load.
 template <int HD>
-__device__ __forceinline__ void stage(bf16_bits* s, const float* src, long long src_stride, int rows, int valid) {
+__device__ __forceinline__ void stage(bf16_bits* s, const bf16_bits* src, long long src_stride, int rows, int valid) {
     const int stride = HD + 8;
-    for (int idx = threadIdx.x; idx < rows * (HD / 4); idx += blockDim.x) {
-        int r = idx / (HD / 4), c4 = (idx % (HD / 4)) * 4;
-        float4 x;
-        x.x = x.y = x.z = x.w = 0.f;
-        if (r < valid) x = *(const float4*)(src + r * src_stride + c4);
-        unsigned int* d = (unsigned int*)(s + r * stride + c4);
-        d[0] = pack2(x.x, x.y);
-        d[1] = pack2(x.z, x.w);
+    for (int idx = threadIdx.x; idx < rows * (HD / 8); idx += blockDim.x) {
+        int r = idx / (HD / 8), c8 = (idx % (HD / 8)) * 8;
+        uint4 x;
+        x.x = x.y = x.z = x.w = 0u;
+        if (r < valid) x = *(const uint4*)(src + r * src_stride + c8);
+        unsigned int* d = (unsigned int*)(s + r * stride + c8);
+        d[0] = x.x;
+        d[1] = x.y;
+        d[2] = x.z;
+        d[3] = x.w;
     }
 }
 
 // The forward. Block: 4 warps × 16 query rows of one head; keys in blocks of 64.
 // Per row: running max m and sum l of 2^(s·scale·log2e − m); out = Σ p v / l.
 template <int HD>
-__device__ void flash_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+__device__ void flash_forward(float* out, float* lse, const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,
                               const int* tiles, int heads, int kv_heads) {
     const int BN = 64, S = HD + 8;
     __shared__ bf16_bits ks[BN * S];  // also stages the query tile (BN = 64 rows)
@@ -596,8 +600,8 @@ __device__ void flash_forward(float* out, float* lse, const float* q, const floa
 
 // dq += Σ_j dS_ij k_j · (1/√hd), dS = P ∘ (dO·Vᵀ − D). Blocks as the forward's.
 template <int HD>
-__device__ void flash_backward_dq(float* dq, const float* dout, const float* lse, const float* q, const float* k,
-                                  const float* v, const float* dot, const int* tiles, int heads, int kv_heads) {
+__device__ void flash_backward_dq(float* dq, const bf16_bits* dout, const float* lse, const bf16_bits* q, const bf16_bits* k,
+                                  const bf16_bits* v, const float* dot, const int* tiles, int heads, int kv_heads) {
     const int BN = HD == 128 ? 32 : 64, S = HD + 8;
     __shared__ bf16_bits ks[BN * S];
     __shared__ bf16_bits vs[BN * S];
@@ -675,8 +679,8 @@ __device__ void flash_backward_dq(float* dq, const float* dout, const float* lse
 // group and every query row at or after the tile's first key, BQ query rows at a time:
 // Pᵀ = 2^(K·Qᵀ·scale − lse), dV += Pᵀ·dO, dSᵀ = Pᵀ ∘ (V·dOᵀ − D), dK += dSᵀ·Q.
 template <int HD, int WARPS, int BQ>
-__device__ void flash_backward_dkv(float* dk, float* dv, const float* dout, const float* lse, const float* q,
-                                   const float* k, const float* v, const float* dot, const int* tiles, int heads,
+__device__ void flash_backward_dkv(float* dk, float* dv, const bf16_bits* dout, const float* lse, const bf16_bits* q,
+                                   const bf16_bits* k, const bf16_bits* v, const float* dot, const int* tiles, int heads,
                                    int kv_heads) {
     const int BK = 16 * WARPS, S = HD + 8;
     __shared__ bf16_bits ks[BK * S];
@@ -761,36 +765,36 @@ __device__ void flash_backward_dkv(float* dk, float* dv, const float* dout, cons
 // Entry points: head size 64 with 4 warps of keys and 64 query rows per dk/dv step; 128 with 2
 // and 32 (register and shared-memory room for its wider accumulators).
 
-extern "C" __global__ void __launch_bounds__(128) flash_forward_64(float* out, float* lse, const float* q, const float* k,
-                                                                   const float* v, const int* tiles, int heads, int kv_heads) {
+extern "C" __global__ void __launch_bounds__(128) flash_forward_64(float* out, float* lse, const bf16_bits* q, const bf16_bits* k,
+                                                                   const bf16_bits* v, const int* tiles, int heads, int kv_heads) {
     flash_forward<64>(out, lse, q, k, v, tiles, heads, kv_heads);
 }
 
-extern "C" __global__ void __launch_bounds__(128) flash_backward_dq_64(float* dq, const float* dout, const float* lse, const float* q,
-                                                                       const float* k, const float* v, const float* dot,
+extern "C" __global__ void __launch_bounds__(128) flash_backward_dq_64(float* dq, const bf16_bits* dout, const float* lse, const bf16_bits* q,
+                                                                       const bf16_bits* k, const bf16_bits* v, const float* dot,
                                                                        const int* tiles, int heads, int kv_heads) {
     flash_backward_dq<64>(dq, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
-extern "C" __global__ void __launch_bounds__(128) flash_backward_dkv_64(float* dk, float* dv, const float* dout, const float* lse,
-                                                                       const float* q, const float* k, const float* v,
+extern "C" __global__ void __launch_bounds__(128) flash_backward_dkv_64(float* dk, float* dv, const bf16_bits* dout, const float* lse,
+                                                                       const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,
                                                                        const float* dot, const int* tiles, int heads, int kv_heads) {
     flash_backward_dkv<64, 4, 64>(dk, dv, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
-extern "C" __global__ void __launch_bounds__(128) flash_forward_128(float* out, float* lse, const float* q, const float* k,
-                                                                   const float* v, const int* tiles, int heads, int kv_heads) {
+extern "C" __global__ void __launch_bounds__(128) flash_forward_128(float* out, float* lse, const bf16_bits* q, const bf16_bits* k,
+                                                                   const bf16_bits* v, const int* tiles, int heads, int kv_heads) {
     flash_forward<128>(out, lse, q, k, v, tiles, heads, kv_heads);
 }
 
-extern "C" __global__ void __launch_bounds__(128) flash_backward_dq_128(float* dq, const float* dout, const float* lse, const float* q,
-                                                                       const float* k, const float* v, const float* dot,
+extern "C" __global__ void __launch_bounds__(128) flash_backward_dq_128(float* dq, const bf16_bits* dout, const float* lse, const bf16_bits* q,
+                                                                       const bf16_bits* k, const bf16_bits* v, const float* dot,
                                                                        const int* tiles, int heads, int kv_heads) {
     flash_backward_dq<128>(dq, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
-extern "C" __global__ void __launch_bounds__(64) flash_backward_dkv_128(float* dk, float* dv, const float* dout, const float* lse,
-                                                                       const float* q, const float* k, const float* v,
+extern "C" __global__ void __launch_bounds__(64) flash_backward_dkv_128(float* dk, float* dv, const bf16_bits* dout, const float* lse,
+                                                                       const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,
                                                                        const float* dot, const int* tiles, int heads, int kv_heads) {
     flash_backward_dkv<128, 2, 32>(dk, dv, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }

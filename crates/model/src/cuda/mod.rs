@@ -827,6 +827,13 @@ impl Backend for Cuda {
             let Some(tiles) = self.upload_table(&table) else {
                 return;
             };
+            // The tensor-core kernels read bf16 operands: converted once here, not per block.
+            let (qb, kb, vb) = (
+                self.bf16(q, 0, q.len),
+                self.bf16(k, 0, k.len),
+                self.bf16(v, 0, v.len),
+            );
+            let (qp, kp, vp) = (qb.ptr(self), kb.ptr(self), vb.ptr(self));
             self.launch(
                 flash.forward,
                 per_tile(table.len() / 3, heads, FLASH_QUERY_ROWS),
@@ -889,6 +896,13 @@ impl Backend for Cuda {
             ) else {
                 return;
             };
+            let (qb, kb, vb, db) = (
+                self.bf16(q, 0, q.len),
+                self.bf16(k, 0, k.len),
+                self.bf16(v, 0, v.len),
+                self.bf16(dout, 0, dout.len),
+            );
+            let (qp, kp, vp, dp) = (qb.ptr(self), kb.ptr(self), vb.ptr(self), db.ptr(self));
             self.launch(
                 flash.backward_dq,
                 per_tile(query_table.len() / 3, heads, FLASH_QUERY_ROWS),
