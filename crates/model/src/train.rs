@@ -289,8 +289,8 @@ impl<B: Backend> Model<B> {
             }
             _ => None,
         };
-        be.rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
-        be.rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
+        be.rope_apply(&mut q, heads, positions, &self.inv_freq, 1.0);
+        be.rope_apply(&mut k, kv_heads, positions, &self.inv_freq, 1.0);
         if rope_factor != 1.0 {
             // transformers scales cos and sin (YaRN's mscale): the rotated q and k.
             be.scale(&mut q, rope_factor);
@@ -303,7 +303,7 @@ impl<B: Backend> Model<B> {
             &q,
             &k,
             &v,
-            &spans,
+            spans,
             heads,
             kv_heads,
             hd,

@@ -110,8 +110,11 @@ pub struct Device {
     /// Small host tables uploaded lately (positions, RoPE frequencies, attention tile
     /// tables), newest first: every layer of a pass asks for the same ones, and each host
     /// upload can stall the stream.
-    pub(crate) tables: Mutex<Vec<(Vec<u32>, Arc<CudaSlice<u32>>)>>,
+    pub(crate) tables: Mutex<Vec<UploadedTable>>,
 }
+
+/// A host table's values and its copy on the device.
+pub(crate) type UploadedTable = (Vec<u32>, Arc<CudaSlice<u32>>);
 
 impl std::fmt::Debug for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
