@@ -286,6 +286,13 @@ extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float
 
 // ---- the generic path: per row, span[2·row] = first row of its sequence, span[2·row+1] = T ----
 
+// q_i · k_j · scale
+__device__ float score(const float* qi, const float* kj, int hd, float scale) {
+    float s = 0.f;
+    for (int d = 0; d < hd; d++) s += qi[d] * kj[d];
+    return s * scale;
+}
+
 // One block per (row, head): lse from an online max and sum, then out = Σ_j p_j v_j with
 // p_j = exp(s_j − lse) computed a tile of keys at a time.
 #define TILE 1024
@@ -301,10 +308,7 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
     const float* qi = q + ((long long)row * heads + h) * hd;
     float m = NEG_INF, l = 0.f;
     for (int j = threadIdx.x; j <= i; j += blockDim.x) {
-        const float* kj = k + ((start + j) * kv_heads + kvh) * hd;
-        float s = 0.f;
-        for (int d = 0; d < hd; d++) s += qi[d] * kj[d];
-        s *= scale;
+        float s = score(qi, k + ((start + j) * kv_heads + kvh) * hd, hd, scale);
         float m_new = fmaxf(m, s);
         l = l * expf(m - m_new) + expf(s - m_new);
         m = m_new;
@@ -318,10 +322,7 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
         int j1 = min(i + 1, j0 + TILE);
         __syncthreads();
         for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
-            const float* kj = k + ((start + j) * kv_heads + kvh) * hd;
-            float s = 0.f;
-            for (int d = 0; d < hd; d++) s += qi[d] * kj[d];
-            pc[j - j0] = expf(s * scale - row_lse);
+            pc[j - j0] = expf(score(qi, k + ((start + j) * kv_heads + kvh) * hd, hd, scale) - row_lse);
         }
         __syncthreads();
         for (int d = threadIdx.x; d < hd; d += blockDim.x) {
@@ -345,13 +346,6 @@ extern "C" __global__ void attention_rowdot(float* dot, const float* dout, const
     for (int d = lane; d < hd; d += 32) acc += a[d] * b[d];
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
     if (lane == 0) dot[pair] = acc;
-}
-
-// q_i · k_j · scale
-__device__ float score(const float* qi, const float* kj, int hd, float scale) {
-    float s = 0.f;
-    for (int d = 0; d < hd; d++) s += qi[d] * kj[d];
-    return s * scale;
 }
 
 // dq_i += scale · Σ_j P_ij (dout_i·v_j − D_i) k_j, P_ij = exp(s_ij − lse_i). One block per
@@ -814,10 +808,7 @@ extern "C" __global__ void attention_cached(float* out, float* scores, const flo
     float* p = scores + ((long long)r * heads + h) * width;
     float local_max = NEG_INF;
     for (int j = threadIdx.x; j < visible; j += blockDim.x) {
-        const float* kj = k + ((long long)j * kv_heads + kvh) * hd;
-        float s = 0.f;
-        for (int d = 0; d < hd; d++) s += qi[d] * kj[d];
-        s *= scale;
+        float s = score(qi, k + ((long long)j * kv_heads + kvh) * hd, hd, scale);
         p[j] = s;
         local_max = fmaxf(local_max, s);
     }

@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use arl_model::backend::Backend;
 use arl_model::config::{Architecture, ModelConfig};
+use arl_model::generate::Rng;
 use arl_model::model::Model;
 use arl_model::ops::Cpu;
 use arl_model::train::{Activations, AdamW};
@@ -110,18 +111,12 @@ fn flops_per_token(config: &ModelConfig, params: usize, t: usize) -> (f64, f64) 
 /// The step's samples: groups of 4 with mixed rewards (every sample carries an advantage),
 /// random tokens, the completion masked for training.
 fn samples(args: &Args, vocab: usize) -> Vec<Sample> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut rng = Rng::new(1);
     (0..args.sequences)
         .map(|i| Sample {
             group: (i / 4) as u64,
             tokens: (0..args.seq_len)
-                .map(|_| (next() % vocab as u64) as u32)
+                .map(|_| ((rng.next_f32() * vocab as f32) as u32).min(vocab as u32 - 1))
                 .collect(),
             loss_mask: (0..args.seq_len)
                 .map(|t| u8::from(t >= args.prompt_len))
