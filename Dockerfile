@@ -28,6 +28,11 @@ ARG RUNTIME_BASE=debian:trixie-slim
 
 # ---- compiled: the release binaries, from source --------------------------------------
 FROM ${RUST_IMAGE} AS compiled
+# librdkafka (the exporter's Kafka client) is built from source with cmake against OpenSSL.
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        cmake make g++ pkg-config libssl-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 # `target` is a cache mount (kept between builds, not in any layer): the binaries are copied
@@ -49,9 +54,10 @@ FROM ${ARTIFACTS} AS artifacts
 FROM ${RUNTIME_BASE}
 ARG INSTALL_RUNTIME_PACKAGES=true
 # The sandbox service's bubblewrap backend runs bwrap, setpriv (util-linux), git, tar and
-# kill (procps); TLS to NATS, registries and OTLP collectors needs the CA bundle.
+# kill (procps); TLS to NATS, registries and OTLP collectors needs the CA bundle; the
+# exporter's librdkafka links OpenSSL's libssl (the `openssl` package pulls the suite's own).
 # scripts/image-check.sh reads this line for its debootstrap root: keep it on one line.
-ARG RUNTIME_PACKAGES="ca-certificates bubblewrap git procps tar util-linux"
+ARG RUNTIME_PACKAGES="ca-certificates bubblewrap git openssl procps tar util-linux"
 RUN set -eu; \
     if [ "$INSTALL_RUNTIME_PACKAGES" = true ]; then \
         apt-get update; \

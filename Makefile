@@ -39,6 +39,15 @@ export ARL_OBSERVABILITY_PYTHON := $(OBSERVABILITY)/bin/python
 OBSERVABILITY_HASH := $(shell sha256sum tools/observability-requirements.txt | cut -c1-16)
 OBSERVABILITY_STAMP := $(OBSERVABILITY)/.installed-$(OBSERVABILITY_HASH)
 
+# tansu, a Kafka-protocol broker (crates.io), on its PostgreSQL engine: the Kafka
+# exporter's tests produce to it and read back. Its schema is written from the installed
+# crate's own table definitions (scripts/tansu-postgres-schema.py).
+TANSU_VERSION := 0.6.0
+TANSU := $(ARL_CACHE)/tansu-$(TANSU_VERSION)
+export ARL_TANSU := $(TANSU)/bin/tansu
+export ARL_TANSU_SCHEMA := $(TANSU)/postgres-schema.sql
+CARGO_HOME ?= $(HOME)/.cargo
+
 SMOLLM2 := $(ARL_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 QWEN_CODER := $(ARL_MODEL_DIR)/qwen2.5-coder-0.5b-instruct.gguf
 QWEN_TOKENIZER := $(ARL_MODEL_DIR)/qwen-tokenizer/tokenizer.json
@@ -73,16 +82,37 @@ help:
 	@echo "make validate-swebench  arl dataset validate examples/swebench-mini.toml: six environments built, every gold patch resolves, no empty patch does (make test runs a reduced form)"
 	@echo "make lint | fmt | bench | clean-cache"
 
-deps: $(TOOLS_STAMP) $(AGENTS_STAMP) system-deps
+deps: $(TOOLS_STAMP) $(AGENTS_STAMP) system-deps kafka-deps
+
+# The broker the exporter's tests need, and a running PostgreSQL under it (every machine of
+# this kind has one; it is started if it stopped).
+.PHONY: kafka-deps
+kafka-deps: $(ARL_TANSU_SCHEMA)
+	@pg_isready -q -h 127.0.0.1 -p 5432 || { cluster=$$(ls /etc/postgresql 2>/dev/null | head -1); \
+	    [ -n "$$cluster" ] && pg_ctlcluster --skip-systemctl-redirect $$cluster main start; } \
+	    || { echo "PostgreSQL is not running on 127.0.0.1:5432 (the exporter's tests need it)"; exit 1; }
+
+$(ARL_TANSU): | system-deps
+	cargo install tansu --version $(TANSU_VERSION) --features postgres --locked \
+	    --root $(TANSU) --target-dir $(ARL_CACHE)/tansu-build
+	rm -rf $(ARL_CACHE)/tansu-build
+
+$(ARL_TANSU_SCHEMA): $(ARL_TANSU) scripts/tansu-postgres-schema.py
+	python3 scripts/tansu-postgres-schema.py \
+	    $$(ls -d $(CARGO_HOME)/registry/src/*/tansu-storage-$(TANSU_VERSION) | head -1)/src/ddl > $@.tmp
+	mv $@.tmp $@
 
 # Debian packages: bubblewrap for the sandbox (setpriv, git and tar are on every Debian),
-# docker-registry (a real OCI registry) for the image builder's registry tests.
+# docker-registry (a real OCI registry) for the image builder's registry tests, cmake and
+# OpenSSL's headers for librdkafka (the Kafka exporter's client, built from source).
 system-deps:
 	@missing=""; command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
 	    [ -x /usr/bin/docker-registry ] || missing="$$missing docker-registry"; \
 	    [ -d /usr/lib/python3/dist-packages/pytest ] || missing="$$missing python3-pytest"; \
 	    command -v openssl >/dev/null || missing="$$missing openssl"; \
 	    command -v chromium >/dev/null || missing="$$missing chromium"; \
+	    command -v cmake >/dev/null || missing="$$missing cmake"; \
+	    [ -f /usr/include/openssl/ssl.h ] || missing="$$missing libssl-dev"; \
 	    if [ -n "$$missing" ]; then \
 	    if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $$missing; \
 	    else echo "missing Debian packages:$$missing (sudo apt-get install$$missing)"; exit 1; fi; fi
@@ -244,6 +274,7 @@ bench: deps models loadtest
 	$(CARGO_TARGET_DIR)/release/arl-bench-images
 	$(CARGO_TARGET_DIR)/release/arl-bench-sandbox
 	$(CARGO_TARGET_DIR)/release/arl-bench-mcp
+	$(CARGO_TARGET_DIR)/release/arl-bench-exporter
 	$(CARGO_TARGET_DIR)/release/arl-bench-train --device cpu --layers 2 --sequences 2 --seq-len 256 --prompt-len 64 --steps 1
 
 # Admission (arl-loadtest), then thousands of concurrent trials through every service as
@@ -291,10 +322,12 @@ fuzz-one: $(CARGO_FUZZ)
 	$(FUZZ_RUN) $(TARGET) $(INPUT)
 
 # The GPU tests, built here (CUDA is loaded at run time), for scripts/device-gpu-tests.sh on
-# a GPU machine. SmolLM2's GGUF goes there in two parts: .device/smol.part00, part01.
+# a GPU machine. SmolLM2's GGUF goes there in two parts (.device/smol.part00 with the
+# binaries in one call, part01 in the next).
 gpu-test-bundle: deps models
 	scripts/gpu-test-bundle.sh
-	cd .device && rm -f smol.part* && split -b 50000000 -d $(SMOLLM2) smol.part
+	rm -f .device/smol.part* && head -c 45000000 $(SMOLLM2) > .device/smol.part00
+	tail -c +45000001 $(SMOLLM2) > .device/smol.part01
 
 clean-cache:
 	rm -rf $(ARL_CACHE)

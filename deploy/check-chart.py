@@ -50,6 +50,13 @@ SERVICES = [
     "controller", "dataset", "evaluator", "imagebuilder", "inference",
     "proxy", "reward", "rollout", "sandbox", "trainer",
 ]
+
+
+def services(values: dict) -> list[str]:
+    """The services rendered: every one, and the optional exporter when enabled."""
+    return SERVICES + (["exporter"] if values["exporter"]["enabled"] else [])
+
+
 # Where HPAs are allowed: more replicas of these are safe.
 SCALABLE = {"rollout", "proxy", "reward", "sandbox"}
 # The API access each service may have, as (apiGroup, resource, verb) triples; a service
@@ -265,7 +272,7 @@ def invariant_unique_names(r: Rendered, f: Failures, values: dict) -> None:
 
 
 def invariant_every_service(r: Rendered, f: Failures, values: dict) -> None:
-    for service in SERVICES:
+    for service in services(values):
         w = r.service_workload(service)
         if not f.check(w is not None, f"no workload for the {service} service"):
             continue
@@ -395,7 +402,7 @@ def invariant_rbac(r: Rendered, f: Failures, values: dict) -> None:
             continue
         token = spec.get("automountServiceAccountToken", accounts[sa].get("automountServiceAccountToken", True))
         f.check(token == (sa in bound), f"{name_of(w)}: mounts an API token: {token}, has a Role: {sa in bound}")
-        if w["metadata"]["name"].removeprefix(f"{FULL}-") in SERVICES:
+        if w["metadata"]["name"].removeprefix(f"{FULL}-") in services(values):
             f.check(sa == w["metadata"]["name"], f"{name_of(w)}: shares ServiceAccount {sa}")
     pod_sa = f"{FULL}-sandbox-pod"
     account = accounts.get(pod_sa)
@@ -537,7 +544,7 @@ def invariant_services_and_volumes(r: Rendered, f: Failures, values: dict) -> No
         if f.check(len(monitors) == 1, "serviceMonitor.enabled but no ServiceMonitor"):
             m = monitors[0]
             ports = {e["port"] for e in m["spec"]["endpoints"]}
-            for service in SERVICES:
+            for service in services(values):
                 svc = r.get("Service", f"{FULL}-{service}")
                 if not f.check(svc is not None, f"no Service for {service}"):
                     continue
@@ -595,7 +602,7 @@ def invariant_nats(r: Rendered, f: Failures, values: dict, nats_server: str | No
         if f.check(secret is not None, "no Secret of NATS passwords"):
             f.check(set(secret["data"]) == set(permissions), "the NATS Secret's keys are not the roles")
             f.check(all(len(v) >= 32 for v in secret["data"].values()), "a NATS password is short")
-        for service in SERVICES:
+        for service in services(values):
             w = r.service_workload(service)
             if not w:
                 continue
@@ -741,6 +748,9 @@ def main() -> int:
          "a SandboxSet with no name", "sandbox.kube.sandboxSet.name"),
         (["otel.enabled=true", "otel.jaeger.enabled=false"], "traces with nowhere to go", "otel.collector.exporterEndpoint"),
         (["nats.tls.enabled=true"], "TLS without a certificate", "nats.tls.secretName"),
+        (["exporter.enabled=true"], "an exporter with no Kafka", "exporter.kafka.brokers"),
+        (["exporter.enabled=true", "exporter.kafka.brokers=k:9092", "exporter.replicas=2"],
+         "two exporters at once", "/exporter/replicas"),
     ]
     refused = 0
     for sets, what, reason in refusals:

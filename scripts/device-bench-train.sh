@@ -8,8 +8,8 @@
 # The table goes to stdout and, when $OUT is set, to $OUT/bench-train.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ -x .device/bin/arl-bench-train ] || { echo "no .device/bin/arl-bench-train: run make gpu-test-bundle here and carry .device/bin"; exit 2; }
+bin=$(scripts/device-unpack.sh) || exit 2
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-PYTHONUNBUFFERED=1 .device/bin/arl-bench-train --device cuda --torch-python "${ARL_TORCH_PYTHON:-python3}" "$@" \
+PYTHONUNBUFFERED=1 "$bin"/arl-bench-train --device cuda --torch-python "${ARL_TORCH_PYTHON:-python3}" "$@" \
     2>&1 | tee "${OUT:-/tmp}/bench-train.txt"
 exit "${PIPESTATUS[0]}"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU tests on a machine with an NVIDIA GPU and no Rust toolchain: the test
-# binaries `make gpu-test-bundle` built and stripped into .device/bin, nats-server, and
-# SmolLM2's GGUF (sent in parts, .device/smol.part*, assembled under /tmp/arl-models).
+# binaries `make gpu-test-bundle` built, stripped and compressed into .device/bin,
+# nats-server, and SmolLM2's GGUF (sent in two parts over two calls, .device/smol.part*,
+# kept and assembled under /tmp/arl-models).
 #
 #   scripts/device-gpu-tests.sh [TEST_FILTER]
 #
@@ -24,15 +25,12 @@ if [ "$(sha256sum "$model" | cut -c1-64)" != "$want" ]; then
     echo "SmolLM2 parts incomplete ($(ls "$models")); send .device/smol.part00 and part01 first"
     exit 2
 fi
-[ -d .device/bin ] || { echo "no .device/bin: run make gpu-test-bundle here and carry .device/bin"; exit 2; }
-if [ -f .device/bin/nats-server.xz ] && [ ! -x /tmp/nats-server ]; then
-    xz -dc .device/bin/nats-server.xz > /tmp/nats-server && chmod +x /tmp/nats-server
-fi
-export ARL_MODEL_DIR=$models ARL_NATS_SERVER=/tmp/nats-server ARL_REQUIRE_GPU=1 RUST_BACKTRACE=1
+bin=$(scripts/device-unpack.sh) || exit 2
+export ARL_MODEL_DIR=$models ARL_NATS_SERVER=$bin/nats-server ARL_REQUIRE_GPU=1 RUST_BACKTRACE=1
 log=${OUT:-/tmp}/gpu-tests.log
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
 status=0
-for test in .device/bin/test-*; do
+for test in "$bin"/test-*; do
     echo "== $test" | tee -a "$log"
     "$test" --test-threads=1 --nocapture ${1:+"$1"} 2>&1 | tee -a "$log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the GPU test binaries and the training benchmark here (no CUDA needed: cudarc loads
-# it at run time) and puts them, stripped, with a compressed nats-server into .device/bin —
-# what the device call carries (scripts/device-gpu-tests.sh and scripts/device-bench-train.sh
-# run them there; the README has the commands).
+# it at run time) and puts them, stripped and xz-compressed (~15 MB in all, so that one device
+# call carries them with the first part of SmolLM2), with nats-server into .device/bin —
+# scripts/device-gpu-tests.sh and scripts/device-bench-train.sh unpack and run them there;
+# the README has the commands.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.device/bin
@@ -29,8 +30,10 @@ EOF
 )
     [ -n "$exe" ] || { echo "no executable for $spec"; exit 1; }
     strip -o "$out/test-$name" "$exe"
+    xz -T0 -6 "$out/test-$name"
 done
 cargo build --release --quiet -p arl-trainer --bin arl-bench-train
 strip -o "$out/arl-bench-train" "${CARGO_TARGET_DIR:-target}/release/arl-bench-train"
+xz -T0 -6 "$out/arl-bench-train"
 xz -T0 -6 -c "${ARL_NATS_SERVER:-$HOME/.cache/arl/tools/bin/nats-server}" > "$out/nats-server.xz"
 du -sh "$out"/*

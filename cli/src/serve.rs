@@ -9,10 +9,11 @@ use std::process::ExitCode;
 use arl_runtime::host::{self, Planned};
 
 /// The services `arl serve` can host, by name.
-pub const SERVICES: [&str; 10] = [
+pub const SERVICES: [&str; 11] = [
     "controller",
     "dataset",
     "evaluator",
+    "exporter",
     "imagebuilder",
     "inference",
     "proxy",
@@ -92,6 +93,7 @@ fn plan_one(segment: &[String]) -> Result<Box<dyn Planned>, clap::Error> {
         "controller" => host::plan::<arl_controller::hosted::Controller>(argv),
         "dataset" => host::plan::<arl_dataset::hosted::Dataset>(argv),
         "evaluator" => host::plan::<arl_evaluator::hosted::Evaluator>(argv),
+        "exporter" => host::plan::<arl_exporter::hosted::Exporter>(argv),
         "imagebuilder" => host::plan::<arl_imagebuilder::hosted::ImageBuilder>(argv),
         "inference" => host::plan::<arl_inference::hosted::Inference>(argv),
         "proxy" => host::plan::<arl_proxy::hosted::Proxy>(argv),

@@ -22,11 +22,12 @@ pub enum Role {
     Rollout,
     Trainer,
     Evaluator,
+    Exporter,
     Cli,
 }
 
 impl Role {
-    pub const ALL: [Role; 11] = [
+    pub const ALL: [Role; 12] = [
         Role::Controller,
         Role::Dataset,
         Role::Imagebuilder,
@@ -37,6 +38,7 @@ impl Role {
         Role::Rollout,
         Role::Trainer,
         Role::Evaluator,
+        Role::Exporter,
         Role::Cli,
     ];
 
@@ -53,6 +55,7 @@ impl Role {
             Role::Rollout => "rollout",
             Role::Trainer => "trainer",
             Role::Evaluator => "evaluator",
+            Role::Exporter => "exporter",
             Role::Cli => "cli",
         }
     }
@@ -281,6 +284,15 @@ impl Namespace {
                 write_kv(&mut p, Bucket::EvalState);
                 read_kv(&mut p, Bucket::RunState);
                 read_datasets(&mut p);
+            }
+            Role::Exporter => {
+                // Reads any event stream through its own durable feeds (re-created at
+                // their ack floor on start), and publishes nothing but dead letters.
+                for domain in Domain::ALL {
+                    if domain != Domain::DeadLetter {
+                        p.consume(&stream(domain));
+                    }
+                }
             }
             Role::Cli => {
                 p.publish(event(Domain::Run, "requested"));

@@ -74,6 +74,12 @@ pub enum BusError {
         sequence: u64,
         reason: String,
     },
+    #[error("ordered feed {durable} of stream {stream}: {reason}")]
+    Feed {
+        stream: String,
+        durable: String,
+        reason: String,
+    },
     #[error("key-value {bucket}: {reason}")]
     KeyValue { bucket: String, reason: String },
     #[error("object store {store}, object {name}: {reason}")]

@@ -519,28 +519,39 @@ async fn dead_letter(
     delivery: &Delivery,
     reason: &str,
 ) {
-    let stream = bus.namespace().stream(spec.domain);
-    let subject = bus.namespace().dead_letter_subject(&stream, &spec.durable);
-    let mut headers = delivery.headers.clone().unwrap_or_default();
-    // The dead-letter copy must not be de-duplicated against the original.
-    headers.insert(
-        headers::MSG_ID,
-        format!("dlq:{stream}:{}:{}", spec.durable, delivery.stream_sequence).as_str(),
-    );
-    headers.insert(headers::DEAD_LETTER_REASON, truncate(reason, 1024).as_str());
-    headers.insert(headers::ORIGINAL_SUBJECT, delivery.subject.as_str());
-    tracing::error!(%reason, %subject, "dead-lettering message");
-    match bus
-        .publish_bytes(subject, headers, delivery.payload.clone())
-        .await
-    {
-        Ok(_) => settle(message, AckKind::Term).await,
+    match park(bus, spec.domain, &spec.durable, delivery, reason).await {
+        Ok(()) => settle(message, AckKind::Term).await,
         // Not parked: leave it to be redelivered rather than lose it.
         Err(err) => {
             tracing::error!(error = %err, "cannot dead-letter; leaving message for redelivery");
             settle(message, AckKind::Nak(Some(Duration::from_secs(5)))).await;
         }
     }
+}
+
+/// Copies `delivery` to the dead-letter stream with `reason` (consumer `durable` of
+/// `domain`'s stream gave up on it); the caller settles the original.
+pub(crate) async fn park(
+    bus: &Bus,
+    domain: Domain,
+    durable: &str,
+    delivery: &Delivery,
+    reason: &str,
+) -> Result<(), BusError> {
+    let stream = bus.namespace().stream(domain);
+    let subject = bus.namespace().dead_letter_subject(&stream, durable);
+    let mut headers = delivery.headers.clone().unwrap_or_default();
+    // The dead-letter copy must not be de-duplicated against the original.
+    headers.insert(
+        headers::MSG_ID,
+        format!("dlq:{stream}:{durable}:{}", delivery.stream_sequence).as_str(),
+    );
+    headers.insert(headers::DEAD_LETTER_REASON, truncate(reason, 1024).as_str());
+    headers.insert(headers::ORIGINAL_SUBJECT, delivery.subject.as_str());
+    tracing::error!(%reason, %subject, "dead-lettering message");
+    bus.publish_bytes(subject, headers, delivery.payload.clone())
+        .await
+        .map(|_| ())
 }
 
 async fn settle(message: &jetstream::Message, kind: AckKind) {

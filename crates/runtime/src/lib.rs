@@ -9,6 +9,8 @@
 //! - graceful shutdown on SIGINT/SIGTERM ([`shutdown`]);
 //! - one service shape: any [`host::Service`] run with all of the above, alone or with
 //!   others in one process ([`host`]);
+//! - ordered, durable reads of a stream for forwarding elsewhere, acknowledged up to a
+//!   floor ([`feed`]);
 //! - the SHA-256 form digests are exchanged in ([`digest`]);
 //! - files in JetStream object stores, streamed and checked by digest, and the policy
 //!   versions of `ARL_WEIGHTS` ([`objects`]);
@@ -20,6 +22,7 @@ pub mod auth;
 pub mod bus;
 pub mod consumer;
 pub mod digest;
+pub mod feed;
 pub mod headers;
 pub mod host;
 pub mod http;

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use arl_schemas::Namespace;
 
+pub mod kafka;
 pub mod verl;
 
 /// The oldest server with the JetStream features ARL uses.

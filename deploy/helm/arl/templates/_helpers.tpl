@@ -232,6 +232,10 @@ spec:
   # A GPU pod's replacement waits for its GPU: stop the old one first.
   strategy:
     type: Recreate
+  {{- else if .recreate }}
+  # One holder at a time (the exporter's feeds): stop the old one first.
+  strategy:
+    type: Recreate
   {{- end }}
   selector:
     matchLabels:
