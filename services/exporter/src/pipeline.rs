@@ -178,8 +178,12 @@ enum Outcome {
         report: DeliveryFuture,
         event_type: &'static str,
     },
-    /// Refused for good before Kafka saw it: to be parked with the reason.
-    Refused(String),
+    /// Refused for good before Kafka saw it: to be parked with the reason (and its type,
+    /// when it got as far as being a record).
+    Refused {
+        reason: String,
+        event_type: Option<&'static str>,
+    },
 }
 
 /// One feed, until shutdown (Ok, after draining) or its first failure.
@@ -220,7 +224,10 @@ async fn forward(
             };
             let outcome = match record(&selection, &ns, &stream, &message.delivery) {
                 Ok(record) => send(&producer, &record, &stream, &shutdown).await?,
-                Err(err) => Outcome::Refused(err.to_string()),
+                Err(err) => Outcome::Refused {
+                    reason: err.to_string(),
+                    event_type: None,
+                },
             };
             let item = InFlight {
                 message,
@@ -280,7 +287,10 @@ async fn send(
             }
             Err((error, _)) => {
                 return match judge(&error) {
-                    Failure::Record => Ok(Outcome::Refused(error.to_string())),
+                    Failure::Record => Ok(Outcome::Refused {
+                        reason: format!("Kafka refused it: {error}"),
+                        event_type: Some(record.event_type),
+                    }),
                     Failure::Export => Err(ExportError::Kafka {
                         stream: stream.to_owned(),
                         error,
@@ -343,9 +353,9 @@ async fn acknowledge(
                     Err(_canceled) => break,
                 }
             }
-            Outcome::Refused(reason) => {
+            Outcome::Refused { reason, event_type } => {
                 dead_letters.park(&item.message.delivery, &reason).await?;
-                metrics.dead_lettered("unrecognised");
+                metrics.dead_lettered(event_type.unwrap_or("unrecognised"));
             }
         }
         confirmed = Some(item.message);

@@ -556,3 +556,79 @@ async fn sasl_scram_settings_pass_through_to_the_producer() {
             .is_err()
     );
 }
+
+/// A record Kafka refuses for good (larger than the producer's `message.max.bytes`) is
+/// parked on the dead-letter stream with the reason; the export goes on around it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_kafka_refuses_is_dead_lettered_and_the_rest_goes_on() {
+    let server = NatsServer::start().unwrap();
+    let ns = test_namespace();
+    let bus = connect(&server, &ns).await;
+    let broker = broker_with_topics(1);
+    let run = RunId::generate();
+    let mut events = trial_events(&ns, &run, 3);
+    let mut big = LlmCallV2::example();
+    big.run_id = run.clone();
+    big.trial_id = TrialId::new("the-long-one").unwrap();
+    big.prompt_token_ids = vec![151_643; 4_000];
+    let big_event = (big.subject(&ns), big.encode().unwrap(), big.message_id());
+    events.insert(2, big_event.clone());
+    publish_all(&bus, &events, &types()).await;
+
+    let metrics = Metrics::new();
+    let mut export = exporter(
+        &bus,
+        &broker.bootstrap_servers(),
+        KeyBy::Run,
+        Compression::Lz4,
+        100,
+    );
+    export.metrics = arl_exporter::metrics::ExporterMetrics::new(&metrics);
+    export
+        .producer
+        .passthrough
+        .insert("message.max.bytes".into(), "8000".into());
+    let shutdown = Shutdown::new();
+    let task = tokio::spawn(export.run(shutdown.clone()));
+    let exported: Vec<_> = events
+        .iter()
+        .filter(|e| e.2 != big_event.2)
+        .cloned()
+        .collect();
+    let records = read_back(&broker.bootstrap_servers(), &TOPICS, exported.len()).await;
+    check_exactly_what_was_published(&exported, &records, |r| r.headers["arl-run-id"].clone());
+    assert!(records.iter().all(|r| r.event_id() != big_event.2));
+    wait_for(
+        "the refused call to be parked",
+        Duration::from_secs(10),
+        || async {
+            let line = metrics
+                .encode()
+                .lines()
+                .find(|l| l.starts_with("arl_exporter_events_total") && l.contains("dead_letter"))
+                .map(str::to_owned)?;
+            line.contains("llm.call").then_some(())
+        },
+    )
+    .await;
+    let dlq = bus
+        .jetstream()
+        .get_stream(ns.stream(arl_schemas::Domain::DeadLetter))
+        .await
+        .unwrap();
+    let parked = dlq
+        .get_last_raw_message_by_subject(
+            &ns.dead_letter_subject(&ns.stream(arl_schemas::Domain::Llm), "exporter"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(parked.payload.as_ref(), big_event.1.as_slice());
+    let reason = parked
+        .headers
+        .get("Arl-Dead-Letter-Reason")
+        .unwrap()
+        .to_string();
+    assert!(reason.contains("Kafka refused it"), "{reason}");
+    shutdown.trigger();
+    task.await.unwrap();
+}

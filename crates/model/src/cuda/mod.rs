@@ -443,6 +443,9 @@ struct Flash {
 const FLASH_QUERY_ROWS: usize = 64;
 
 fn flash(hd: usize) -> Option<Flash> {
+    if exact_attention() {
+        return None;
+    }
     match hd {
         64 => Some(Flash {
             forward: "flash_forward_64",
@@ -458,6 +461,14 @@ fn flash(hd: usize) -> Option<Flash> {
         }),
         _ => None,
     }
+}
+
+/// `ARL_CUDA_ATTENTION=exact`: every head size on the f32 kernels (scores, softmax and
+/// products in f32, as the CPU computes them) instead of the bf16 tensor-core ones — slower,
+/// for telling attention's bf16 rounding from other differences in a parity check.
+fn exact_attention() -> bool {
+    static EXACT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *EXACT.get_or_init(|| std::env::var("ARL_CUDA_ATTENTION").is_ok_and(|v| v == "exact"))
 }
 
 /// One block of 2 threads per row of a tile (a warp per 16 rows) per (tile, head).
