@@ -207,10 +207,11 @@ async fn forward(
         metrics.clone(),
         shutdown.clone(),
     );
-    let stream = stream.clone();
     // The reader stops first (shutdown or failure); its sender goes with it, which lets
     // the acknowledger drain what is in flight.
     let reader = async move {
+        // A local of the body, so it is dropped when the body returns (a bare capture would
+        // live as long as the finished future, and the acknowledger would wait on it).
         let to_acks = to_acks;
         loop {
             let next = tokio::select! {
