@@ -467,6 +467,9 @@ async fn every_compression_codec_goes_through() {
     let server = NatsServer::start().unwrap();
     let broker = broker_with_topics(1);
     let mut expected = Vec::new();
+    // Snappy is left out: tansu 0.6 does not read back librdkafka's snappy batches (the
+    // read-back times out). `ARL_TEST_CODECS=snappy` tries it alone, e.g. against a newer
+    // broker.
     let codecs: Vec<Compression> = match std::env::var("ARL_TEST_CODECS").as_deref() {
         Ok("snappy") => vec![Compression::Snappy],
         _ => vec![
