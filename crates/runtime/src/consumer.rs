@@ -126,6 +126,19 @@ pub struct Delivery {
 }
 
 impl Delivery {
+    /// A JetStream message with its metadata (the error when it carries none).
+    pub(crate) fn of(message: &jetstream::Message) -> Result<Self, async_nats::Error> {
+        let info = message.info()?;
+        Ok(Delivery {
+            subject: message.subject.to_string(),
+            headers: message.headers.clone(),
+            payload: message.payload.clone(),
+            attempt: info.delivered,
+            stream_sequence: info.stream_sequence,
+            published: SystemTime::from(info.published),
+        })
+    }
+
     /// Decodes the payload as `E`, refusing a message whose headers name another type.
     pub fn decode<E: Event>(&self) -> Result<E, DecodeError> {
         if let Some((found_type, found_version)) = headers::event_type(self.headers.as_ref())
@@ -399,25 +412,14 @@ async fn handle_message<H, Fut>(
     H: Fn(Delivery) -> Fut,
     Fut: Future<Output = Result<(), HandlerError>>,
 {
-    let (attempt, stream_sequence, published) = match message.info() {
-        Ok(info) => (
-            info.delivered,
-            info.stream_sequence,
-            SystemTime::from(info.published),
-        ),
+    let delivery = match Delivery::of(&message) {
+        Ok(delivery) => delivery,
         Err(err) => {
             tracing::warn!(error = %err, "message without JetStream metadata; skipping");
             return;
         }
     };
-    let delivery = Delivery {
-        subject: message.subject.to_string(),
-        headers: message.headers.clone(),
-        payload: message.payload.clone(),
-        attempt,
-        stream_sequence,
-        published,
-    };
+    let attempt = delivery.attempt;
     let span = tracing::info_span!(
         "consume",
         otel.name = format!("consume {}", spec.durable).as_str(),

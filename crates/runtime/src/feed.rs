@@ -13,7 +13,7 @@
 //! handed out (the holder still has them), so a stalled destination never reorders.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use arl_schemas::Domain;
 use async_nats::jetstream::ErrorCode;
@@ -54,24 +54,39 @@ impl FeedLag {
     }
 }
 
+/// A feed's stream and durable: what its errors name.
+#[derive(Debug)]
+struct Names {
+    stream: String,
+    durable: String,
+}
+
+impl Names {
+    fn error(&self, reason: String) -> BusError {
+        BusError::Feed {
+            stream: self.stream.clone(),
+            durable: self.durable.clone(),
+            reason,
+        }
+    }
+}
+
 /// One open feed: [`Feed::next`] in a loop, [`FeedMessage::ack`] once forwarded.
 pub struct Feed {
     bus: Bus,
-    spec: FeedSpec,
-    stream: String,
+    domain: Domain,
+    names: Arc<Names>,
     consumer: Consumer<pull::Config>,
     messages: pull::Stream,
     /// The stream sequence of the last message handed out.
     last_sequence: u64,
-    names: Arc<(String, String)>,
 }
 
 /// A message of a feed, with what acknowledges it.
 pub struct FeedMessage {
     pub delivery: Delivery,
     message: jetstream::Message,
-    /// The feed's stream and durable, for errors.
-    names: Arc<(String, String)>,
+    names: Arc<Names>,
 }
 
 impl FeedMessage {
@@ -81,10 +96,9 @@ impl FeedMessage {
         self.message
             .double_ack_with(AckKind::Ack)
             .await
-            .map_err(|e| BusError::Feed {
-                stream: self.names.0.clone(),
-                durable: self.names.1.clone(),
-                reason: format!("acknowledgement not confirmed: {e}"),
+            .map_err(|e| {
+                self.names
+                    .error(format!("acknowledgement not confirmed: {e}"))
             })
     }
 }
@@ -92,15 +106,14 @@ impl FeedMessage {
 impl Feed {
     /// Opens the feed at its durable's ack floor (the stream's start for a new durable).
     pub async fn open(bus: &Bus, spec: FeedSpec) -> Result<Feed, BusError> {
-        let stream = bus.namespace().stream(spec.domain);
-        let error = |reason: String| BusError::Feed {
-            stream: stream.clone(),
+        let names = Arc::new(Names {
+            stream: bus.namespace().stream(spec.domain),
             durable: spec.durable.clone(),
-            reason,
-        };
+        });
+        let (stream, error) = (&names.stream, |reason| names.error(reason));
         let js = bus.jetstream();
         let floor = match js
-            .get_consumer_from_stream::<pull::Config, _, _>(&spec.durable, &stream)
+            .get_consumer_from_stream::<pull::Config, _, _>(&spec.durable, stream)
             .await
         {
             Ok(mut existing) => {
@@ -109,7 +122,7 @@ impl Feed {
                     .await
                     .map_err(|e| error(format!("reading its position: {e}")))?;
                 let floor = info.ack_floor.stream_sequence;
-                js.delete_consumer_from_stream(&spec.durable, &stream)
+                js.delete_consumer_from_stream(&spec.durable, stream)
                     .await
                     .map_err(|e| error(format!("re-creating it at {floor}: {e}")))?;
                 Some(floor)
@@ -135,7 +148,7 @@ impl Feed {
             ..Default::default()
         };
         let consumer: Consumer<pull::Config> = js
-            .create_consumer_on_stream(config, &stream)
+            .create_consumer_on_stream(config, stream)
             .await
             .map_err(|e| error(format!("creating it: {e}")))?;
         let messages = consumer
@@ -149,9 +162,8 @@ impl Feed {
         tracing::info!(stream = %stream, durable = %spec.durable, ?floor, "feed opened");
         Ok(Feed {
             bus: bus.clone(),
-            names: Arc::new((stream.clone(), spec.durable.clone())),
-            spec,
-            stream,
+            domain: spec.domain,
+            names,
             consumer,
             messages,
             last_sequence: floor.unwrap_or(0),
@@ -164,29 +176,19 @@ impl Feed {
         loop {
             let message = match self.messages.next().await? {
                 Ok(message) => message,
-                Err(e) => return Some(Err(self.error(format!("pulling: {e}")))),
+                Err(e) => return Some(Err(self.names.error(format!("pulling: {e}")))),
             };
-            let info = match message.info() {
-                Ok(info) => (
-                    info.stream_sequence,
-                    SystemTime::from(info.published),
-                    info.delivered,
-                ),
-                Err(e) => return Some(Err(self.error(format!("a message without metadata: {e}")))),
+            let delivery = match Delivery::of(&message) {
+                Ok(delivery) => delivery,
+                Err(e) => {
+                    let reason = format!("a message without metadata: {e}");
+                    return Some(Err(self.names.error(reason)));
+                }
             };
-            let (sequence, published, attempt) = info;
-            if sequence <= self.last_sequence {
+            if delivery.stream_sequence <= self.last_sequence {
                 continue;
             }
-            self.last_sequence = sequence;
-            let delivery = Delivery {
-                subject: message.subject.to_string(),
-                headers: message.headers.clone(),
-                payload: message.payload.clone(),
-                attempt,
-                stream_sequence: sequence,
-                published,
-            };
+            self.last_sequence = delivery.stream_sequence;
             return Some(Ok(FeedMessage {
                 delivery,
                 message,
@@ -199,8 +201,7 @@ impl Feed {
     pub fn lag_probe(&self) -> LagProbe {
         LagProbe {
             consumer: self.consumer.clone(),
-            stream: self.stream.clone(),
-            durable: self.spec.durable.clone(),
+            names: self.names.clone(),
         }
     }
 
@@ -208,22 +209,14 @@ impl Feed {
     pub fn dead_letters(&self) -> DeadLetters {
         DeadLetters {
             bus: self.bus.clone(),
-            domain: self.spec.domain,
-            durable: self.spec.durable.clone(),
+            domain: self.domain,
+            durable: self.names.durable.clone(),
         }
     }
 
     /// The stream this feed reads (`ARL_TRIALS`).
     pub fn stream(&self) -> &str {
-        &self.stream
-    }
-
-    fn error(&self, reason: String) -> BusError {
-        BusError::Feed {
-            stream: self.stream.clone(),
-            durable: self.spec.durable.clone(),
-            reason,
-        }
+        &self.names.stream
     }
 }
 
@@ -235,17 +228,16 @@ fn is_not_found(error: &ConsumerError) -> bool {
 #[derive(Clone)]
 pub struct LagProbe {
     consumer: Consumer<pull::Config>,
-    stream: String,
-    durable: String,
+    names: Arc<Names>,
 }
 
 impl LagProbe {
     pub async fn lag(&mut self) -> Result<FeedLag, BusError> {
-        let info = self.consumer.info().await.map_err(|e| BusError::Feed {
-            stream: self.stream.clone(),
-            durable: self.durable.clone(),
-            reason: format!("reading its lag: {e}"),
-        })?;
+        let info = self
+            .consumer
+            .info()
+            .await
+            .map_err(|e| self.names.error(format!("reading its lag: {e}")))?;
         Ok(FeedLag {
             pending: info.num_pending,
             unacknowledged: u64::try_from(info.num_ack_pending).unwrap_or(0),

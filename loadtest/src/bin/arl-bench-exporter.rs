@@ -20,7 +20,6 @@ use arl_schemas::{Domain, Event, RunId, TrialId};
 use arl_testkit::kafka::KafkaBroker;
 use clap::Parser;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 
 #[derive(Debug, Parser)]
@@ -52,6 +51,14 @@ async fn main() -> anyhow::Result<()> {
     broker.create_topic("arl.trial.finished", args.partitions)?;
     broker.create_topic("bench.direct", args.partitions)?;
 
+    let selection = Arc::new(Selection::new(&SelectionFlags {
+        events: "trial.finished",
+        runs: "all",
+        topic_prefix: "arl.",
+        topics: &[],
+        key_by: KeyBy::Run,
+        llm_calls: LlmCalls::Full,
+    })?);
     let mut bytes = 0usize;
     let runs: Vec<RunId> = (0..8).map(|_| RunId::generate()).collect();
     let mut bodies = Vec::with_capacity(args.events);
@@ -61,7 +68,7 @@ async fn main() -> anyhow::Result<()> {
         event.trial_id = TrialId::new(format!("trial-{i}"))?;
         let body = event.encode()?;
         bytes += body.len();
-        bodies.push(bench_record(&ns, &event, body, i)?);
+        bodies.push(bench_record(&selection, &ns, &event, body, i)?);
         bus.publish(&event).await?;
     }
     let settings = ProducerSettings {
@@ -77,17 +84,10 @@ async fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     let mut reports = Vec::with_capacity(args.events);
     for r in &bodies {
-        let mut headers = OwnedHeaders::new_with_capacity(r.headers.len());
-        for (key, value) in &r.headers {
-            headers = headers.insert(Header {
-                key,
-                value: Some(value.as_bytes()),
-            });
-        }
         let mut record = FutureRecord::to("bench.direct")
             .key(r.key.as_bytes())
             .payload(r.value.as_ref())
-            .headers(headers);
+            .headers(r.kafka_headers());
         loop {
             match producer.send_result(record) {
                 Ok(report) => {
@@ -143,14 +143,7 @@ async fn main() -> anyhow::Result<()> {
     let metrics = Metrics::new();
     let exporter = Exporter {
         bus: bus.clone(),
-        selection: Arc::new(Selection::new(&SelectionFlags {
-            events: "trial.finished",
-            runs: "all",
-            topic_prefix: "arl.",
-            topics: &[],
-            key_by: KeyBy::Run,
-            llm_calls: LlmCalls::Full,
-        })?),
+        selection: selection.clone(),
         producer: settings,
         durable: "exporter".into(),
         window: args.window,
@@ -205,6 +198,7 @@ async fn main() -> anyhow::Result<()> {
 
 /// The record the exporter makes of `event` (headers included), for the bare producer.
 fn bench_record(
+    selection: &Selection,
     ns: &arl_schemas::Namespace,
     event: &TrialFinishedV1,
     body: Vec<u8>,
@@ -226,16 +220,8 @@ fn bench_record(
         stream_sequence: sequence as u64 + 1,
         published: std::time::SystemTime::now(),
     };
-    let selection = Selection::new(&SelectionFlags {
-        events: "trial.finished",
-        runs: "all",
-        topic_prefix: "arl.",
-        topics: &[],
-        key_by: KeyBy::Run,
-        llm_calls: LlmCalls::Full,
-    })?;
     Ok(arl_exporter::record::record(
-        &selection,
+        selection,
         ns,
         &ns.stream(Domain::Trial),
         &delivery,

@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use arl_runtime::feed::{DeadLetters, Feed, FeedMessage, FeedSpec};
 use arl_runtime::{Bus, BusError, Shutdown};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use tokio::sync::mpsc;
 
@@ -49,6 +48,8 @@ pub enum ExportError {
         code: RDKafkaErrorCode,
         reason: String,
     },
+    #[error("a feed's task failed: {0}")]
+    TaskFailed(String),
 }
 
 /// Everything an export needs, fixed for the exporter's life.
@@ -142,12 +143,7 @@ async fn first_failure(
         match joined {
             Ok(Ok(())) => {}
             Ok(Err(err)) => return Err(err),
-            Err(panic) => {
-                return Err(ExportError::Fatal {
-                    code: RDKafkaErrorCode::Fail,
-                    reason: format!("a feed's task failed: {panic}"),
-                });
-            }
+            Err(failed) => return Err(ExportError::TaskFailed(failed.to_string())),
         }
     }
     Ok(())
@@ -255,17 +251,10 @@ async fn send(
     stream: &str,
     shutdown: &Shutdown,
 ) -> Result<Outcome, ExportError> {
-    let mut headers = OwnedHeaders::new_with_capacity(record.headers.len());
-    for (key, value) in &record.headers {
-        headers = headers.insert(Header {
-            key,
-            value: Some(value.as_bytes()),
-        });
-    }
     let mut pending = FutureRecord::to(&record.topic)
         .key(record.key.as_bytes())
         .payload(record.value.as_ref())
-        .headers(headers);
+        .headers(record.kafka_headers());
     loop {
         match producer.send_result(pending) {
             Ok(report) => {
@@ -289,7 +278,7 @@ async fn send(
             Err((error, _)) => {
                 return match judge(&error) {
                     Failure::Record => Ok(Outcome::Refused {
-                        reason: format!("Kafka refused it: {error}"),
+                        reason: refused_by_kafka(&error),
                         event_type: Some(record.event_type),
                     }),
                     Failure::Export => Err(ExportError::Kafka {
@@ -325,7 +314,8 @@ async fn acknowledge(
             () = &mut drain_deadline => break,
         };
         let Some(item) = next else { break };
-        match item.outcome {
+        // Some(reason, type): the event is parked on the dead-letter stream.
+        let refused = match item.outcome {
             Outcome::Sent { report, event_type } => {
                 let delivered = tokio::select! {
                     delivered = report => delivered,
@@ -334,17 +324,10 @@ async fn acknowledge(
                 match delivered {
                     Ok(Ok(_)) => {
                         metrics.exported(event_type, item.enqueued.elapsed());
+                        None
                     }
                     Ok(Err((error, _))) => match judge(&error) {
-                        Failure::Record => {
-                            dead_letters
-                                .park(
-                                    &item.message.delivery,
-                                    &format!("Kafka refused it: {error}"),
-                                )
-                                .await?;
-                            metrics.dead_lettered(event_type);
-                        }
+                        Failure::Record => Some((refused_by_kafka(&error), Some(event_type))),
                         Failure::Export => {
                             ack(&mut confirmed).await;
                             return Err(ExportError::Kafka { stream, error });
@@ -354,10 +337,11 @@ async fn acknowledge(
                     Err(_canceled) => break,
                 }
             }
-            Outcome::Refused { reason, event_type } => {
-                dead_letters.park(&item.message.delivery, &reason).await?;
-                metrics.dead_lettered(event_type.unwrap_or("unrecognised"));
-            }
+            Outcome::Refused { reason, event_type } => Some((reason, event_type)),
+        };
+        if let Some((reason, event_type)) = refused {
+            dead_letters.park(&item.message.delivery, &reason).await?;
+            metrics.dead_lettered(event_type.unwrap_or("unrecognised"));
         }
         confirmed = Some(item.message);
         unacknowledged += 1;
@@ -368,6 +352,10 @@ async fn acknowledge(
     }
     ack(&mut confirmed).await;
     Ok(())
+}
+
+fn refused_by_kafka(error: &KafkaError) -> String {
+    format!("Kafka refused it: {error}")
 }
 
 async fn ack(confirmed: &mut Option<FeedMessage>) {

@@ -4,6 +4,7 @@ use arl_runtime::Delivery;
 use arl_runtime::headers;
 use arl_schemas::Namespace;
 use bytes::Bytes;
+use rdkafka::message::{Header, OwnedHeaders};
 use serde_json::Value;
 
 use crate::selection::{KeyBy, LLM_CALL, LlmCalls, Selection, split_event_type};
@@ -47,6 +48,21 @@ pub struct Record {
     pub event_type: &'static str,
 }
 
+impl Record {
+    /// The headers as Kafka takes them.
+    pub fn kafka_headers(&self) -> OwnedHeaders {
+        self.headers.iter().fold(
+            OwnedHeaders::new_with_capacity(self.headers.len()),
+            |headers, (key, value)| {
+                headers.insert(Header {
+                    key,
+                    value: Some(value.as_bytes()),
+                })
+            },
+        )
+    }
+}
+
 /// Why an event cannot become a record. Each is permanent for that event: it is parked
 /// on the dead-letter stream with the reason.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -75,16 +91,10 @@ pub fn record(
             None,
         ),
     };
-    let event_type = selection
-        .events()
-        .iter()
-        .copied()
-        .find(|t| *t == event_type)
+    let (event_type, topic) = selection
+        .selected(&event_type)
         .ok_or_else(|| RecordError::NotSelected(event_type.clone()))?;
-    let topic = selection
-        .topic(event_type)
-        .ok_or_else(|| RecordError::NotSelected(event_type.to_owned()))?
-        .to_owned();
+    let topic = topic.to_owned();
     let trim = event_type == LLM_CALL && selection.llm_calls == LlmCalls::Trimmed;
     let parsed = if trim || selection.key_by == KeyBy::Trial {
         Some(parse_object(event_type, &delivery.payload)?)

@@ -162,7 +162,14 @@ impl Selection {
 
     /// The topic of a selected event type; None for a type not selected.
     pub fn topic(&self, event_type: &str) -> Option<&str> {
-        self.topics.get(event_type).map(String::as_str)
+        self.selected(event_type).map(|(_, topic)| topic)
+    }
+
+    /// A selected event type as the catalog spells it, with its topic.
+    pub fn selected(&self, event_type: &str) -> Option<(&'static str, &str)> {
+        self.topics
+            .get_key_value(event_type)
+            .map(|(event_type, topic)| (*event_type, topic.as_str()))
     }
 
     /// One feed per stream holding a selected type, reading exactly the selected subjects.

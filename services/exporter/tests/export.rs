@@ -127,43 +127,44 @@ fn uuid_like() -> String {
     test_namespace().prefix().unwrap().to_owned()
 }
 
-/// The events of one run's trials: started, some calls, finished, a progress note.
-fn trial_events(ns: &Namespace, run: &RunId, trials: usize) -> Vec<(String, Vec<u8>, String)> {
+/// An event as published: subject, body, de-duplication id.
+type Published = (String, Vec<u8>, String);
+
+/// Publishes `event` the way services do ([`Bus::publish`]) and notes what went out.
+async fn publish<E: Event>(bus: &Bus, event: &E, out: &mut Vec<Published>) {
+    bus.publish(event).await.unwrap();
+    out.push((
+        event.subject(bus.namespace()),
+        event.encode().unwrap(),
+        event.message_id(),
+    ));
+}
+
+/// Publishes the events of one run's trials: started, some calls, finished, a progress
+/// note.
+async fn publish_trials(bus: &Bus, run: &RunId, trials: usize) -> Vec<Published> {
     let mut out = Vec::new();
-    let mut push = |subject: String, body: Vec<u8>, id: String| out.push((subject, body, id));
     for t in 0..trials {
         let trial = TrialId::new(format!("{run}-trial-{t}")).unwrap();
         let mut started = TrialStartedV1::example();
         started.run_id = run.clone();
         started.trial_id = trial.clone();
-        push(
-            started.subject(ns),
-            started.encode().unwrap(),
-            started.message_id(),
-        );
+        publish(bus, &started, &mut out).await;
         for turn in 0..2 {
             let mut call = LlmCallV2::example();
             call.run_id = run.clone();
             call.trial_id = trial.clone();
             call.turn_index = turn;
-            push(call.subject(ns), call.encode().unwrap(), call.message_id());
+            publish(bus, &call, &mut out).await;
         }
         let mut finished = TrialFinishedV1::example();
         finished.run_id = run.clone();
         finished.trial_id = trial.clone();
-        push(
-            finished.subject(ns),
-            finished.encode().unwrap(),
-            finished.message_id(),
-        );
+        publish(bus, &finished, &mut out).await;
         let mut progress = RunProgressV1::example();
         progress.run_id = run.clone();
         progress.sequence = t as u64;
-        push(
-            progress.subject(ns),
-            progress.encode().unwrap(),
-            progress.message_id(),
-        );
+        publish(bus, &progress, &mut out).await;
     }
     out
 }
@@ -218,45 +219,10 @@ async fn connect(server: &NatsServer, ns: &Namespace) -> Bus {
     bus
 }
 
-async fn publish_all(
-    bus: &Bus,
-    events: &[(String, Vec<u8>, String)],
-    types: &HashMap<String, (String, u32)>,
-) {
-    for (subject, body, id) in events {
-        let (event_type, version) = &types[subject.rsplit('.').next().unwrap()];
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert("Nats-Msg-Id", id.as_str());
-        headers.insert("Arl-Type", event_type.as_str());
-        headers.insert("Arl-Version", version.to_string().as_str());
-        bus.publish_bytes(subject.clone(), headers, body.clone().into())
-            .await
-            .unwrap();
-    }
-}
-
-fn types() -> HashMap<String, (String, u32)> {
-    HashMap::from([
-        (
-            "started".into(),
-            (TrialStartedV1::TYPE.into(), TrialStartedV1::VERSION),
-        ),
-        (
-            "finished".into(),
-            (TrialFinishedV1::TYPE.into(), TrialFinishedV1::VERSION),
-        ),
-        ("call".into(), (LlmCallV2::TYPE.into(), LlmCallV2::VERSION)),
-        (
-            "progress".into(),
-            (RunProgressV1::TYPE.into(), RunProgressV1::VERSION),
-        ),
-    ])
-}
-
 /// Every published event arrived, byte for byte, with its headers; per key, first copies
 /// come in bus order; returns the number of duplicate copies.
 fn check_exactly_what_was_published(
-    published: &[(String, Vec<u8>, String)],
+    published: &[Published],
     records: &[Exported],
     key_of: impl Fn(&Exported) -> String,
 ) -> usize {
@@ -303,9 +269,8 @@ async fn events_of_runs_arrive_once_each_in_order_per_key() {
     let broker = broker_with_topics(3);
 
     let (run_a, run_b) = (RunId::generate(), RunId::generate());
-    let mut published = trial_events(&ns, &run_a, 20);
-    published.extend(trial_events(&ns, &run_b, 20));
-    publish_all(&bus, &published, &types()).await;
+    let mut published = publish_trials(&bus, &run_a, 20).await;
+    published.extend(publish_trials(&bus, &run_b, 20).await);
 
     let shutdown = Shutdown::new();
     let export = exporter(
@@ -353,8 +318,7 @@ async fn a_broker_killed_mid_export_loses_nothing_and_the_lag_shows() {
     let mut broker = broker_with_topics(2);
 
     let run = RunId::generate();
-    let mut published = trial_events(&ns, &run, 300);
-    publish_all(&bus, &published, &types()).await;
+    let mut published = publish_trials(&bus, &run, 300).await;
 
     let metrics = Metrics::new();
     let window = 200;
@@ -376,8 +340,7 @@ async fn a_broker_killed_mid_export_loses_nothing_and_the_lag_shows() {
     // SIGKILL mid-export; more events arrive while the broker is down.
     broker.kill();
     let exported_at_kill = metric(&metrics, "arl_exporter_events_total");
-    let more = trial_events(&ns, &RunId::generate(), 100);
-    publish_all(&bus, &more, &types()).await;
+    let more = publish_trials(&bus, &RunId::generate(), 100).await;
     published.extend(more);
     let lag = wait_for(
         "the lag to show the outage",
@@ -423,8 +386,7 @@ async fn a_killed_exporter_resumes_from_its_last_acknowledged_event() {
     let bus = connect(&server, &ns).await;
     let broker = broker_with_topics(1);
     let run = RunId::generate();
-    let published = trial_events(&ns, &run, 400);
-    publish_all(&bus, &published, &types()).await;
+    let published = publish_trials(&bus, &run, 400).await;
 
     let spawn = || {
         Command::new(env!("CARGO_BIN_EXE_arl-exporter"))
@@ -482,8 +444,7 @@ async fn every_compression_codec_goes_through() {
     for compression in codecs {
         let ns = test_namespace();
         let bus = connect(&server, &ns).await;
-        let events = trial_events(&ns, &RunId::generate(), 5);
-        publish_all(&bus, &events, &types()).await;
+        let events = publish_trials(&bus, &RunId::generate(), 5).await;
         let shutdown = Shutdown::new();
         let export = exporter(
             &bus,
@@ -522,8 +483,7 @@ async fn sasl_scram_settings_pass_through_to_the_producer() {
         "--kafka-config",
         "sasl.username=arl-exporter",
     ];
-    let events = trial_events(&ns, &RunId::generate(), 5);
-    publish_all(&bus, &events, &types()).await;
+    let events = publish_trials(&bus, &RunId::generate(), 5).await;
     let exporter = Command::new(env!("CARGO_BIN_EXE_arl-exporter"))
         .args(["--nats-url", &server.url()])
         .args(["--prefix", ns.prefix().unwrap()])
@@ -569,14 +529,14 @@ async fn a_record_kafka_refuses_is_dead_lettered_and_the_rest_goes_on() {
     let bus = connect(&server, &ns).await;
     let broker = broker_with_topics(1);
     let run = RunId::generate();
-    let mut events = trial_events(&ns, &run, 3);
+    let mut events = publish_trials(&bus, &run, 2).await;
     let mut big = LlmCallV2::example();
     big.run_id = run.clone();
     big.trial_id = TrialId::new("the-long-one").unwrap();
     big.prompt_token_ids = vec![151_643; 4_000];
-    let big_event = (big.subject(&ns), big.encode().unwrap(), big.message_id());
-    events.insert(2, big_event.clone());
-    publish_all(&bus, &events, &types()).await;
+    publish(&bus, &big, &mut events).await;
+    let big_event = events.last().unwrap().clone();
+    events.extend(publish_trials(&bus, &RunId::generate(), 1).await);
 
     let metrics = Metrics::new();
     let mut export = exporter(
