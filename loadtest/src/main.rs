@@ -172,6 +172,7 @@ async fn admission(
         model_dir: dir.join("models"),
         admission_concurrency: 16,
         tensorboard_dir: None,
+        ..ControllerConfig::default()
     };
     Controller::new(bus.clone(), config).await?.start(&shutdown);
 

@@ -215,6 +215,7 @@ impl Grading {
                 model_dir: models.path().to_path_buf(),
                 admission_concurrency: 2,
                 tensorboard_dir: None,
+                ..ControllerConfig::default()
             },
         )
         .await

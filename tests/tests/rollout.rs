@@ -145,6 +145,7 @@ impl Stack {
                 model_dir: model_dir(),
                 admission_concurrency: 2,
                 tensorboard_dir: None,
+                ..ControllerConfig::default()
             },
         )
         .await

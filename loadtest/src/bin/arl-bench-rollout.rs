@@ -114,6 +114,7 @@ async fn main() -> anyhow::Result<()> {
                 model_dir: files.path().to_path_buf(),
                 admission_concurrency: 2,
                 tensorboard_dir: None,
+                ..ControllerConfig::default()
             },
         )
         .await

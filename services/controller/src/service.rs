@@ -1,8 +1,10 @@
 //! The controller's consumers: admission of run requests, and the ordered folds of the
 //! pipeline's events into run state.
 
+use std::collections::HashSet;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
@@ -36,6 +38,9 @@ pub struct ControllerConfig {
     pub admission_concurrency: usize,
     /// Where each run's TensorBoard scalars are written (none: not written).
     pub tensorboard_dir: Option<PathBuf>,
+    /// How often a run's trial counts are announced in `run.progress` while they change.
+    /// Phase and status changes are announced at once.
+    pub progress_interval: Duration,
 }
 
 impl Default for ControllerConfig {
@@ -44,6 +49,7 @@ impl Default for ControllerConfig {
             model_dir: arl_runtime::args::default_model_dir(),
             admission_concurrency: 8,
             tensorboard_dir: None,
+            progress_interval: Duration::from_secs(1),
         }
     }
 }
@@ -58,6 +64,10 @@ struct Inner {
     bus: Bus,
     store: RunStore,
     config: ControllerConfig,
+    /// Runs whose trial counts changed since their last `run.progress`. Announcing every
+    /// folded trial (hundreds a second under load) would fill the run stream and its
+    /// de-duplication window with ids nobody needs, so they wait for the next flush.
+    unannounced: Mutex<HashSet<RunId>>,
 }
 
 impl From<StoreError> for ControllerError {
@@ -81,7 +91,12 @@ impl Controller {
     pub async fn new(bus: Bus, config: ControllerConfig) -> Result<Self, ControllerError> {
         let store = RunStore::open(&bus).await?;
         Ok(Self {
-            inner: Arc::new(Inner { bus, store, config }),
+            inner: Arc::new(Inner {
+                bus,
+                store,
+                config,
+                unannounced: Mutex::default(),
+            }),
         })
     }
 
@@ -129,6 +144,74 @@ impl Controller {
         });
         if let Some(dir) = &self.inner.config.tensorboard_dir {
             self.track(shutdown, Arc::new(TensorBoard::new(dir.clone())));
+        }
+        self.flush_progress(shutdown);
+    }
+
+    /// Announces the runs whose trial counts changed, every `progress_interval`, and once
+    /// more at shutdown. It starts with every live run: a controller that stopped between
+    /// a trial's fold and the next flush owes that run an announcement.
+    fn flush_progress(&self, shutdown: &Shutdown) {
+        let controller = self.clone();
+        let shutdown_ = shutdown.clone();
+        shutdown.spawn(async move {
+            if let Err(err) = controller.mark_live_runs().await {
+                tracing::warn!(error = %err, "could not list the live runs to re-announce");
+            }
+            let mut tick = tokio::time::interval(controller.inner.config.progress_interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => controller.announce_unannounced().await,
+                    _ = shutdown_.triggered() => {
+                        controller.announce_unannounced().await;
+                        return;
+                    }
+                }
+            }
+        });
+    }
+
+    async fn mark_live_runs(&self) -> Result<(), StoreError> {
+        for run_id in self.inner.store.run_ids().await? {
+            let live = self
+                .inner
+                .store
+                .get(&run_id)
+                .await?
+                .is_some_and(|stored| !stored.state.status.is_terminal());
+            if live {
+                self.unannounced().insert(run_id);
+            }
+        }
+        Ok(())
+    }
+
+    fn unannounced(&self) -> std::sync::MutexGuard<'_, HashSet<RunId>> {
+        // The set stays valid whatever a panicking holder did to it.
+        self.inner
+            .unannounced
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// One flush: each waiting run's stored state, announced. A run whose announcement
+    /// fails waits for the next flush.
+    async fn announce_unannounced(&self) {
+        let runs = std::mem::take(&mut *self.unannounced());
+        for run_id in runs {
+            let announced = match self.inner.store.get(&run_id).await {
+                Ok(Some(stored)) => self
+                    .announce(&stored.state)
+                    .await
+                    .map_err(|e| e.to_string()),
+                Ok(None) => Ok(()),
+                Err(err) => Err(err.to_string()),
+            };
+            if let Err(err) = announced {
+                tracing::warn!(run = %run_id, error = %err, "run.progress not announced; retrying at the next flush");
+                self.unannounced().insert(run_id);
+            }
         }
     }
 
@@ -261,7 +344,9 @@ impl Controller {
         }
     }
 
-    /// Applies one event to a run's state exactly once, then (re-)announces the state.
+    /// Applies one event to a run's state exactly once, then (re-)announces the state: at
+    /// once when it changed the run's phase or status or came from outside the trial
+    /// stream, at the next flush when it only counted a trial.
     async fn apply(
         &self,
         delivery: &Delivery,
@@ -270,6 +355,7 @@ impl Controller {
         apply: impl Fn(&mut RunStateV1),
     ) -> Result<(), HandlerError> {
         let stream = domain.token();
+        let mut course_before = None;
         let updated = self
             .inner
             .store
@@ -277,6 +363,7 @@ impl Controller {
                 if !progress::first_time(state, stream, delivery.stream_sequence) {
                     return false;
                 }
+                course_before = Some((state.phase, state.status));
                 // Late events (a trial that finished after the final evaluation) still
                 // count; only the status is final.
                 apply(state);
@@ -292,8 +379,15 @@ impl Controller {
                 "run {run_id} is unknown to the controller"
             )));
         };
-        // Publishing again after a redelivery is harmless: the message ids de-duplicate.
-        self.announce(&state).await?;
+        let course_changed =
+            course_before.is_some_and(|before| before != (state.phase, state.status));
+        if domain == Domain::Trial && !course_changed {
+            self.unannounced().insert(run_id.clone());
+        } else {
+            // Publishing again after a redelivery is harmless: the message ids
+            // de-duplicate.
+            self.announce(&state).await?;
+        }
         // The controller's own `run.failed` (not when folding a `run.failed`: that would
         // only echo it).
         if domain != Domain::Run

@@ -2,7 +2,7 @@
 //! paths, undecodable input, restarts of the controller and of the server, duplicates.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arl_controller::{Controller, ControllerConfig};
 use arl_runtime::bus::BusConfig;
@@ -13,7 +13,7 @@ use arl_schemas::events::{
 };
 use arl_schemas::spec::RunSpec;
 use arl_schemas::state::{RunStateV1, RunStatus};
-use arl_schemas::{Bucket, Domain, Event, Namespace, RunId};
+use arl_schemas::{Bucket, Domain, Event, Namespace, RunId, TrialId};
 use arl_testkit::{NatsServer, test_namespace, wait_for};
 
 /// A model folder holding a file with a GGUF header, and a Harbor dataset with one task:
@@ -81,11 +81,17 @@ impl Harness {
     }
 
     async fn controller(&self) -> Shutdown {
+        self.controller_flushing_every(ControllerConfig::default().progress_interval)
+            .await
+    }
+
+    async fn controller_flushing_every(&self, progress_interval: Duration) -> Shutdown {
         let shutdown = Shutdown::new();
         let config = ControllerConfig {
             model_dir: self.resources.model_dir(),
             admission_concurrency: 4,
             tensorboard_dir: None,
+            progress_interval,
         };
         Controller::new(self.bus.clone(), config)
             .await
@@ -165,7 +171,14 @@ async fn a_valid_request_is_accepted_and_recorded() {
             .unwrap()
             .ends_with("SmolLM2-135M-Instruct.Q4_1.gguf")
     );
-    let accepted: Vec<RunAcceptedV1> = h.events(Domain::Run, &request.run_id, "accepted").await;
+    // The state is stored before `run.accepted` is published.
+    let accepted: Vec<RunAcceptedV1> =
+        wait_for("run.accepted", Duration::from_secs(10), || async {
+            let events: Vec<RunAcceptedV1> =
+                h.events(Domain::Run, &request.run_id, "accepted").await;
+            (!events.is_empty()).then_some(events)
+        })
+        .await;
     assert_eq!(accepted.len(), 1);
     let progress: Vec<RunProgressV1> =
         wait_for("first progress", Duration::from_secs(10), || async {
@@ -355,6 +368,109 @@ async fn a_restarted_controller_carries_on_with_state_intact() {
     assert_eq!(completed.len(), 1);
     assert_eq!(completed[0].final_policy_version, 2);
     stop(controller).await;
+}
+
+/// `count` finished trials of a run, each its own.
+fn finished_trials(run: &RunId, count: u32) -> Vec<TrialFinishedV1> {
+    (0..count)
+        .map(|i| TrialFinishedV1 {
+            run_id: run.clone(),
+            trial_id: TrialId::new(format!("trial-{i}")).unwrap(),
+            ..TrialFinishedV1::example()
+        })
+        .collect()
+}
+
+/// The `run.progress` events of a run that counted `trials` finished trials.
+async fn progress_counting(h: &Harness, run: &RunId, trials: u64) -> Vec<RunProgressV1> {
+    let progress: Vec<RunProgressV1> = h.events(Domain::Run, run, "progress").await;
+    progress
+        .into_iter()
+        .filter(|p| p.trials_finished == trials)
+        .collect()
+}
+
+/// A flood of trial outcomes is announced a flush at a time, not a trial at a time (each
+/// `run.progress` is a message id the run stream keeps for its de-duplication window).
+#[tokio::test]
+async fn trial_counts_are_announced_once_a_flush_not_once_a_trial() {
+    let h = Harness::start().await;
+    let interval = Duration::from_millis(500);
+    let controller = h.controller_flushing_every(interval).await;
+    let request = h.request(h.resources.spec());
+    h.bus.publish(&request).await.unwrap();
+    let run = request.run_id.clone();
+    h.wait_state(&run, "accepted", |s| s.status == RunStatus::Accepted)
+        .await;
+
+    let started = Instant::now();
+    for finished in finished_trials(&run, 200) {
+        h.bus.publish(&finished).await.unwrap();
+    }
+    wait_for(
+        "a progress with 200 trials",
+        Duration::from_secs(30),
+        || {
+            let h = &h;
+            let run = &run;
+            async move { (!progress_counting(h, run, 200).await.is_empty()).then_some(()) }
+        },
+    )
+    .await;
+    let flushes = started.elapsed().as_secs_f64() / interval.as_secs_f64();
+    let progress: Vec<RunProgressV1> = h.events(Domain::Run, &run, "progress").await;
+    let counting = progress.iter().filter(|p| p.trials_finished > 0).count();
+    assert!(
+        (counting as f64) <= flushes + 2.0,
+        "{counting} progress events in {flushes:.1} flushes"
+    );
+    let sequences: Vec<u64> = progress.iter().map(|p| p.sequence).collect();
+    assert!(
+        sequences.windows(2).all(|w| w[0] < w[1]),
+        "sequences must rise: {sequences:?}"
+    );
+    // The last one carries every fold.
+    assert_eq!(progress.last().unwrap().sequence, 201);
+    stop(controller).await;
+}
+
+/// A controller stopped between a trial's fold and the next flush leaves an announcement
+/// owed; the next controller to start makes up for it, and a stopping one flushes.
+#[tokio::test]
+async fn a_starting_controller_announces_what_the_last_one_owed() {
+    let h = Harness::start().await;
+    let never = Duration::from_secs(3600);
+    let first = h.controller_flushing_every(never).await;
+    let request = h.request(h.resources.spec());
+    h.bus.publish(&request).await.unwrap();
+    let run = request.run_id.clone();
+    h.wait_state(&run, "accepted", |s| s.status == RunStatus::Accepted)
+        .await;
+    let trials = finished_trials(&run, 5);
+    for finished in &trials[..3] {
+        h.bus.publish(finished).await.unwrap();
+    }
+    h.wait_state(&run, "3 trials", |s| s.trials_finished == 3)
+        .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(progress_counting(&h, &run, 3).await.is_empty());
+
+    let second = h.controller_flushing_every(never).await;
+    wait_for("the owed progress", Duration::from_secs(10), || {
+        let h = &h;
+        let run = &run;
+        async move { (!progress_counting(h, run, 3).await.is_empty()).then_some(()) }
+    })
+    .await;
+
+    for finished in &trials[3..] {
+        h.bus.publish(finished).await.unwrap();
+    }
+    h.wait_state(&run, "5 trials", |s| s.trials_finished == 5)
+        .await;
+    stop(first).await;
+    stop(second).await;
+    assert_eq!(progress_counting(&h, &run, 5).await.len(), 1);
 }
 
 #[tokio::test]

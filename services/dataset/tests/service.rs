@@ -53,6 +53,7 @@ impl Harness {
             model_dir: models.path().to_path_buf(),
             admission_concurrency: 4,
             tensorboard_dir: None,
+            ..ControllerConfig::default()
         };
         Controller::new(bus.clone(), config)
             .await

@@ -58,6 +58,7 @@ async fn validation_runs_after_evaluation_steps_and_its_rate_reaches_the_run() {
             model_dir: models.path().to_path_buf(),
             admission_concurrency: 2,
             tensorboard_dir: None,
+            ..ControllerConfig::default()
         },
     )
     .await

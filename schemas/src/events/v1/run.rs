@@ -69,7 +69,9 @@ pub enum RunPhase {
 pub struct RunProgressV1 {
     pub run_id: RunId,
     pub at: DateTime<Utc>,
-    /// Increases with every progress event of the run; the de-duplication key.
+    /// Counts the events folded into the run's state, so it rises with every progress
+    /// event of the run but may skip (trial counts are announced a flush at a time); the
+    /// de-duplication key.
     pub sequence: u64,
     pub phase: RunPhase,
     /// Steps committed by the trainer so far.
