@@ -527,6 +527,7 @@ fn metrics_parse(state: &Path) {
             ("arl_trainer_grad_norm", "gauge"),
             ("arl_trainer_reward_mean", "gauge"),
             ("arl_trainer_tokens_per_second", "gauge"),
+            ("arl_trainer_heap_in_use_bytes", "gauge"),
         ],
     );
     expect(

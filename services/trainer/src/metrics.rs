@@ -35,6 +35,7 @@ pub struct TrainerMetrics {
     trajectories: Counter,
     zero_advantage_groups: Counter,
     phase_seconds: Family<PhaseLabel, Histogram>,
+    heap_in_use: Gauge,
     last: [(&'static str, &'static str, Family<RunLabel, FloatGauge>); 9],
 }
 
@@ -47,6 +48,7 @@ impl TrainerMetrics {
             trajectories: Counter::default(),
             zero_advantage_groups: Counter::default(),
             phase_seconds: Family::new_with_constructor(phase_histogram),
+            heap_in_use: Gauge::default(),
             last: [
                 gauge("trainer_pg_loss", "The last step's policy-gradient loss"),
                 gauge(
@@ -92,6 +94,11 @@ impl TrainerMetrics {
             "Time per step phase",
             m.phase_seconds.clone(),
         );
+        metrics.register(
+            "trainer_heap_in_use_bytes",
+            "Bytes the allocator hands out after the last step; the trainer keeps freed memory for the next step, so its RSS is its heap's high-water mark and this is what it holds",
+            m.heap_in_use.clone(),
+        );
         for (name, help, family) in &m.last {
             metrics.register(name, help, family.clone());
         }
@@ -101,6 +108,10 @@ impl TrainerMetrics {
     /// Records a committed step.
     pub fn step(&self, step: &TrainStepV2) {
         self.steps.inc();
+        if let Some(bytes) = arl_model::ops::heap_in_use_bytes() {
+            self.heap_in_use
+                .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        }
         self.samples_trained
             .inc_by(u64::from(step.batch.samples_trained));
         self.trajectories.inc_by(u64::from(step.batch.trajectories));

@@ -69,6 +69,22 @@ pub fn retain_freed_memory() {
     }
 }
 
+/// Bytes malloc hands out now (in use in its arenas plus its own mmapped blocks): what a
+/// process that retains freed memory (`retain_freed_memory`) really holds, where its RSS
+/// is the high-water mark of its heap. None where the allocator cannot say (not glibc).
+pub fn heap_in_use_bytes() -> Option<u64> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 only reads the allocator's statistics (glibc ≥ 2.33).
+        let info = unsafe { libc::mallinfo2() };
+        Some((info.uordblks + info.hblkhd) as u64)
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        None
+    }
+}
+
 /// malloc arenas a process that retains freed memory may use (see `retain_freed_memory`).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 const MALLOC_ARENAS: i32 = 2;

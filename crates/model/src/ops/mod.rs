@@ -15,7 +15,9 @@ mod thin;
 
 pub use cpu::Cpu;
 pub use gemm::{matmul_backward, matmul_forward};
-pub use memory::{prepare_process, retain_freed_memory, size_thread_pool, zeroed};
+pub use memory::{
+    heap_in_use_bytes, prepare_process, retain_freed_memory, size_thread_pool, zeroed,
+};
 pub use packed::PackedMatrix;
 pub(crate) use thin::attend_group;
 
