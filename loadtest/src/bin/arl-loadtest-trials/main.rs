@@ -246,7 +246,10 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
         name: "loadtest (stand-in engine, measurement)".into(),
         pid: std::process::id(),
     });
-    let sampler = Sampler::start(measured.clone(), &bus, live_heap_url);
+    let trainer_metrics_url = fleet
+        .ops_port("trainer")
+        .map(|port| format!("http://127.0.0.1:{port}/metrics"));
+    let sampler = Sampler::start(measured.clone(), &bus, live_heap_url, trainer_metrics_url);
     let dataset = write_dataset(state.path(), args.tasks_per_step + args.val_tasks)?;
 
     let mut session = Session {
@@ -625,14 +628,22 @@ struct Samples {
     series: Vec<(f64, Vec<f64>, u64)>,
     /// Every 30 s: (seconds since start, nats-server's live heap after a GC).
     nats_live_heap: Vec<(f64, NatsHeap)>,
+    /// Every 30 s: (seconds since start, the trainer's heap in use after its last step, MiB).
+    trainer_heap: Vec<(f64, f64)>,
 }
 
 impl Sampler {
-    fn start(measured: Vec<Measured>, bus: &Bus, live_heap_url: String) -> Self {
+    fn start(
+        measured: Vec<Measured>,
+        bus: &Bus,
+        live_heap_url: String,
+        trainer_metrics_url: Option<String>,
+    ) -> Self {
         let samples = Arc::new(Mutex::new(Samples {
             peak_rss: vec![0.0; measured.len()],
             series: Vec::new(),
             nats_live_heap: Vec::new(),
+            trainer_heap: Vec::new(),
         }));
         let (shared, bus) = (samples.clone(), bus.clone());
         // Aborted by `stop`: it holds nothing that needs an orderly end.
@@ -645,13 +656,17 @@ impl Sampler {
                     .iter()
                     .map(|m| fleet::rss_mib(m.pid).unwrap_or(0.0))
                     .collect();
-                let (bytes, heap) = if n % 30 == 0 {
+                let (bytes, heap, trainer_heap) = if n % 30 == 0 {
                     (
                         stream_bytes(&bus).await.ok(),
                         NatsHeap::read(&live_heap_url).await,
+                        match &trainer_metrics_url {
+                            Some(url) => trainer_heap_mib(url).await,
+                            None => None,
+                        },
                     )
                 } else {
-                    (None, None)
+                    (None, None, None)
                 };
                 let mut s = shared.lock().unwrap_or_else(|e| e.into_inner());
                 for (peak, now) in s.peak_rss.iter_mut().zip(&rss) {
@@ -663,6 +678,9 @@ impl Sampler {
                 }
                 if let Some(heap) = heap {
                     s.nats_live_heap.push((at, heap));
+                }
+                if let Some(mib) = trainer_heap {
+                    s.trainer_heap.push((at, mib));
                 }
             }
         });
@@ -745,6 +763,24 @@ impl NatsHeap {
     fn judged(&self) -> f64 {
         self.live - self.block_caches
     }
+}
+
+/// The trainer's heap in use after its last step (`arl_trainer_heap_in_use_bytes`), MiB;
+/// None before its first step (0) or where it cannot be read.
+async fn trainer_heap_mib(url: &str) -> Option<f64> {
+    let text = arl_testkit::http(url, "GET", &[], b"").await.ok()?.text();
+    trainer_heap_of(&text)
+}
+
+/// [`trainer_heap_mib`] from the metrics text.
+fn trainer_heap_of(text: &str) -> Option<f64> {
+    let bytes: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("arl_trainer_heap_in_use_bytes "))?
+        .trim()
+        .parse()
+        .ok()?;
+    (bytes > 0.0).then_some(bytes / (1024.0 * 1024.0))
 }
 
 /// Bytes stored in every event stream of the namespace.
@@ -840,7 +876,7 @@ impl Report<'_> {
         let soak = self.scenarios.iter().any(|s| s.name == "soak");
         let soak_ok = !soak || self.soak_verdict();
         println!(
-            "| no unbounded memory growth over the soak (RSS; nats-server: live heap less block caches) | {} | slope after warm-up ≤ max(2 MiB, 1% of mean)/min | {} |",
+            "| no unbounded memory growth over the soak (RSS; nats-server: live heap less block caches; trainer: heap in use) | {} | slope after warm-up ≤ max(2 MiB, 1% of mean)/min | {} |",
             if soak {
                 "see the soak table"
             } else {
@@ -1001,7 +1037,7 @@ impl Report<'_> {
             let shown = if growth.judged {
                 verdict(growth.holds())
             } else {
-                "shown (nats-server: its live heap less block caches is judged)"
+                "shown (judged: nats-server's live heap less block caches, the trainer's heap in use)"
             };
             println!(
                 "| {name} | {:.1} | {:.2} | {:.2} | {shown} |",
@@ -1042,6 +1078,14 @@ impl Report<'_> {
             "| nats-server (of which message-block caches) | {} |",
             row(|h| h.block_caches)
         );
+        let trainer: Vec<String> = self
+            .samples
+            .trainer_heap
+            .iter()
+            .step_by(4)
+            .map(|(_, mib)| format!("{mib:.0}"))
+            .collect();
+        println!("| trainer (heap in use) | {} |", trainer.join(" | "));
     }
 
     /// Per process (RSS), and nats-server's live heap: the trend over the samples after
@@ -1054,8 +1098,10 @@ impl Report<'_> {
             let points: Vec<(f64, f64)> = warm.iter().map(|s| (s.0 / 60.0, s.1[i])).collect();
             // A Go process's RSS also holds garbage awaiting collection (up to the live
             // heap again, at GOGC=100) and freed memory the runtime returns lazily: for
-            // nats-server the live heap says whether memory grows, and RSS is shown.
-            let judged = m.name != "nats-server";
+            // nats-server the live heap says whether memory grows, and RSS is shown. The
+            // trainer keeps freed memory for its next step (`retain_freed_memory`), so its
+            // RSS is its heap's high-water mark: its heap in use is judged instead.
+            let judged = m.name != "nats-server" && m.name != "trainer";
             rows.insert(format!("{} (RSS)", m.name), Growth::of(&points, judged));
         }
         let heap = &self.samples.nats_live_heap;
@@ -1071,18 +1117,23 @@ impl Report<'_> {
             "nats-server (live heap less message-block caches)".into(),
             Growth::of(&points(NatsHeap::judged), true),
         );
+        let trainer = &self.samples.trainer_heap;
+        let warm = &trainer[warm_up(trainer.iter().map(|h| h.0))..];
+        let points: Vec<(f64, f64)> = warm.iter().map(|(at, mib)| (at / 60.0, *mib)).collect();
+        rows.insert("trainer (heap in use)".into(), Growth::of(&points, true));
         rows
     }
 
     /// The soak's rule: after the warm-up ([`warm_up`]), the least-squares slope of each
-    /// process's RSS (nats-server: its live heap less its block caches) must stay at or
-    /// under max(2 MiB, 1% of its mean) per minute — memory still climbing at that rate
+    /// process's RSS (nats-server: its live heap less its block caches; the trainer: its
+    /// heap in use) must stay at or under max(2 MiB, 1% of its mean) per minute — memory still climbing at that rate
     /// once the system is in its steady state grows without bound. Fewer than 3 samples
     /// after warm-up cannot pass.
     fn soak_verdict(&self) -> bool {
         let enough = |times: Vec<f64>| times.len() - warm_up(times.iter().copied()) >= 3;
         enough(self.samples.series.iter().map(|s| s.0).collect())
             && enough(self.samples.nats_live_heap.iter().map(|h| h.0).collect())
+            && enough(self.samples.trainer_heap.iter().map(|h| h.0).collect())
             && self.growth().values().all(Growth::holds)
     }
 }
@@ -1158,6 +1209,17 @@ mod tests {
 # HeapAlloc = 26214400
 # HeapInuse = 30000000
 ";
+
+    #[test]
+    fn the_trainer_heap_is_read_from_its_gauge_and_absent_before_a_step() {
+        let text = "# HELP arl_trainer_heap_in_use_bytes Bytes\n\
+                    # TYPE arl_trainer_heap_in_use_bytes gauge\n\
+                    arl_trainer_heap_in_use_bytes 209715200\n\
+                    arl_trainer_steps_total 3\n";
+        assert_eq!(trainer_heap_of(text), Some(200.0));
+        assert_eq!(trainer_heap_of("arl_trainer_heap_in_use_bytes 0\n"), None);
+        assert_eq!(trainer_heap_of("arl_trainer_steps_total 3\n"), None);
+    }
 
     #[test]
     fn the_judged_heap_leaves_out_message_block_caches() {
