@@ -126,6 +126,27 @@ impl Harness {
         .await
     }
 
+    /// Submits a run of the harness's spec and waits for its acceptance.
+    async fn accepted_run(&self) -> RunId {
+        let request = self.request(self.resources.spec());
+        self.bus.publish(&request).await.unwrap();
+        self.wait_state(&request.run_id, "accepted", |s| {
+            s.status == RunStatus::Accepted
+        })
+        .await;
+        request.run_id
+    }
+
+    /// Waits for a `run.progress` of `run` that counted `trials` finished trials.
+    async fn wait_progress_counting(&self, run: &RunId, trials: u64, timeout: Duration) {
+        wait_for(
+            &format!("a progress with {trials} trials"),
+            timeout,
+            || async { (!progress_counting(self, run, trials).await.is_empty()).then_some(()) },
+        )
+        .await;
+    }
+
     async fn events<E: Event>(&self, domain: Domain, run_id: &RunId, event: &str) -> Vec<E> {
         let filter = self.ns.event_subject(domain, run_id, event);
         self.bus.replay::<E>(domain, filter).await.unwrap()
@@ -329,11 +350,7 @@ fn step(run_id: &RunId, step: u32) -> TrainStepV2 {
 async fn a_restarted_controller_carries_on_with_state_intact() {
     let h = Harness::start().await;
     let controller = h.controller().await;
-    let request = h.request(h.resources.spec());
-    h.bus.publish(&request).await.unwrap();
-    let run = request.run_id.clone();
-    h.wait_state(&run, "accepted", |s| s.status == RunStatus::Accepted)
-        .await;
+    let run = h.accepted_run().await;
     h.bus.publish(&step(&run, 1)).await.unwrap();
     h.wait_state(&run, "step 1", |s| s.step == 1).await;
     stop(controller).await;
@@ -397,26 +414,14 @@ async fn trial_counts_are_announced_once_a_flush_not_once_a_trial() {
     let h = Harness::start().await;
     let interval = Duration::from_millis(500);
     let controller = h.controller_flushing_every(interval).await;
-    let request = h.request(h.resources.spec());
-    h.bus.publish(&request).await.unwrap();
-    let run = request.run_id.clone();
-    h.wait_state(&run, "accepted", |s| s.status == RunStatus::Accepted)
-        .await;
+    let run = h.accepted_run().await;
 
     let started = Instant::now();
     for finished in finished_trials(&run, 200) {
         h.bus.publish(&finished).await.unwrap();
     }
-    wait_for(
-        "a progress with 200 trials",
-        Duration::from_secs(30),
-        || {
-            let h = &h;
-            let run = &run;
-            async move { (!progress_counting(h, run, 200).await.is_empty()).then_some(()) }
-        },
-    )
-    .await;
+    h.wait_progress_counting(&run, 200, Duration::from_secs(30))
+        .await;
     let flushes = started.elapsed().as_secs_f64() / interval.as_secs_f64();
     let progress: Vec<RunProgressV1> = h.events(Domain::Run, &run, "progress").await;
     let counting = progress.iter().filter(|p| p.trials_finished > 0).count();
@@ -441,11 +446,7 @@ async fn a_starting_controller_announces_what_the_last_one_owed() {
     let h = Harness::start().await;
     let never = Duration::from_secs(3600);
     let first = h.controller_flushing_every(never).await;
-    let request = h.request(h.resources.spec());
-    h.bus.publish(&request).await.unwrap();
-    let run = request.run_id.clone();
-    h.wait_state(&run, "accepted", |s| s.status == RunStatus::Accepted)
-        .await;
+    let run = h.accepted_run().await;
     let trials = finished_trials(&run, 5);
     for finished in &trials[..3] {
         h.bus.publish(finished).await.unwrap();
@@ -456,12 +457,8 @@ async fn a_starting_controller_announces_what_the_last_one_owed() {
     assert!(progress_counting(&h, &run, 3).await.is_empty());
 
     let second = h.controller_flushing_every(never).await;
-    wait_for("the owed progress", Duration::from_secs(10), || {
-        let h = &h;
-        let run = &run;
-        async move { (!progress_counting(h, run, 3).await.is_empty()).then_some(()) }
-    })
-    .await;
+    h.wait_progress_counting(&run, 3, Duration::from_secs(10))
+        .await;
 
     for finished in &trials[3..] {
         h.bus.publish(finished).await.unwrap();

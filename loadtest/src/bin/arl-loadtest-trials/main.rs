@@ -1047,8 +1047,9 @@ impl Report<'_> {
         self.print_series();
     }
 
-    /// Each process's RSS (nats-server: its live heap) every 2 minutes, to see the shape of
-    /// what the slopes summarise (a step when a run starts, or a steady climb).
+    /// Each process's RSS (and nats-server's live heap, the trainer's heap in use) every 2
+    /// minutes, to see the shape of what the slopes summarise (a step when a run starts,
+    /// or a steady climb).
     fn print_series(&self) {
         let series = &self.samples.series;
         let picked: Vec<usize> = (0..series.len()).step_by(4).collect();
@@ -1088,8 +1089,8 @@ impl Report<'_> {
         println!("| trainer (heap in use) | {} |", trainer.join(" | "));
     }
 
-    /// Per process (RSS), and nats-server's live heap: the trend over the samples after
-    /// the warm-up.
+    /// Per process (RSS), nats-server's live heap and the trainer's heap in use: the trend
+    /// over the samples after the warm-up.
     fn growth(&self) -> BTreeMap<String, Growth> {
         let series = &self.samples.series;
         let warm = &series[warm_up(series.iter().map(|s| s.0))..];
@@ -1126,8 +1127,9 @@ impl Report<'_> {
 
     /// The soak's rule: after the warm-up ([`warm_up`]), the least-squares slope of each
     /// process's RSS (nats-server: its live heap less its block caches; the trainer: its
-    /// heap in use) must stay at or under max(2 MiB, 1% of its mean) per minute — memory still climbing at that rate
-    /// once the system is in its steady state grows without bound. Fewer than 3 samples
+    /// heap in use) must stay at or under max(2 MiB, 1% of its mean) per minute — memory
+    /// still climbing at that rate once the system is in its steady state grows without
+    /// bound. Fewer than 3 samples
     /// after warm-up cannot pass.
     fn soak_verdict(&self) -> bool {
         let enough = |times: Vec<f64>| times.len() - warm_up(times.iter().copied()) >= 3;
