@@ -72,7 +72,7 @@ help:
 	@echo "make run TRACES=1   the same run with every trial's trace in Phoenix (kept up after the run until Ctrl-C)"
 	@echo "make gen      regenerate schemas/json from the Rust types"
 	@echo "make loadtest admission throughput/latency against a JetStream baseline; thousands of concurrent trials through every service as a process"
-	@echo "make soak     trials through every service for SOAK_SECONDS (600), failing on RSS that keeps growing"
+	@echo "make soak     trials through every service for SOAK_SECONDS (900), failing on memory that keeps growing"
 	@echo "make fuzz     coverage-guided fuzzing (cargo-fuzz) of every parser of outside input, FUZZ_SECONDS (60) each"
 	@echo "make gpu-test-bundle  the GPU test binaries, stripped, into .device/bin (for a GPU machine without Rust; README: GPU)"
 	@echo "make chart    lint, render and validate the Helm chart deploy/helm/arl (helm, kubernetes-validate; deploy/check-chart.py)"
@@ -281,10 +281,12 @@ bench: deps models loadtest
 # its own process of the release `arl` (arl-loadtest-trials: math at 2,000 trials a step,
 # 2,000 held in flight, sandboxed Harbor trials on bubblewrap warm pools next to the
 # sandbox's own lease rate). It exits 1 when a trial is lost or duplicated. `make soak`
-# keeps trials flowing SOAK_SECONDS (600) and fails on RSS that keeps growing.
+# keeps trials flowing SOAK_SECONDS (900) and fails on memory that keeps growing: its
+# first 6 minutes are warm-up (done trial records expire after 5), so 900 s leaves ten
+# minutes of samples to fit a trend on.
 LOADTEST_BUILD := cargo build --release --quiet -p arl-cli --bin arl -p arl-sandbox --bin arl-sandbox-init \
 	-p arl-loadtest --bin arl-loadtest --bin arl-loadtest-trials
-SOAK_SECONDS ?= 600
+SOAK_SECONDS ?= 900
 
 loadtest: deps $(SMOLLM2)
 	$(LOADTEST_BUILD)
