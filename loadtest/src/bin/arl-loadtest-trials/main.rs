@@ -684,7 +684,7 @@ impl Sampler {
                 };
                 let heap = if n % NATS_HEAP_EVERY_S == 0 {
                     let keep = heap_profiles.join(format!("nats-heap-{n:05}s.txt"));
-                    NatsHeap::read(&live_heap_url, Some(&keep)).await
+                    NatsHeap::read(&live_heap_url, &keep).await
                 } else {
                     None
                 };
@@ -776,13 +776,14 @@ fn is_pool_constructor(function: &str) -> bool {
 }
 
 impl NatsHeap {
-    /// Reads a profile, keeping its text in `keep` (a file) when given.
-    async fn read(url: &str, keep: Option<&Path>) -> Option<Self> {
+    /// Reads a profile, keeping its text in the file `keep` (for `--keep-state`).
+    async fn read(url: &str, keep: &Path) -> Option<Self> {
         let text = arl_testkit::http(url, "GET", &[], b"").await.ok()?.text();
-        if let Some(path) = keep {
-            if let Err(err) = std::fs::write(path, &text) {
-                eprintln!("could not keep nats-server's heap profile in {}: {err}", path.display());
-            }
+        if let Err(err) = std::fs::write(keep, &text) {
+            eprintln!(
+                "could not keep nats-server's heap profile in {}: {err}",
+                keep.display()
+            );
         }
         Self::parse(&text)
     }
@@ -812,7 +813,9 @@ impl NatsHeap {
         // Each record's estimated bytes and stack, ended by a blank line or the next one.
         let mut record: Option<(f64, Vec<&str>)> = None;
         let mut end_record = |record: Option<(f64, Vec<&str>)>| {
-            let Some((bytes, frames)) = record else { return };
+            let Some((bytes, frames)) = record else {
+                return;
+            };
             if frames.iter().any(|f| f.ends_with(".getMsgBlockBuf")) {
                 block_caches += bytes;
             } else if frames.first().is_some_and(|f| f.ends_with(".msgFromBufEx")) {
@@ -837,7 +840,8 @@ impl NatsHeap {
                     .split(|c: char| c == ':' || c.is_whitespace())
                     .filter(|w| !w.is_empty())
                     .map(|w| w.parse::<f64>().unwrap_or(0.0));
-                let (objects, bytes) = (numbers.next().unwrap_or(0.0), numbers.next().unwrap_or(0.0));
+                let (objects, bytes) =
+                    (numbers.next().unwrap_or(0.0), numbers.next().unwrap_or(0.0));
                 record = Some((unsampled_bytes(objects, bytes, rate), Vec::new()));
             } else if let Some(frame) = line.strip_prefix("#\t") {
                 // `#\t0x9a1b2b\tpackage.function+0x4a\tfile:line`
@@ -1407,7 +1411,12 @@ mod tests {
         let sites: Vec<(&str, f64)> = heap.sites.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         assert_eq!(
             sites.iter().map(|s| s.0).collect::<Vec<_>>(),
-            ["(*msgBlock).msgFromBufEx", "(*stree).insert", "getMsgBlockBuf", "runtime.malg"]
+            [
+                "(*msgBlock).msgFromBufEx",
+                "(*stree).insert",
+                "getMsgBlockBuf",
+                "runtime.malg"
+            ]
         );
         assert!(near(sites[0].1, 2.373), "{sites:?}");
         assert!(near(sites[1].1, 23.316), "{sites:?}");
