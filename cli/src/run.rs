@@ -585,17 +585,8 @@ fn progress_line(state: &RunStateV1) -> String {
 
 async fn list_runs(args: &BusArgs, json: bool) -> Result<ExitCode, CliError> {
     let bus = connect(args).await?;
-    let store = bus.bucket(Bucket::RunState).await?;
-    let mut keys = match store.keys().await {
-        Ok(keys) => keys,
-        Err(err) => return Err(CliError::Bus(format!("listing runs: {err}"))),
-    };
     let mut states = Vec::new();
-    while let Some(key) = keys.next().await {
-        let key = key.map_err(|e| CliError::Bus(format!("listing runs: {e}")))?;
-        let Ok(run_id) = RunId::new(key) else {
-            continue;
-        };
+    for run_id in bus.run_ids().await? {
         if let Some(state) = read_state(&bus, &run_id).await? {
             states.push(state);
         }

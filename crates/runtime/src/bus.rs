@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use arl_schemas::{Bucket, Domain, Event, Namespace, ObjectStore};
+use arl_schemas::{Bucket, Domain, Event, Namespace, ObjectStore, RunId};
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, kv, object_store, stream};
 use bytes::Bytes;
@@ -552,6 +552,33 @@ impl Bus {
 
     /// The key-value store of a bucket (provisioned by [`Bus::provision`]). Waits for
     /// JetStream if the server is still starting.
+    /// The keys `bucket` holds a value under (deleted and purged ones left out).
+    pub async fn bucket_keys(&self, bucket: Bucket) -> Result<Vec<String>, BusError> {
+        use futures::TryStreamExt;
+        let error = |reason: String| BusError::KeyValue {
+            bucket: self.namespace.bucket(bucket),
+            reason: format!("listing its keys: {reason}"),
+        };
+        self.bucket(bucket)
+            .await?
+            .keys()
+            .await
+            .map_err(|e| error(e.to_string()))?
+            .try_collect()
+            .await
+            .map_err(|e| error(e.to_string()))
+    }
+
+    /// Every run the run-state bucket holds a state for.
+    pub async fn run_ids(&self) -> Result<Vec<RunId>, BusError> {
+        Ok(self
+            .bucket_keys(Bucket::RunState)
+            .await?
+            .into_iter()
+            .filter_map(|key| RunId::new(key).ok())
+            .collect())
+    }
+
     pub async fn bucket(&self, bucket: Bucket) -> Result<kv::Store, BusError> {
         let name = self.namespace.bucket(bucket);
         retry_provision(&name, || self.jetstream.get_key_value(name.clone()))
@@ -730,21 +757,13 @@ impl Bus {
     pub async fn live_trainers(
         &self,
     ) -> Result<Vec<arl_schemas::state::TrainerAnnouncementV1>, BusError> {
-        use futures::TryStreamExt;
         let kv = self.bucket(Bucket::Trainers).await?;
         let error = |reason: String| BusError::KeyValue {
             bucket: self.namespace.bucket(Bucket::Trainers),
             reason,
         };
-        let keys: Vec<String> = kv
-            .keys()
-            .await
-            .map_err(|e| error(e.to_string()))?
-            .try_collect()
-            .await
-            .map_err(|e| error(e.to_string()))?;
         let mut live = Vec::new();
-        for key in keys {
+        for key in self.bucket_keys(Bucket::Trainers).await? {
             let entry = kv.entry(&key).await.map_err(|e| error(e.to_string()))?;
             if let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) {
                 let announcement = arl_schemas::state::TrainerAnnouncementV1::decode(&entry.value)

@@ -173,7 +173,7 @@ impl Controller {
     }
 
     async fn mark_live_runs(&self) -> Result<(), StoreError> {
-        for run_id in self.inner.store.run_ids().await? {
+        for run_id in self.inner.bus.run_ids().await? {
             let live = self
                 .inner
                 .store

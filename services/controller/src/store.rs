@@ -16,8 +16,6 @@ pub enum StoreError {
     Corrupt { run_id: RunId, reason: String },
     #[error("writing the state of {run_id}: {reason}")]
     Write { run_id: RunId, reason: String },
-    #[error("listing the runs: {reason}")]
-    List { reason: String },
     #[error("the state of {run_id} kept changing under us")]
     Contended { run_id: RunId },
 }
@@ -62,21 +60,6 @@ impl RunStore {
             state,
             revision: entry.revision,
         }))
-    }
-
-    /// Every run the bucket holds a state for.
-    pub async fn run_ids(&self) -> Result<Vec<RunId>, StoreError> {
-        use futures::TryStreamExt;
-        let listing = |reason: String| StoreError::List { reason };
-        let keys = self.kv.keys().await.map_err(|e| listing(e.to_string()))?;
-        let keys: Vec<String> = keys
-            .try_collect()
-            .await
-            .map_err(|e| listing(e.to_string()))?;
-        Ok(keys
-            .into_iter()
-            .filter_map(|key| RunId::new(key).ok())
-            .collect())
     }
 
     /// Stores the first state of a run. Returns `None` if the run already had one.
