@@ -152,6 +152,16 @@ impl Harness {
         self.bus.replay::<E>(domain, filter).await.unwrap()
     }
 
+    /// A run's events of one kind once there is one: the controller stores a run's state
+    /// before it publishes the event, so reading right after the state can find none yet.
+    async fn wait_events<E: Event>(&self, domain: Domain, run_id: &RunId, event: &str) -> Vec<E> {
+        wait_for(event, Duration::from_secs(10), || async {
+            let events: Vec<E> = self.events(domain, run_id, event).await;
+            (!events.is_empty()).then_some(events)
+        })
+        .await
+    }
+
     /// Publishes raw bytes on a run's request subject, as a misbehaving client would.
     async fn publish_raw_request(&self, run_id: &str, body: Vec<u8>) {
         let subject = self
@@ -192,13 +202,8 @@ async fn a_valid_request_is_accepted_and_recorded() {
             .unwrap()
             .ends_with("SmolLM2-135M-Instruct.Q4_1.gguf")
     );
-    // The state is stored before `run.accepted` is published.
-    let accepted: Vec<RunAcceptedV1> =
-        wait_for("run.accepted", Duration::from_secs(10), || async {
-            let events: Vec<RunAcceptedV1> =
-                h.events(Domain::Run, &request.run_id, "accepted").await;
-            (!events.is_empty()).then_some(events)
-        })
+    let accepted: Vec<RunAcceptedV1> = h
+        .wait_events(Domain::Run, &request.run_id, "accepted")
         .await;
     assert_eq!(accepted.len(), 1);
     let progress: Vec<RunProgressV1> =
@@ -303,7 +308,7 @@ async fn ten_kinds_of_bad_spec_are_rejected_with_the_field_path() {
             .await;
         let paths: Vec<_> = state.errors.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(paths, [path], "{:?}", state.errors);
-        let rejected: Vec<RunRejectedV1> = h.events(Domain::Run, &run_id, "rejected").await;
+        let rejected: Vec<RunRejectedV1> = h.wait_events(Domain::Run, &run_id, "rejected").await;
         assert_eq!(rejected.len(), 1);
         assert_eq!(rejected[0].errors, state.errors);
     }
@@ -325,7 +330,7 @@ async fn undecodable_bytes_are_rejected_not_dropped() {
             .wait_state(&run_id, "rejected", |s| s.status == RunStatus::Rejected)
             .await;
         assert!(!state.errors.is_empty());
-        let rejected: Vec<RunRejectedV1> = h.events(Domain::Run, &run_id, "rejected").await;
+        let rejected: Vec<RunRejectedV1> = h.wait_events(Domain::Run, &run_id, "rejected").await;
         assert_eq!(rejected.len(), 1, "{run}");
     }
     let garbage = h.state(&RunId::new("run-garbage").unwrap()).await.unwrap();
@@ -381,7 +386,7 @@ async fn a_restarted_controller_carries_on_with_state_intact() {
     assert_eq!(state.trials_finished, 1);
     assert_eq!(state.steps.len(), 2);
     assert_eq!(state.evaluations.len(), 1);
-    let completed: Vec<RunCompletedV1> = h.events(Domain::Run, &run, "completed").await;
+    let completed: Vec<RunCompletedV1> = h.wait_events(Domain::Run, &run, "completed").await;
     assert_eq!(completed.len(), 1);
     assert_eq!(completed[0].final_policy_version, 2);
     stop(controller).await;
@@ -496,7 +501,7 @@ async fn duplicates_are_processed_once() {
         .await;
     assert_eq!(state.failures.context_overflow, 2);
 
-    let accepted: Vec<RunAcceptedV1> = h.events(Domain::Run, &run, "accepted").await;
+    let accepted: Vec<RunAcceptedV1> = h.wait_events(Domain::Run, &run, "accepted").await;
     assert_eq!(accepted.len(), 1);
     stop(controller).await;
 }
