@@ -550,18 +550,19 @@ impl Bus {
         }
     }
 
-    /// The key-value store of a bucket (provisioned by [`Bus::provision`]). Waits for
-    /// JetStream if the server is still starting.
     /// The keys `bucket` holds a value under (deleted and purged ones left out).
     pub async fn bucket_keys(&self, bucket: Bucket) -> Result<Vec<String>, BusError> {
+        self.keys_of(&self.bucket(bucket).await?, bucket).await
+    }
+
+    /// [`Bus::bucket_keys`] of a store already opened.
+    async fn keys_of(&self, kv: &kv::Store, bucket: Bucket) -> Result<Vec<String>, BusError> {
         use futures::TryStreamExt;
         let error = |reason: String| BusError::KeyValue {
             bucket: self.namespace.bucket(bucket),
             reason: format!("listing its keys: {reason}"),
         };
-        self.bucket(bucket)
-            .await?
-            .keys()
+        kv.keys()
             .await
             .map_err(|e| error(e.to_string()))?
             .try_collect()
@@ -579,6 +580,8 @@ impl Bus {
             .collect())
     }
 
+    /// The key-value store of a bucket (provisioned by [`Bus::provision`]). Waits for
+    /// JetStream if the server is still starting.
     pub async fn bucket(&self, bucket: Bucket) -> Result<kv::Store, BusError> {
         let name = self.namespace.bucket(bucket);
         retry_provision(&name, || self.jetstream.get_key_value(name.clone()))
@@ -763,7 +766,7 @@ impl Bus {
             reason,
         };
         let mut live = Vec::new();
-        for key in self.bucket_keys(Bucket::Trainers).await? {
+        for key in self.keys_of(&kv, Bucket::Trainers).await? {
             let entry = kv.entry(&key).await.map_err(|e| error(e.to_string()))?;
             if let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) {
                 let announcement = arl_schemas::state::TrainerAnnouncementV1::decode(&entry.value)
