@@ -751,6 +751,8 @@ struct NatsHeap {
     message_copies: f64,
 }
 
+const MIB: f64 = 1024.0 * 1024.0;
+
 /// The package of nats-server's own functions in a heap profile's stacks.
 const NATS_SERVER_PACKAGE: &str = "github.com/nats-io/nats-server/v2/server.";
 
@@ -794,13 +796,7 @@ impl NatsHeap {
     /// (`#\t0x… function+offset file:line`), then the runtime's `MemStats` as
     /// `# Name = value` lines.
     fn parse(text: &str) -> Option<Self> {
-        const MIB: f64 = 1024.0 * 1024.0;
-        let live: f64 = text
-            .lines()
-            .find_map(|l| l.strip_prefix("# HeapAlloc = "))?
-            .trim()
-            .parse()
-            .ok()?;
+        let live = number_after(text, "# HeapAlloc = ")?;
         let mut lines = text.lines();
         let rate = lines
             .next()?
@@ -882,13 +878,18 @@ async fn trainer_heap_mib(url: &str) -> Option<f64> {
 
 /// [`trainer_heap_mib`] from the metrics text.
 fn trainer_heap_of(text: &str) -> Option<f64> {
-    let bytes: f64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("arl_trainer_heap_in_use_bytes "))?
+    let bytes = number_after(text, "arl_trainer_heap_in_use_bytes ")?;
+    (bytes > 0.0).then_some(bytes / MIB)
+}
+
+/// The number on the first line of `text` that starts with `prefix` (a Prometheus sample,
+/// a Go `MemStats` line).
+fn number_after(text: &str, prefix: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix))?
         .trim()
         .parse()
-        .ok()?;
-    (bytes > 0.0).then_some(bytes / (1024.0 * 1024.0))
+        .ok()
 }
 
 /// Bytes stored in every event stream of the namespace.
@@ -1167,8 +1168,7 @@ impl Report<'_> {
     /// buffer that comes and goes (the profiles are kept in the logs folder).
     fn print_heap_sites(&self) {
         const SHOWN: usize = 8;
-        let heap = &self.samples.nats_live_heap;
-        let warm = &heap[warm_up(heap.iter().map(|h| h.0))..];
+        let warm = after_warm_up(&self.samples.nats_live_heap);
         let names: std::collections::BTreeSet<&String> =
             warm.iter().flat_map(|(_, h)| h.sites.keys()).collect();
         let mut sites: Vec<(&String, Growth, f64)> = names
@@ -1265,8 +1265,7 @@ impl Report<'_> {
             let judged = m.name != "nats-server" && m.name != "trainer";
             rows.insert(format!("{} (RSS)", m.name), Growth::of(&points, judged));
         }
-        let heap = &self.samples.nats_live_heap;
-        let warm = &heap[warm_up(heap.iter().map(|h| h.0))..];
+        let warm = after_warm_up(&self.samples.nats_live_heap);
         let points = |f: fn(&NatsHeap) -> f64| -> Vec<(f64, f64)> {
             warm.iter().map(|(at, h)| (at / 60.0, f(h))).collect()
         };
@@ -1282,9 +1281,10 @@ impl Report<'_> {
             "nats-server (live heap less messages in flight)".into(),
             Growth::of(&points(NatsHeap::judged), true),
         );
-        let trainer = &self.samples.trainer_heap;
-        let warm = &trainer[warm_up(trainer.iter().map(|h| h.0))..];
-        let points: Vec<(f64, f64)> = warm.iter().map(|(at, mib)| (at / 60.0, *mib)).collect();
+        let points: Vec<(f64, f64)> = after_warm_up(&self.samples.trainer_heap)
+            .iter()
+            .map(|(at, mib)| (at / 60.0, *mib))
+            .collect();
         rows.insert("trainer (heap in use)".into(), Growth::of(&points, true));
         rows
     }
@@ -1317,6 +1317,11 @@ fn warm_up(times: impl Iterator<Item = f64>) -> usize {
     let records_expire = first + (DONE_TRIAL_RECORD_KEPT_SECONDS + 60) as f64;
     let until = third.max(records_expire);
     times.iter().take_while(|&&t| t < until).count()
+}
+
+/// The samples of a (seconds since start, value) series after its [`warm_up`].
+fn after_warm_up<T>(samples: &[(f64, T)]) -> &[(f64, T)] {
+    &samples[warm_up(samples.iter().map(|s| s.0))..]
 }
 
 /// A memory series' trend after warm-up: its mean (MiB), least-squares slope (MiB/min) and
