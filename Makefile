@@ -80,6 +80,7 @@ help:
 	@echo "make image  the image of release binaries, left in buildah's store $(ARL_CACHE)/image/storage as localhost/arl:latest"
 	@echo "make chaos    every service and nats-server SIGKILLed in turn during a run under arl up --supervise (tests/tests/chaos.rs; make test runs a reduced form)"
 	@echo "make validate-swebench  arl dataset validate examples/swebench-mini.toml: six environments built, every gold patch resolves, no empty patch does (make test runs a reduced form)"
+	@echo "make validate-swebench50  the same for all 50 instances of examples/swebench-mini50.toml (44 from SWE-bench's specs; about an hour cold)"
 	@echo "make lint | fmt | bench | clean-cache"
 
 deps: $(TOOLS_STAMP) $(AGENTS_STAMP) system-deps kafka-deps
@@ -243,6 +244,19 @@ validate-swebench: deps
 	@[ -n "$(ARL_SWEBENCH_RECIPES)" ] || { echo "needs ../shared/data/swebench/instances.json (ARL_SWEBENCH_RECIPES)"; exit 1; }
 	cargo build --quiet -p arl-cli --bin arl -p arl-sandbox --bin arl-sandbox-init
 	$(BIN)/arl dataset validate examples/swebench-mini.toml
+
+# All 50 instances of examples/swebench-mini50.toml: 6 recorded recipes, 44 built from
+# SWE-bench's specs (one dependency environment per repository and version). Sphinx 7.2's
+# spec needs graphviz (installed here if missing). The JSON report is kept in
+# logs/validate-swebench50.jsonl. Not part of `make test` (which validates two derived
+# django instances: tests/tests/dataset_validate.rs).
+.PHONY: validate-swebench50
+validate-swebench50: deps
+	@[ -n "$(ARL_SWEBENCH_RECIPES)" ] || { echo "needs ../shared/data/swebench/instances.json (ARL_SWEBENCH_RECIPES)"; exit 1; }
+	@command -v dot >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq graphviz; } || { echo "sphinx 7.2's spec needs graphviz: apt-get install graphviz"; exit 1; }
+	cargo build --quiet -p arl-cli --bin arl -p arl-sandbox --bin arl-sandbox-init
+	@mkdir -p logs
+	$(BIN)/arl dataset validate examples/swebench-mini50.toml --json | tee logs/validate-swebench50.jsonl
 
 # The one image (Dockerfile) without a Docker daemon or a pullable base: buildah builds it on
 # a debootstrap root of this host's Debian, from the binaries `build` made; scripts/image-check.sh.

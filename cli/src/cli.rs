@@ -86,9 +86,15 @@ pub struct ValidateArgs {
     /// Tasks checked at once (default: this machine's cores).
     #[arg(long)]
     pub jobs: Option<usize>,
-    /// SWE-bench instances with setup and test commands (`instances.json`); repeatable.
+    /// SWE-bench instances with recorded setup and test commands (`instances.json`);
+    /// repeatable. They override what SWE-bench's specs give the other instances.
     #[arg(long = "swebench-recipes", env = "ARL_SWEBENCH_RECIPES")]
     pub swebench_recipes: Vec<PathBuf>,
+    /// Bare repositories (`<name>.git`, e.g. `django.git`) holding the instances' base
+    /// commits (default: `repos/` beside the instances file); a repository missing there
+    /// is cloned from GitHub by the build.
+    #[arg(long = "swebench-repos", env = "ARL_SWEBENCH_REPOS")]
+    pub swebench_repos: Option<PathBuf>,
     /// Where environments are built and kept for the next validation (default:
     /// `arl-environments` in the temporary folder). The sandbox user must be able to reach it.
     #[arg(long, env = "ARL_ENVIRONMENTS_DIR")]

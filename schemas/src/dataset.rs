@@ -42,6 +42,10 @@ pub enum Grading {
         test_patch: String,
         fail_to_pass: Vec<String>,
         pass_to_pass: Vec<String>,
+        /// The SWE-bench version of the instance (`3.1`): it selects the environment and
+        /// test spec of the repository. Absent in manifests written before it was kept.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        version: Option<String>,
     },
     /// Harbor: the task's hidden `tests/` files (path relative to `tests/`, content);
     /// `tests/test.sh` writes the reward.

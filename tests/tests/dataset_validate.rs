@@ -5,6 +5,8 @@
 //! - a SWE-bench instance picked by `data.task_ids` validates (gold resolves, empty does
 //!   not), and broken rows are named: one whose base_commit is not the commit its
 //!   environment recipe builds, one whose recipe's commit the repository does not hold;
+//! - two django instances with no recorded recipe are built from SWE-bench's spec for
+//!   django 3.1 and validate; they share one dependency environment;
 //! - Harbor tasks: the examples' solutions pass and a no-op fails; a broken solution and
 //!   a verifier that passes anything are named, with the failing pytest tests;
 //! - math tasks have nothing to build (no server or sandbox is even started) and their
@@ -41,6 +43,7 @@ fn validate(args: &[&str], env: &[(&str, &str)]) -> Output {
         .args(["dataset", "validate"])
         .args(args)
         .env_remove("ARL_SWEBENCH_RECIPES")
+        .env_remove("ARL_SWEBENCH_REPOS")
         .env_remove("ARL_ENVIRONMENTS_DIR")
         .env("ARL_NATS_SERVER", nats)
         .envs(env.iter().copied())
@@ -109,6 +112,75 @@ fn swebench_row(id: &str) -> Value {
         .map(|l| serde_json::from_str::<Value>(l).unwrap())
         .find(|r| r["instance_id"] == id)
         .unwrap()
+}
+
+/// Instances without a recorded recipe: SWE-bench's spec for their repository and version
+/// gives their setup and test command (`crates/swebench`), and instances of one version
+/// share one dependency environment, built once. (`make validate-swebench50` does all 50.)
+#[test]
+fn instances_without_a_recipe_are_built_from_swebench_specs_sharing_dependencies() {
+    let files = scratch();
+    let environments = std::env::temp_dir().join("arl-environments");
+    let ids = ["django__django-12155", "django__django-12050"];
+    let spec = files.path().join("derived.toml");
+    write(
+        &spec,
+        &format!(
+            "[data]\ndataset = {:?}\nsource = \"swebench\"\ntask_ids = {ids:?}\n",
+            shared_swebench()
+                .join("verified_mini_50.jsonl")
+                .display()
+                .to_string()
+        ),
+    );
+    let repos = shared_swebench().join("repos");
+    let output = validate(
+        &[
+            spec.to_str().unwrap(),
+            "--json",
+            "--swebench-repos",
+            repos.to_str().unwrap(),
+            "--environments-dir",
+            environments.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(
+        output.status.success(),
+        "{}\n{}",
+        text(&output.stdout),
+        text(&output.stderr)
+    );
+    let (lines, _) = json_report(&output);
+    let mut mounts = Vec::new();
+    for id in ids {
+        assert!(is_valid(task(&lines, id)), "{}", task(&lines, id));
+        let metadata: Value = serde_json::from_slice(
+            &std::fs::read(
+                environments
+                    .join("swebench")
+                    .join(id)
+                    .join("environment.json"),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let opt = metadata["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["target"] == "/opt/arl")
+            .unwrap()["source"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        assert!(
+            opt.starts_with("shared/swebench/django__django-3.1-"),
+            "{opt}"
+        );
+        mounts.push(opt);
+    }
+    assert_eq!(mounts[0], mounts[1], "one dependency environment for both");
 }
 
 const WRONG_COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use arl_imagebuilder::local::BuildError;
-use arl_imagebuilder::recipe::RecipeError;
+use arl_imagebuilder::recipe::{RecipeError, SweTask};
 use arl_reward::grader::{Grade, GradeFailure, grade_answer};
 use arl_schemas::dataset::{Grading, TaskRecord};
 
@@ -127,6 +127,7 @@ async fn build(harness: &Harness, record: &TaskRecord) -> Result<(), CheckError>
             record.kind,
             &record.environment.name,
             Some(&harness.dataset),
+            SweTask::of(record),
         )
         .map_err(CheckError::NoRecipe)?;
     if let Some(mismatch) = commit_mismatch(harness, record) {

@@ -28,6 +28,7 @@ pub struct HarnessConfig {
     pub dataset: PathBuf,
     pub environments: PathBuf,
     pub swebench_recipes: Vec<PathBuf>,
+    pub swebench_repos: Option<PathBuf>,
     pub pyenv_root: Option<PathBuf>,
     pub pip_cache: Option<PathBuf>,
     pub build_timeout: Duration,
@@ -60,8 +61,12 @@ impl Harness {
             config.pip_cache,
             config.build_timeout,
         );
-        let recipes = Recipes::load(&config.swebench_recipes, local.pyenv_root.clone())
-            .map_err(|e| CliError::Usage(format!("--swebench-recipes: {e}")))?;
+        let recipes = Recipes::load(
+            &config.swebench_recipes,
+            config.swebench_repos.clone(),
+            local.pyenv_root.clone(),
+        )
+        .map_err(|e| CliError::Usage(format!("--swebench-recipes: {e}")))?;
         let grading = grading_config(&config.swebench_recipes, config.test_timeout)?;
         let scratch = scratch_folder()?;
         let server = PrivateServer::start(&scratch.path().join("nats")).await?;

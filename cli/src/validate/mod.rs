@@ -91,6 +91,7 @@ fn harness_config(args: &ValidateArgs, plan: &Plan) -> HarnessConfig {
             .clone()
             .unwrap_or_else(|| std::env::temp_dir().join("arl-environments")),
         swebench_recipes: args.swebench_recipes.clone(),
+        swebench_repos: args.swebench_repos.clone(),
         pyenv_root: args.pyenv_root.clone(),
         pip_cache: args.pip_cache.clone(),
         build_timeout: Duration::from_secs(args.build_timeout_s),

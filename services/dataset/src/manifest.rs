@@ -221,6 +221,7 @@ fn swebench_task(row: swebench::SweRow, path: &Path) -> Result<TaskRecord, LoadE
             test_patch: row.test_patch,
             fail_to_pass: row.fail_to_pass,
             pass_to_pass: row.pass_to_pass,
+            version: (!row.version.is_empty()).then_some(row.version),
         },
         messages: None,
     })

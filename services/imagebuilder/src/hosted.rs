@@ -21,9 +21,16 @@ pub struct Args {
     #[arg(long, env = "ARL_ENVIRONMENTS_DIR")]
     environments_dir: PathBuf,
 
-    /// SWE-bench instances with setup commands (`instances.json` form); repeatable.
+    /// SWE-bench instances with recorded setup commands (`instances.json` form);
+    /// repeatable. They override the recipes derived from SWE-bench's specs.
     #[arg(long = "swebench-recipes")]
     swebench_recipes: Vec<PathBuf>,
+
+    /// Bare repositories (`<name>.git`, e.g. `django.git`) holding the base commits of
+    /// SWE-bench instances (default: `repos/` beside the instances file); a repository
+    /// missing there is cloned from GitHub by the build.
+    #[arg(long = "swebench-repos", env = "ARL_SWEBENCH_REPOS")]
+    swebench_repos: Option<PathBuf>,
 
     /// pyenv's root, where the interpreters instances name are found.
     #[arg(long, env = "PYENV_ROOT")]
@@ -117,7 +124,11 @@ impl Service for ImageBuilder {
             args.pip_cache,
             Duration::from_secs(args.build_timeout_s),
         );
-        let recipes = Recipes::load(&args.swebench_recipes, local_config.pyenv_root.clone())?;
+        let recipes = Recipes::load(
+            &args.swebench_recipes,
+            args.swebench_repos.clone(),
+            local_config.pyenv_root.clone(),
+        )?;
         let local = Arc::new(LocalBuilder::new(local_config));
         let mut builder = ImageBuilderService::new(ctx.bus, local, recipes)
             .with_cache_limit((args.cache_limit_gb * 1e9) as u64);

@@ -7,7 +7,10 @@
 //! - `<name>/tree/`: the work tree (mounted at `/testbed`, copied per lease);
 //! - `<name>/opt/`: the virtual environment or interpreter copy (`/opt/arl/env`), mounted
 //!   read-only;
-//! - `<name>/environment.json`: workdir, mounts, `PATH`/`VIRTUAL_ENV`, the recipe digest.
+//! - `<name>/environment.json`: workdir, mounts, `PATH`/`VIRTUAL_ENV`, the recipe digest;
+//! - `shared/<name>/opt/`: a dependency environment several environments mount at
+//!   `/opt/arl` instead of an `opt/` of their own (`shared.json` holds its digest); built
+//!   once, from the work tree of the first environment that needs it.
 //!
 //! A build runs the recipe's script in bubblewrap with exactly those mounts (writable), the
 //! source repository read-only, the network (for pip) and the pip cache, under a
@@ -21,7 +24,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use crate::recipe::{ENV_DIR, OPT, Recipe, SOURCE_REPO, Source, WORK};
+use crate::recipe::{
+    ENV_DIR, OPT, Recipe, SOURCE_REPO, SharedEnvironment, Source, TREE_COMPILED, WORK,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
@@ -35,6 +40,11 @@ pub enum BuildError {
     InstallError { code: i32, tail: String },
     #[error("the build ran past {0:?}; last lines of the log:\n{1}")]
     Timeout(Duration, String),
+    #[error(
+        "the environment needs Debian packages this machine lacks: {}; install them (apt-get install {}) — a build cannot",
+        .0.join(", "), .0.join(" ")
+    )]
+    SystemPackages(Vec<String>),
     #[error("{0}")]
     Io(String),
 }
@@ -100,15 +110,19 @@ impl LocalBuilder {
         }
     }
 
-    /// Makes sure the recipe's environment exists; concurrent calls for one name build once.
-    pub async fn ensure(&self, recipe: &Recipe) -> Result<Built, BuildError> {
-        let lock = self
-            .building
+    /// The lock of one name: builds of it wait for each other.
+    fn lock_for(&self, name: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.building
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .entry(recipe.name.clone())
+            .entry(name.to_owned())
             .or_default()
-            .clone();
+            .clone()
+    }
+
+    /// Makes sure the recipe's environment exists; concurrent calls for one name build once.
+    pub async fn ensure(&self, recipe: &Recipe) -> Result<Built, BuildError> {
+        let lock = self.lock_for(&recipe.name);
         let _held = lock.lock().await;
         let started = Instant::now();
         let dir = self.config.root.join(&recipe.name);
@@ -120,26 +134,34 @@ impl LocalBuilder {
                 seconds: started.elapsed().as_secs_f64(),
             });
         }
+        check_system_packages(&recipe.system_packages)?;
         let interpreter = match &recipe.python {
             Some(version) => Some(self.interpreter(version).await?),
             None => None,
         };
-        let staging = self.config.root.join(".build").join(format!(
-            "{}-{}",
-            recipe.name.replace('/', "_"),
-            uuid::Uuid::new_v4().simple()
-        ));
-        let result = self.build(recipe, interpreter.as_ref(), &staging).await;
-        if let Err(err) = result {
-            // The whole log stays for whoever investigates; the partial build goes.
-            let failed = self.config.root.join(".failed");
-            let _ = tokio::fs::create_dir_all(&failed).await;
-            let _ = tokio::fs::rename(
-                staging.join("build.log"),
-                failed.join(format!("{}.log", recipe.name.replace('/', "_"))),
-            )
+        let (script, opt) = match &recipe.shared {
+            Some(shared) => {
+                let dir = self
+                    .ensure_shared(recipe, shared, interpreter.as_ref())
+                    .await?;
+                let compiled = TREE_COMPILED
+                    .trim_start_matches(OPT)
+                    .trim_start_matches('/');
+                if dir.join("opt").join(compiled).exists() {
+                    // Its install compiled into the tree: this tree needs its own build.
+                    (&shared.script, Opt::Own)
+                } else {
+                    (&recipe.script, Opt::Shared(dir))
+                }
+            }
+            None => (&recipe.script, Opt::Own),
+        };
+        let staging = self.staging(&recipe.name);
+        let result = self
+            .build(recipe, script, interpreter.as_ref(), &opt, &staging)
             .await;
-            let _ = tokio::fs::remove_dir_all(&staging).await;
+        if let Err(err) = result {
+            self.keep_failure(&recipe.name, &staging).await;
             return Err(err);
         }
         publish(&staging, &dir).await?;
@@ -149,6 +171,74 @@ impl LocalBuilder {
             cached: false,
             seconds: started.elapsed().as_secs_f64(),
         })
+    }
+
+    /// The shared dependency environment of `recipe`, built from its snapshot if it is
+    /// not there yet; its folder under the root. Shared environments are kept (like the
+    /// interpreter copies): environments built on them mount them.
+    async fn ensure_shared(
+        &self,
+        recipe: &Recipe,
+        shared: &SharedEnvironment,
+        interpreter: Option<&(PathBuf, String)>,
+    ) -> Result<PathBuf, BuildError> {
+        let lock = self.lock_for(&shared.name);
+        let _held = lock.lock().await;
+        let dir = self.config.root.join(&shared.name);
+        if shared_digest(&dir).as_deref() == Some(shared.digest.as_str()) {
+            return Ok(dir);
+        }
+        let staging = self.staging(&shared.name);
+        let built = async {
+            self.run_setup(
+                &shared.script,
+                &recipe.source,
+                &recipe.workdir,
+                interpreter,
+                &Opt::Own,
+                &staging,
+            )
+            .await?;
+            let metadata = json!({"recipe_digest": shared.digest, "built_from": recipe.name});
+            std::fs::write(
+                staging.join("shared.json"),
+                serde_json::to_vec_pretty(&metadata).unwrap_or_default(),
+            )
+            .map_err(io("writing shared.json"))?;
+            // The tree was the first instance's, only there to install from.
+            tokio::fs::remove_dir_all(staging.join("tree"))
+                .await
+                .map_err(io("removing the scratch tree"))?;
+            readable(&staging).await
+        }
+        .await;
+        if let Err(err) = built {
+            self.keep_failure(&shared.name, &staging).await;
+            return Err(err);
+        }
+        publish(&staging, &dir).await?;
+        Ok(dir)
+    }
+
+    /// A fresh staging folder for a build of `name`.
+    fn staging(&self, name: &str) -> PathBuf {
+        self.config.root.join(".build").join(format!(
+            "{}-{}",
+            name.replace('/', "_"),
+            uuid::Uuid::new_v4().simple()
+        ))
+    }
+
+    /// A failed build's whole log stays for whoever investigates; the partial build goes.
+    async fn keep_failure(&self, name: &str, staging: &Path) {
+        let failed = self.config.root.join(".failed");
+        let _ = tokio::fs::create_dir_all(&failed).await;
+        let _ = tokio::fs::rename(
+            staging.join("build.log"),
+            failed.join(format!("{}.log", name.replace('/', "_"))),
+        )
+        .await;
+        let _ = tokio::fs::remove_dir_all(staging).await;
     }
 
     /// The store copy of a pyenv interpreter and the path it is mounted at.
@@ -187,10 +277,66 @@ impl LocalBuilder {
         Ok((copy, original.to_string_lossy().into_owned()))
     }
 
+    /// Builds the recipe's environment in `staging`: its script, then `environment.json`.
     async fn build(
         &self,
         recipe: &Recipe,
+        script: &str,
         interpreter: Option<&(PathBuf, String)>,
+        opt: &Opt,
+        staging: &Path,
+    ) -> Result<(), BuildError> {
+        self.run_setup(
+            script,
+            &recipe.source,
+            &recipe.workdir,
+            interpreter,
+            opt,
+            staging,
+        )
+        .await?;
+        let python_mount = interpreter.map(|(copy, target)| {
+            json!({"source": copy.strip_prefix(&self.config.root).unwrap_or(copy).to_string_lossy(), "target": target})
+        });
+        let opt_source = match opt {
+            Opt::Own => format!("{}/opt", recipe.name),
+            Opt::Shared(dir) => format!(
+                "{}/opt",
+                dir.strip_prefix(&self.config.root)
+                    .unwrap_or(dir)
+                    .to_string_lossy()
+            ),
+        };
+        let metadata = json!({
+            "workdir": recipe.workdir,
+            "mounts": python_mount.into_iter().chain([json!({
+                "source": opt_source,
+                "target": OPT,
+            })]).collect::<Vec<_>>(),
+            "env": {
+                "PATH": format!("{ENV_DIR}/bin:/usr/local/bin:/usr/bin:/bin"),
+                "VIRTUAL_ENV": ENV_DIR,
+            },
+            "recipe_digest": recipe.digest,
+        });
+        std::fs::write(
+            staging.join("environment.json"),
+            serde_json::to_vec_pretty(&metadata).unwrap_or_default(),
+        )
+        .map_err(io("writing environment.json"))?;
+        readable(staging).await
+    }
+
+    /// Runs a setup script in bubblewrap: the work tree is `staging/tree`, `/opt/arl` is
+    /// `staging/opt` (or a shared environment, read-only), the source is read-only; the
+    /// log is `staging/build.log`.
+    async fn run_setup(
+        &self,
+        script: &str,
+        source: &Source,
+        workdir: &str,
+        interpreter: Option<&(PathBuf, String)>,
+        opt: &Opt,
         staging: &Path,
     ) -> Result<(), BuildError> {
         for sub in ["tree", "opt"] {
@@ -201,18 +347,19 @@ impl LocalBuilder {
         tokio::fs::create_dir_all(&self.config.pip_cache)
             .await
             .map_err(io("creating the pip cache"))?;
-        let workdir = recipe.workdir.as_str();
-        let (source, script) = match &recipe.source {
+        let copied = matches!(source, Source::GitRepository(_));
+        let (source, script) = match source {
             Source::GitRepository(repo) => {
                 let copy = staging.join("source.git");
                 copy_repository(repo, &copy).await?;
-                (copy, recipe.script.clone())
+                (Some(copy), script.to_owned())
             }
-            Source::Tarball(archive) => (archive.clone(), recipe.script.clone()),
+            Source::Tarball(archive) => (Some(archive.clone()), script.to_owned()),
             Source::Folder(folder) => (
-                folder.clone(),
-                format!("cp -a {SOURCE_REPO}/. \"$TESTBED\"/\n{}", recipe.script),
+                Some(folder.clone()),
+                format!("cp -a {SOURCE_REPO}/. \"$TESTBED\"/\n{script}"),
             ),
+            Source::Remote(_) => (None, script.to_owned()),
         };
         let script = format!(
             "set -eo pipefail\nexport TESTBED={workdir} ENV_DIR={ENV_DIR} WORK={WORK} SOURCE_REPO={SOURCE_REPO}\nmkdir -p \"$WORK\"\ncd {workdir}\n{script}\n"
@@ -234,8 +381,13 @@ impl LocalBuilder {
         command.args(system_mounts());
         command.args(["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]);
         command.arg("--bind").arg(staging.join("tree")).arg(workdir);
-        command.arg("--bind").arg(staging.join("opt")).arg(OPT);
-        command.arg("--ro-bind").arg(&source).arg(SOURCE_REPO);
+        match opt {
+            Opt::Own => command.arg("--bind").arg(staging.join("opt")).arg(OPT),
+            Opt::Shared(dir) => command.arg("--ro-bind").arg(dir.join("opt")).arg(OPT),
+        };
+        if let Some(source) = &source {
+            command.arg("--ro-bind").arg(source).arg(SOURCE_REPO);
+        }
         if let Some((copy, target)) = interpreter {
             command.arg("--ro-bind").arg(copy).arg(target);
         }
@@ -284,33 +436,25 @@ impl LocalBuilder {
                 tail,
             });
         }
-        let python_mount = interpreter.map(|(copy, target)| {
-            json!({"source": copy.strip_prefix(&self.config.root).unwrap_or(copy).to_string_lossy(), "target": target})
-        });
-        let metadata = json!({
-            "workdir": workdir,
-            "mounts": python_mount.into_iter().chain([json!({
-                "source": format!("{}/opt", recipe.name),
-                "target": OPT,
-            })]).collect::<Vec<_>>(),
-            "env": {
-                "PATH": format!("{ENV_DIR}/bin:/usr/local/bin:/usr/bin:/bin"),
-                "VIRTUAL_ENV": ENV_DIR,
-            },
-            "recipe_digest": recipe.digest,
-        });
-        std::fs::write(
-            staging.join("environment.json"),
-            serde_json::to_vec_pretty(&metadata).unwrap_or_default(),
-        )
-        .map_err(io("writing environment.json"))?;
-        if matches!(recipe.source, Source::GitRepository(_)) {
-            tokio::fs::remove_dir_all(&source)
+        if let Some(copy) = source.filter(|_| copied) {
+            tokio::fs::remove_dir_all(&copy)
                 .await
                 .map_err(io("removing the source copy"))?;
         }
-        readable(staging).await
+        if matches!(opt, Opt::Shared(_)) {
+            // Nothing was written there: /opt/arl was the shared environment.
+            let _ = tokio::fs::remove_dir(staging.join("opt")).await;
+        }
+        Ok(())
     }
+}
+
+/// Where an environment's `/opt/arl` is.
+enum Opt {
+    /// Its own, built with it (`<name>/opt`).
+    Own,
+    /// A shared environment's folder under the root, mounted read-only.
+    Shared(PathBuf),
 }
 
 /// A private copy of a bare repository (they are small: shallow, one commit per
@@ -401,7 +545,7 @@ fn environments(root: &Path) -> Vec<Stored> {
                 .unwrap_or(&path)
                 .to_string_lossy()
                 .into_owned();
-            if !path.is_dir() || name.starts_with('.') || name == "python" {
+            if !path.is_dir() || name.starts_with('.') || name == "python" || name == "shared" {
                 continue;
             }
             if path.join("environment.json").is_file() {
@@ -465,6 +609,35 @@ fn system_mounts() -> Vec<String> {
         }
     }
     args
+}
+
+/// The Debian packages of `packages` that are not installed here (none are checked where
+/// there is no dpkg: such a machine says nothing either way).
+fn check_system_packages(packages: &[String]) -> Result<(), BuildError> {
+    let missing: Vec<String> = packages
+        .iter()
+        .filter(|package| {
+            std::process::Command::new("dpkg-query")
+                .args(["-W", "-f=${Status}", package])
+                .output()
+                .is_ok_and(|out| {
+                    !String::from_utf8_lossy(&out.stdout).contains("install ok installed")
+                })
+        })
+        .cloned()
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(BuildError::SystemPackages(missing))
+    }
+}
+
+/// The digest a shared environment was built from, if it is complete.
+fn shared_digest(dir: &Path) -> Option<String> {
+    let bytes = std::fs::read(dir.join("shared.json")).ok()?;
+    let value: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+    value["recipe_digest"].as_str().map(str::to_owned)
 }
 
 /// The digest of the recipe an environment was built from, if it is complete.

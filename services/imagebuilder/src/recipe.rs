@@ -1,13 +1,19 @@
-//! What an environment is made of. A SWE-bench instance (the `instances.json` form of
-//! `../shared/data/swebench`: the harness's setup commands for that repository and version)
-//! becomes a recipe: the interpreter it needs, the source repository holding its base
-//! commit, and one setup script. The recipe's digest (of everything that shapes the
-//! result) names the build, so a changed recipe is rebuilt and an unchanged one reused.
+//! What an environment is made of: the interpreter it needs, the source repository holding
+//! its base commit, and one setup script. The recipe's digest (of everything that shapes
+//! the result) names the build, so a changed recipe is rebuilt and an unchanged one reused.
+//!
+//! A SWE-bench instance's recipe is its recorded one when an instances file has it (the
+//! `instances.json` form of `../shared/data/swebench`: setup commands written out), else
+//! derived from SWE-bench's own spec for its repository and version ([`arl_swebench`]).
+//! A derived recipe whose install links the work tree shares one dependency environment
+//! with every instance of the same repository, version and spec ([`SharedEnvironment`]):
+//! only the work tree is built per instance.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use arl_runtime::digest::sha256_hex;
+use arl_schemas::dataset::{Grading, TaskRecord};
 use arl_schemas::events::TaskKind;
 use serde::Deserialize;
 
@@ -42,6 +48,8 @@ pub enum RecipeError {
     NoDataset(String),
     #[error("math tasks have no environment to build")]
     NothingToBuild,
+    #[error("SWE-bench instance {0}: {1}")]
+    Spec(String, arl_swebench::SpecError),
 }
 
 /// Where an environment's files come from.
@@ -54,6 +62,9 @@ pub enum Source {
     /// A tar archive (of the repository at its base commit), mounted read-only at
     /// [`SOURCE_REPO`] for the script to unpack.
     Tarball(PathBuf),
+    /// A git URL the script clones (no local copy of the repository: the build needs the
+    /// network to reach it).
+    Remote(String),
 }
 
 /// How to build one environment.
@@ -70,7 +81,35 @@ pub struct Recipe {
     pub script: String,
     /// sha256 of everything that shapes the result.
     pub digest: String,
+    /// The dependency environment this one shares with the other instances of its
+    /// repository, version and spec; `script` then builds the work tree only.
+    pub shared: Option<SharedEnvironment>,
+    /// Debian packages the setup needs on the building machine (a build cannot install them).
+    pub system_packages: Vec<String>,
 }
+
+/// A dependency environment (`/opt/arl`) built once and mounted read-only into every
+/// environment that shares it. It is built from the snapshot of the first instance that
+/// needs it, as SWE-bench's harness builds its environment image at one commit per version
+/// (its `environment_setup_commit`, which the snapshots here do not hold).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SharedEnvironment {
+    /// Its folder under the environments root (`shared/swebench/django__django-3.1-<digest>`).
+    pub name: String,
+    /// Builds the environment, the work tree of the instance at hand included.
+    pub script: String,
+    pub digest: String,
+}
+
+/// Written into a shared environment by its build: the top-level `*.egg-info` folders its
+/// install left in the work tree (a setuptools develop install keeps the project's metadata
+/// there), which each instance's tree then makes for itself.
+pub const TREE_METADATA: &str = "/opt/arl/tree-metadata";
+
+/// Written into a shared environment whose install compiled extension modules into the
+/// work tree (an editable install of a project with C code): another instance's tree would
+/// lack them, so each instance then builds an environment of its own.
+pub const TREE_COMPILED: &str = "/opt/arl/tree-compiled";
 
 /// Where things are during a build and in every sandbox of the environment.
 pub const TESTBED: &str = "/testbed";
@@ -95,13 +134,51 @@ pub struct Recipes {
     pub swebench: HashMap<String, SweInstance>,
     /// Folder the instances' `source_repo` paths are relative to.
     pub swebench_dir: PathBuf,
+    /// Bare repositories (`<name>.git`, e.g. `django.git` for `django/django`) holding the
+    /// base commits of instances without a recorded recipe; one missing is cloned from
+    /// GitHub by the build.
+    pub swebench_repos: Option<PathBuf>,
     pub pyenv_root: PathBuf,
+}
+
+/// What a SWE-bench task's row says about its environment.
+#[derive(Clone, Copy, Debug)]
+pub struct SweTask<'a> {
+    pub instance_id: &'a str,
+    pub repo: &'a str,
+    pub version: Option<&'a str>,
+    pub base_commit: &'a str,
+}
+
+impl<'a> SweTask<'a> {
+    pub fn of(record: &'a TaskRecord) -> Option<Self> {
+        match &record.grading {
+            Grading::Swebench {
+                repo,
+                base_commit,
+                version,
+                ..
+            } => Some(Self {
+                instance_id: record.task_id.as_str(),
+                repo,
+                version: version.as_deref(),
+                base_commit,
+            }),
+            _ => None,
+        }
+    }
 }
 
 impl Recipes {
     /// The SWE-bench instances of `files` (`instances.json` form; a later file's instance
-    /// replaces an earlier one of the same id); interpreters are found under `pyenv_root`.
-    pub fn load(files: &[PathBuf], pyenv_root: PathBuf) -> Result<Self, RecipeError> {
+    /// replaces an earlier one of the same id); interpreters are found under `pyenv_root`,
+    /// source repositories of the others in `repos` (default: `repos/` beside the last
+    /// instances file, if it exists).
+    pub fn load(
+        files: &[PathBuf],
+        repos: Option<PathBuf>,
+        pyenv_root: PathBuf,
+    ) -> Result<Self, RecipeError> {
         let mut recipes = Self {
             pyenv_root,
             ..Self::default()
@@ -116,25 +193,31 @@ impl Recipes {
                 recipes.swebench_dir = dir.to_path_buf();
             }
         }
+        recipes.swebench_repos = repos.or_else(|| {
+            let beside = recipes.swebench_dir.join("repos");
+            (!files.is_empty() && beside.is_dir()).then_some(beside)
+        });
         Ok(recipes)
     }
 
-    /// The recipe of a task's environment (`swebench/<id>` from the instances,
-    /// `harbor/<task>` from the task's folder under `dataset`).
+    /// The recipe of a task's environment: `swebench/<id>` from the instances file, else
+    /// from its row (`row`) and SWE-bench's spec; `harbor/<task>` from the task's folder
+    /// under `dataset`.
     pub fn recipe(
         &self,
         kind: TaskKind,
         environment: &str,
         dataset: Option<&Path>,
+        row: Option<SweTask<'_>>,
     ) -> Result<Recipe, RecipeError> {
         match kind {
             TaskKind::Swebench => {
                 let id = environment.strip_prefix("swebench/").unwrap_or(environment);
-                let instance = self
-                    .swebench
-                    .get(id)
-                    .ok_or_else(|| RecipeError::NoSweRecipe(id.to_owned()))?;
-                Recipe::from_swe(instance, &self.swebench_dir, &self.pyenv_root)
+                if let Some(instance) = self.swebench.get(id) {
+                    return Recipe::from_swe(instance, &self.swebench_dir, &self.pyenv_root);
+                }
+                let row = row.ok_or_else(|| RecipeError::NoSweRecipe(id.to_owned()))?;
+                Recipe::from_spec(&row, self.source_of(row.repo), &self.pyenv_root)
             }
             TaskKind::Harbor => {
                 let task = environment.strip_prefix("harbor/").unwrap_or(environment);
@@ -143,6 +226,26 @@ impl Recipes {
             }
             TaskKind::Math => Err(RecipeError::NothingToBuild),
         }
+    }
+}
+
+impl Recipes {
+    /// Where a repository's commits come from: `<repos>/<name>.git`, or GitHub.
+    fn source_of(&self, repo: &str) -> Source {
+        let name = repo.rsplit('/').next().unwrap_or(repo);
+        self.swebench_repos
+            .as_ref()
+            .map(|repos| repos.join(format!("{name}.git")))
+            .filter(|path| path.is_dir())
+            .map_or_else(
+                || Source::Remote(format!("https://github.com/{repo}.git")),
+                Source::GitRepository,
+            )
+    }
+
+    /// Whether an instance has a recorded recipe (which overrides its spec).
+    pub fn is_recorded(&self, instance_id: &str) -> bool {
+        self.swebench.contains_key(instance_id)
     }
 }
 
@@ -156,21 +259,7 @@ impl Recipe {
     ) -> Result<Self, RecipeError> {
         let invalid =
             |reason: &str| RecipeError::Invalid(instance.instance_id.clone(), reason.into());
-        let id_ok = !instance.instance_id.is_empty()
-            && instance
-                .instance_id
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
-        if !id_ok {
-            return Err(invalid(
-                "instance_id must be letters, digits, '.', '_' or '-'",
-            ));
-        }
-        if instance.base_commit.len() < 7
-            || !instance.base_commit.chars().all(|c| c.is_ascii_hexdigit())
-        {
-            return Err(invalid("base_commit must be a hex commit id"));
-        }
+        check_instance(&instance.instance_id, &instance.base_commit)?;
         if instance.setup_commands.is_empty() {
             return Err(invalid("setup_commands is empty"));
         }
@@ -203,6 +292,96 @@ impl Recipe {
             },
             script,
             digest,
+            shared: None,
+            system_packages: Vec::new(),
+        })
+    }
+
+    /// The recipe SWE-bench's spec gives an instance with no recorded one: the snapshot
+    /// from `source`, the spec's dependencies, its edits of the tree and its install, in
+    /// the harness's order. An editable install shares its dependency environment.
+    pub fn from_spec(
+        row: &SweTask<'_>,
+        source: Source,
+        pyenv_root: &Path,
+    ) -> Result<Self, RecipeError> {
+        check_instance(row.instance_id, row.base_commit)?;
+        let spec_error = |e| RecipeError::Spec(row.instance_id.to_owned(), e);
+        let version = row
+            .version
+            .ok_or(arl_swebench::SpecError::NoVersion)
+            .map_err(spec_error)?;
+        let setup = arl_swebench::plan_setup(row.repo, version, pyenv_root).map_err(spec_error)?;
+        let unpack = unpack_line(&source, row.base_commit);
+        let whole = [
+            std::slice::from_ref(&unpack),
+            &setup.dependencies,
+            &setup.prepare_tree,
+            std::slice::from_ref(&setup.install),
+        ]
+        .concat()
+        .join("\n");
+        let pyenv = pyenv_root.to_string_lossy();
+        let shared = setup.editable.then(|| {
+            let digest = sha256_hex(
+                format!(
+                    "swebench-shared\n{}\n{version}\n{}\n{pyenv}\n{}\n{}\n{}",
+                    row.repo,
+                    setup.python,
+                    setup.dependencies.join("\n"),
+                    setup.prepare_tree.join("\n"),
+                    setup.install,
+                )
+                .as_bytes(),
+            );
+            SharedEnvironment {
+                name: format!(
+                    "shared/swebench/{}-{version}-{}",
+                    row.repo.replace('/', "__"),
+                    &digest[..12]
+                ),
+                script: format!(
+                    "{whole}\n(ls -d *.egg-info 2>/dev/null || true) > {TREE_METADATA}\n\
+                     if [ -n \"$(find . -name '*.so' -print -quit)\" ]; then touch {TREE_COMPILED}; fi"
+                ),
+                digest,
+            }
+        });
+        let script = match &shared {
+            // The tree of this instance over the shared environment (read-only here):
+            // the same edits, and the project's metadata where its install keeps it in
+            // the tree.
+            Some(_) => [
+                std::slice::from_ref(&unpack),
+                &setup.prepare_tree,
+                &[
+                    setup.activate.clone(),
+                    format!("if [ -s {TREE_METADATA} ]; then python setup.py -q egg_info; fi"),
+                ],
+            ]
+            .concat()
+            .join("\n"),
+            None => whole,
+        };
+        let digest = sha256_hex(
+            format!(
+                "swebench-spec\n{}\n{}\n{}\n{pyenv}\n{script}\n{}",
+                row.instance_id,
+                row.base_commit,
+                setup.python,
+                shared.as_ref().map_or("", |s| s.digest.as_str()),
+            )
+            .as_bytes(),
+        );
+        Ok(Self {
+            name: format!("swebench/{}", row.instance_id),
+            workdir: TESTBED.into(),
+            python: Some(setup.python),
+            source,
+            script,
+            digest,
+            shared,
+            system_packages: setup.system_packages,
         })
     }
 
@@ -269,7 +448,40 @@ impl Recipe {
             source: Source::Folder(folder),
             script: String::new(),
             digest,
+            shared: None,
+            system_packages: Vec::new(),
         })
+    }
+}
+
+/// An instance id usable as a folder name, and a commit id.
+fn check_instance(instance_id: &str, base_commit: &str) -> Result<(), RecipeError> {
+    let invalid = |reason: &str| RecipeError::Invalid(instance_id.to_owned(), reason.into());
+    let id_ok = !instance_id.is_empty()
+        && instance_id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
+    if !id_ok {
+        return Err(invalid(
+            "instance_id must be letters, digits, '.', '_' or '-'",
+        ));
+    }
+    if base_commit.len() < 7 || !base_commit.chars().all(|c| c.is_ascii_hexdigit()) {
+        return Err(invalid("base_commit must be a hex commit id"));
+    }
+    Ok(())
+}
+
+/// The line that puts the snapshot of `commit` into the work tree.
+fn unpack_line(source: &Source, commit: &str) -> String {
+    match source {
+        Source::Remote(url) => format!(
+            "git clone --quiet --bare {url} \"$WORK/source.git\"\n\
+             git --git-dir=\"$WORK/source.git\" archive --format=tar {commit} | tar -x -C \"$TESTBED\""
+        ),
+        _ => format!(
+            "git --git-dir=\"$SOURCE_REPO\" archive --format=tar {commit} | tar -x -C \"$TESTBED\""
+        ),
     }
 }
 
@@ -441,6 +653,159 @@ mod tests {
             );
         }
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A pyenv root with the interpreters SWE-bench's specs for django 3.1 and sphinx need.
+    fn pyenv() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (version, minor) in [("3.6.15", "3.6"), ("3.9.18", "3.9")] {
+            let bin = dir.path().join("versions").join(version).join("bin");
+            std::fs::create_dir_all(&bin).unwrap();
+            std::fs::write(bin.join(format!("python{minor}")), "").unwrap();
+        }
+        dir
+    }
+
+    fn row<'a>(id: &'a str, repo: &'a str, version: &'a str, commit: &'a str) -> SweTask<'a> {
+        SweTask {
+            instance_id: id,
+            repo,
+            version: Some(version),
+            base_commit: commit,
+        }
+    }
+
+    #[test]
+    fn instances_of_one_version_share_one_dependency_environment() {
+        let pyenv = pyenv();
+        let repos = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(repos.path().join("django.git")).unwrap();
+        let recipes = Recipes {
+            swebench_repos: Some(repos.path().to_path_buf()),
+            pyenv_root: pyenv.path().to_path_buf(),
+            ..Recipes::default()
+        };
+        let recipe = |id, commit| {
+            recipes
+                .recipe(
+                    TaskKind::Swebench,
+                    &format!("swebench/{id}"),
+                    None,
+                    Some(row(id, "django/django", "3.1", commit)),
+                )
+                .unwrap()
+        };
+        let a = recipe("django__django-11790", "aaaaaaa1");
+        let b = recipe("django__django-12143", "bbbbbbb2");
+        let (sa, sb) = (a.shared.clone().unwrap(), b.shared.clone().unwrap());
+        assert_eq!(sa.name, sb.name);
+        assert_eq!(sa.digest, sb.digest);
+        assert!(sa.name.starts_with("shared/swebench/django__django-3.1-"));
+        assert_eq!(a.python.as_deref(), Some("3.6.15"));
+        assert_eq!(
+            a.source,
+            Source::GitRepository(repos.path().join("django.git"))
+        );
+        assert_ne!(a.digest, b.digest);
+        // The shared build installs everything from its first instance's tree…
+        assert!(sa.script.contains("archive --format=tar aaaaaaa1"));
+        assert!(
+            sa.script
+                .contains("python -m pip install -r \"$WORK/requirements.txt\"")
+        );
+        assert!(sa.script.contains("python -m pip install -e ."));
+        // …an instance's own build makes only its tree.
+        assert!(b.script.contains("archive --format=tar bbbbbbb2"));
+        assert!(!b.script.contains("pip install"), "{}", b.script);
+        assert!(b.script.contains("setup.py -q egg_info"));
+    }
+
+    #[test]
+    fn a_recorded_recipe_overrides_the_spec_and_a_missing_repository_is_cloned() {
+        let pyenv = pyenv();
+        let instances = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/data/swebench/instances.json");
+        let recipes = Recipes::load(
+            std::slice::from_ref(&instances),
+            None,
+            pyenv.path().to_path_buf(),
+        )
+        .unwrap();
+        assert!(recipes.swebench_repos.as_ref().unwrap().ends_with("repos"));
+        let recorded = recipes
+            .recipe(
+                TaskKind::Swebench,
+                "swebench/django__django-11880",
+                None,
+                Some(row(
+                    "django__django-11880",
+                    "django/django",
+                    "3.1",
+                    "06909fe0",
+                )),
+            )
+            .unwrap();
+        assert!(recorded.shared.is_none() && recorded.script.contains("EOF_59812759871"));
+        let sphinx = recipes
+            .recipe(
+                TaskKind::Swebench,
+                "swebench/sphinx-doc__sphinx-11445",
+                None,
+                Some(row(
+                    "sphinx-doc__sphinx-11445",
+                    "sphinx-doc/sphinx",
+                    "7.2",
+                    "71db08c0",
+                )),
+            )
+            .unwrap();
+        assert_eq!(sphinx.system_packages, ["graphviz"]);
+        assert!(
+            matches!(sphinx.source, Source::GitRepository(ref p) if p.ends_with("repos/sphinx.git"))
+        );
+        let astropy = recipes
+            .recipe(
+                TaskKind::Swebench,
+                "swebench/astropy__astropy-12907",
+                None,
+                Some(row(
+                    "astropy__astropy-12907",
+                    "astropy/astropy",
+                    "4.3",
+                    "d16bfe05",
+                )),
+            )
+            .unwrap();
+        // No copy of astropy here: the build clones it.
+        assert!(
+            matches!(astropy.source, Source::Remote(ref url) if url == "https://github.com/astropy/astropy.git")
+        );
+        let requests = Recipe::from_spec(
+            &row("psf__requests-2317", "psf/requests", "2.4", "091991be"),
+            Source::Remote("https://github.com/psf/requests.git".into()),
+            pyenv.path(),
+        )
+        .unwrap();
+        // `pip install .` copies the project: nothing to share.
+        assert!(requests.shared.is_none());
+        assert!(
+            requests
+                .script
+                .starts_with("git clone --quiet --bare https://github.com/psf/requests.git")
+        );
+        let error = recipes
+            .recipe(
+                TaskKind::Swebench,
+                "swebench/django__django-99999",
+                None,
+                Some(SweTask {
+                    version: None,
+                    ..row("django__django-99999", "django/django", "", "abcdef01")
+                }),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("version"), "{error}");
     }
 
     #[test]

@@ -22,8 +22,8 @@ use arl_schemas::events::{
 use crate::buildkit::{BuildKit, prepare_context};
 use crate::jobs::{JobBuild, JobBuildError, JobBuilds, build_name};
 use crate::local::{BuildError, LocalBuilder};
-use crate::recipe::Recipe;
 pub use crate::recipe::Recipes;
+use crate::recipe::{Recipe, SweTask};
 use crate::registry::Registry;
 
 /// Cluster mode: environments are OCI images in a registry, built by BuildKit when missing.
@@ -118,7 +118,19 @@ impl ImageBuilder {
         // Math tasks run in a generic sandbox: nothing to build, nothing to announce.
         for task in batch.tasks.iter().filter(|t| t.kind != TaskKind::Math) {
             let started = std::time::Instant::now();
-            let outcome = match self.recipe(task, dataset.as_ref()) {
+            // A SWE-bench instance without a recorded recipe is built from its row.
+            let manifest = if task.kind == TaskKind::Swebench
+                && !self.recipes.is_recorded(task.task_id.as_str())
+            {
+                self.bus.dataset_manifest(&task.dataset_digest).await?
+            } else {
+                None
+            };
+            let row = manifest
+                .as_ref()
+                .and_then(|m| m.task(&task.task_id))
+                .and_then(SweTask::of);
+            let outcome = match self.recipe(task, dataset.as_ref(), row) {
                 Ok(recipe) => match &self.cluster {
                     Some(cluster) => {
                         self.ensure_image(cluster, &recipe, &batch.run_id, task)
@@ -287,12 +299,18 @@ impl ImageBuilder {
         Ok(state.dataset_path.map(PathBuf::from))
     }
 
-    fn recipe(&self, task: &TaskRef, dataset: Option<&PathBuf>) -> Result<Recipe, Failure> {
+    fn recipe(
+        &self,
+        task: &TaskRef,
+        dataset: Option<&PathBuf>,
+        row: Option<SweTask<'_>>,
+    ) -> Result<Recipe, Failure> {
         self.recipes
             .recipe(
                 task.kind,
                 &task.environment.name,
                 dataset.map(PathBuf::as_path),
+                row,
             )
             .map_err(|e| Failure {
                 reason: ImageFailureReason::InstallError,
@@ -310,7 +328,9 @@ fn failure(error: BuildError) -> Failure {
         BuildError::MissingCommit(tail) => (ImageFailureReason::MissingCommit, tail.clone()),
         BuildError::InstallError { tail, .. } => (ImageFailureReason::InstallError, tail.clone()),
         BuildError::Timeout(_, tail) => (ImageFailureReason::Timeout, tail.clone()),
-        BuildError::Io(_) => (ImageFailureReason::InstallError, String::new()),
+        BuildError::Io(_) | BuildError::SystemPackages(_) => {
+            (ImageFailureReason::InstallError, String::new())
+        }
     };
     Failure {
         reason,

@@ -234,6 +234,8 @@ async fn builds_needing_one_interpreter_share_its_copy() {
         source: Source::Folder(examples().join("fix-mean/environment/app")),
         script: "true".into(),
         digest: name.into(),
+        shared: None,
+        system_packages: Vec::new(),
     };
     let (first, second) = (recipe("first"), recipe("second"));
     let (a, b) = tokio::join!(builder.ensure(&first), builder.ensure(&second));
@@ -261,6 +263,8 @@ async fn a_build_past_its_time_limit_is_a_timeout() {
         source: Source::Folder(examples().join("fix-mean/environment/app")),
         script: "echo installing a very large package; sleep 60".into(),
         digest: "slow".into(),
+        shared: None,
+        system_packages: Vec::new(),
     };
     let started = std::time::Instant::now();
     let error = builder.ensure(&slow).await.unwrap_err();
@@ -298,6 +302,8 @@ async fn a_tarball_source_builds() {
         source: Source::Tarball(archive),
         script: "tar -xf \"$SOURCE_REPO\" -C \"$TESTBED\"".into(),
         digest: "tarball".into(),
+        shared: None,
+        system_packages: Vec::new(),
     };
     let built = builder.ensure(&recipe).await.unwrap();
     assert!(built.dir.join("tree/stats.py").is_file());
@@ -341,6 +347,8 @@ async fn setup_scripts_run_without_privileges() {
         source: Source::Folder(examples().join("fix-mean/environment/app")),
         script: script.into(),
         digest: digest.into(),
+        shared: None,
+        system_packages: Vec::new(),
     };
     let confined = probe(
         "grep -E '^(CapEff|NoNewPrivs)' /proc/self/status > confinement.txt; \

@@ -127,10 +127,12 @@ impl Grader {
                 test_patch,
                 fail_to_pass,
                 pass_to_pass,
+                version,
                 ..
             } => {
                 let tests = SwebenchTests {
                     repo,
+                    version: version.as_deref(),
                     test_patch,
                     fail_to_pass,
                     pass_to_pass,
@@ -148,19 +150,7 @@ impl Grader {
         candidate: &str,
         tests: &SwebenchTests<'_>,
     ) -> Result<Grade, GradeFailure> {
-        let command = self
-            .config
-            .test_commands
-            .get(task.task_id.as_str())
-            .ok_or_else(|| {
-                GradeFailure::Class(
-                    FailureClass::GradingError,
-                    format!(
-                        "no test command for SWE-bench instance {}: give the reward service an instances file that has it (--swebench-recipes)",
-                        task.task_id
-                    ),
-                )
-            })?;
+        let command = self.test_command(task, tests)?;
         let parser = Parser::for_repo(tests.repo).ok_or_else(|| {
             grading_failure(GradingError::UnknownRepository(tests.repo.to_owned()), "")
         })?;
@@ -207,6 +197,37 @@ impl Grader {
             failed_tests,
             tampered: report.tampered,
         })
+    }
+
+    /// How an instance's tests run: its recorded command if an instances file has one, else
+    /// the one SWE-bench's spec for its repository and version gives with the directives
+    /// of its test patch.
+    fn test_command(
+        &self,
+        task: &TaskRecord,
+        tests: &SwebenchTests<'_>,
+    ) -> Result<TestCommand, GradeFailure> {
+        if let Some(recorded) = self.config.test_commands.get(task.task_id.as_str()) {
+            return Ok(recorded.clone());
+        }
+        let derived = tests
+            .version
+            .ok_or(arl_swebench::SpecError::NoVersion)
+            .and_then(|version| arl_swebench::test_run(tests.repo, version, tests.test_patch));
+        match derived {
+            Ok(run) => Ok(TestCommand {
+                instance_id: task.task_id.to_string(),
+                eval_env: run.eval_env,
+                test_command: run.test_command,
+            }),
+            Err(error) => Err(GradeFailure::Class(
+                FailureClass::GradingError,
+                format!(
+                    "no test command for SWE-bench instance {}: {error}",
+                    task.task_id
+                ),
+            )),
+        }
     }
 
     async fn harbor(
@@ -297,6 +318,7 @@ impl Grader {
 /// What a SWE-bench grading needs of the task's hidden data.
 struct SwebenchTests<'a> {
     repo: &'a str,
+    version: Option<&'a str>,
     test_patch: &'a str,
     fail_to_pass: &'a [String],
     pass_to_pass: &'a [String],
