@@ -211,6 +211,45 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// An instance built from SWE-bench's spec: the image holds its whole setup (the
+    /// dependencies too, which local snapshots share), installs the Debian packages the
+    /// spec names, and clones a repository it has no copy of.
+    #[test]
+    fn a_spec_derived_image_runs_the_whole_setup_and_installs_system_packages() {
+        use crate::recipe::SweTask;
+        let pyenv = tempfile::tempdir().unwrap();
+        let bin = pyenv.path().join("versions/3.9.18/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::write(bin.join("python3.9"), "").unwrap();
+        let recipe = Recipe::from_spec(
+            &SweTask {
+                instance_id: "sphinx-doc__sphinx-11510",
+                repo: "sphinx-doc/sphinx",
+                version: Some("7.2"),
+                base_commit: "6cb783c0024a873722952a67ebb9f41771c8eb6d",
+            },
+            Source::Remote("https://github.com/sphinx-doc/sphinx.git".into()),
+            pyenv.path(),
+        )
+        .unwrap();
+        assert!(recipe.shared.is_some());
+        let dir = tempfile::tempdir().unwrap();
+        prepare_context(&recipe, pyenv.path(), dir.path()).unwrap();
+        let dockerfile = std::fs::read_to_string(dir.path().join("Dockerfile")).unwrap();
+        assert!(dockerfile.contains("FROM python:3.9\nRUN apt-get update && apt-get install -y --no-install-recommends graphviz"), "{dockerfile}");
+        let script = std::fs::read_to_string(dir.path().join("setup.sh")).unwrap();
+        for step in [
+            "git clone --quiet --bare https://github.com/sphinx-doc/sphinx.git",
+            "cp -a '/usr/local' \"$ENV_DIR\"",
+            "python -m pip install tox==4.16.0",
+            "sed -i 's/pytest/pytest -rA/' tox.ini",
+            "python -m pip install -e .[test]",
+        ] {
+            assert!(script.contains(step), "{step}: {script}");
+        }
+        assert!(dir.path().join("source").is_dir());
+    }
+
     #[test]
     fn buildctl_is_asked_to_build_and_push_the_named_image() {
         let kit = BuildKit {

@@ -505,13 +505,7 @@ impl LocalBuilder {
             if total <= limit_bytes {
                 break;
             }
-            let lock = self
-                .building
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .entry(env.name.clone())
-                .or_default()
-                .clone();
+            let lock = self.lock_for(&env.name);
             let _held = lock.lock().await;
             tokio::fs::remove_dir_all(&env.dir)
                 .await
