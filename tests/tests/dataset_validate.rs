@@ -120,7 +120,9 @@ fn swebench_row(id: &str) -> Value {
 #[test]
 fn instances_without_a_recipe_are_built_from_swebench_specs_sharing_dependencies() {
     let files = scratch();
-    let environments = std::env::temp_dir().join("arl-environments");
+    // Its own kept folder: one validation builds in a folder at a time, and the other
+    // SWE-bench test here runs beside this one in `$TMPDIR/arl-environments`.
+    let environments = std::env::temp_dir().join("arl-environments-derived");
     let ids = ["django__django-12155", "django__django-12050"];
     let spec = files.path().join("derived.toml");
     write(
