@@ -80,7 +80,7 @@ help:
 	@echo "make image  the image of release binaries, left in buildah's store $(ARL_CACHE)/image/storage as localhost/arl:latest"
 	@echo "make chaos    every service and nats-server SIGKILLed in turn during a run under arl up --supervise (tests/tests/chaos.rs; make test runs a reduced form)"
 	@echo "make validate-swebench  arl dataset validate examples/swebench-mini.toml: six environments built, every gold patch resolves, no empty patch does (make test runs a reduced form)"
-	@echo "make validate-swebench50  the same for all 50 instances of examples/swebench-mini50.toml (44 from SWE-bench's specs; about an hour cold)"
+	@echo "make validate-swebench50  the same for all 50 instances of examples/swebench-mini50.toml (44 from SWE-bench's specs; 23 min cold on 2 cores)"
 	@echo "make lint | fmt | bench | clean-cache"
 
 deps: $(TOOLS_STAMP) $(AGENTS_STAMP) system-deps kafka-deps
