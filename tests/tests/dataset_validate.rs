@@ -156,7 +156,17 @@ fn instances_without_a_recipe_are_built_from_swebench_specs_sharing_dependencies
     let (lines, _) = json_report(&output);
     let mut mounts = Vec::new();
     for id in ids {
-        assert!(is_valid(task(&lines, id)), "{}", task(&lines, id));
+        let line = task(&lines, id);
+        assert!(is_valid(line), "{line}");
+        // The tree only: the dependencies are in the shared environment.
+        assert!(line["disk_bytes"].as_u64().unwrap() > 1_000_000, "{line}");
+        assert!(
+            line["shared_environment"]
+                .as_str()
+                .unwrap()
+                .starts_with("shared/swebench/django__django-3.1-"),
+            "{line}"
+        );
         let metadata: Value = serde_json::from_slice(
             &std::fs::read(
                 environments

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use arl_imagebuilder::local::BuildError;
+use arl_imagebuilder::local::{BuildError, Built};
 use arl_imagebuilder::recipe::{RecipeError, SweTask};
 use arl_reward::grader::{Grade, GradeFailure, grade_answer};
 use arl_schemas::dataset::{Grading, TaskRecord};
@@ -90,7 +90,9 @@ async fn check_in_sandboxes(
     let started = Instant::now();
     let built = build(harness, record).await;
     outcome.build_seconds = Some(started.elapsed().as_secs_f64());
-    built?;
+    let (built, shared) = built?;
+    outcome.disk_bytes = Some(arl_imagebuilder::local::size_of(&built.dir));
+    outcome.shared_environment = shared;
     let gold = gold_patch(harness, record, &task.reference).await?;
     // One after the other: `--jobs` bounds what runs at once, and a task is one job.
     let gold_grade = grade(harness, record, &gold.patch, "the gold patch").await;
@@ -120,7 +122,11 @@ async fn check_in_sandboxes(
 /// The environment, made ready by the image builder's own recipe and builder. A SWE-bench
 /// row must name the commit its recipe builds: the patches would otherwise be graded on
 /// another tree than the one the dataset describes.
-async fn build(harness: &Harness, record: &TaskRecord) -> Result<(), CheckError> {
+/// The built environment, and the shared dependency environment it mounts, if any.
+async fn build(
+    harness: &Harness,
+    record: &TaskRecord,
+) -> Result<(Built, Option<String>), CheckError> {
     let recipe = harness
         .recipes
         .recipe(
@@ -133,12 +139,12 @@ async fn build(harness: &Harness, record: &TaskRecord) -> Result<(), CheckError>
     if let Some(mismatch) = commit_mismatch(harness, record) {
         return Err(mismatch);
     }
-    harness
+    let built = harness
         .builder
         .ensure(&recipe)
         .await
-        .map(|_| ())
-        .map_err(CheckError::Build)
+        .map_err(CheckError::Build)?;
+    Ok((built, recipe.shared.map(|s| s.name)))
 }
 
 fn commit_mismatch(harness: &Harness, record: &TaskRecord) -> Option<CheckError> {

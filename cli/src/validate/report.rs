@@ -12,6 +12,13 @@ pub struct TaskOutcome {
     /// Seconds to have the environment ready (0-ish when it was cached); null when there
     /// is nothing to build or the build was never reached.
     pub build_seconds: Option<f64>,
+    /// Disk the task's own environment takes (its tree, and its dependencies unless it
+    /// shares them); null when nothing was built.
+    pub disk_bytes: Option<u64>,
+    /// The dependency environment it shares with the other instances of its repository
+    /// and version, if it shares one (SWE-bench instances built from the specs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shared_environment: Option<String>,
     /// Whether the reference solution resolves the task; null when it was not graded.
     pub gold_resolved: Option<bool>,
     /// Whether an empty patch (no answer) resolves it; null when it was not graded.
@@ -31,6 +38,8 @@ impl TaskOutcome {
             task_id: task_id.into(),
             kind,
             build_seconds: None,
+            disk_bytes: None,
+            shared_environment: None,
             gold_resolved: None,
             empty_resolved: None,
             failing_tests: Vec::new(),
@@ -227,6 +236,8 @@ mod tests {
     fn valid(id: &str) -> TaskOutcome {
         TaskOutcome {
             build_seconds: Some(53.12),
+            disk_bytes: Some(64_000_000),
+            shared_environment: Some("shared/swebench/django__django-3.1-0123456789ab".into()),
             gold_resolved: Some(true),
             empty_resolved: Some(false),
             ..TaskOutcome::new(id, TaskKind::Swebench)
@@ -303,6 +314,13 @@ mod tests {
         assert_eq!(lines.len(), 3);
         assert_eq!(lines[0]["task_id"], "a");
         assert_eq!(lines[0]["build_seconds"], 53.12);
+        assert_eq!(lines[0]["disk_bytes"], 64_000_000);
+        assert_eq!(
+            lines[0]["shared_environment"],
+            "shared/swebench/django__django-3.1-0123456789ab"
+        );
+        assert_eq!(lines[1]["disk_bytes"], serde_json::Value::Null);
+        assert!(lines[1].get("shared_environment").is_none());
         assert_eq!(lines[0]["gold_resolved"], true);
         assert_eq!(lines[0]["empty_resolved"], false);
         assert_eq!(lines[0]["failing_tests"], serde_json::json!([]));

@@ -560,7 +560,9 @@ fn environments(root: &Path) -> Vec<Stored> {
     found
 }
 
-fn size_of(dir: &Path) -> u64 {
+/// Bytes of the files under `dir` (an environment's own disk: its tree and, unless it
+/// shares one, its environment).
+pub fn size_of(dir: &Path) -> u64 {
     let mut total = 0;
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
