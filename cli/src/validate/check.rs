@@ -20,14 +20,9 @@ use super::solution::{self, SolutionError};
 enum CheckError {
     #[error("no environment recipe: {0}")]
     NoRecipe(RecipeError),
-    #[error(
-        "the dataset's base_commit {row} is not the commit its environment recipe ({environment}) builds, {built}: the patches would be graded on another tree"
-    )]
-    CommitMismatch {
-        row: String,
-        built: String,
-        environment: String,
-    },
+    /// The row's commit is not its recorded recipe's.
+    #[error("{0}")]
+    CommitMismatch(RecipeError),
     #[error("environment build failed: {0}")]
     Build(BuildError),
     #[error("has no solution/solve.sh: nothing shows the task can be solved")]
@@ -135,32 +130,16 @@ async fn build(
             Some(&harness.dataset),
             SweTask::of(record),
         )
-        .map_err(CheckError::NoRecipe)?;
-    if let Some(mismatch) = commit_mismatch(harness, record) {
-        return Err(mismatch);
-    }
+        .map_err(|e| match e {
+            RecipeError::CommitMismatch { .. } => CheckError::CommitMismatch(e),
+            other => CheckError::NoRecipe(other),
+        })?;
     let built = harness
         .builder
         .ensure(&recipe)
         .await
         .map_err(CheckError::Build)?;
     Ok((built, recipe.shared.map(|s| s.name)))
-}
-
-fn commit_mismatch(harness: &Harness, record: &TaskRecord) -> Option<CheckError> {
-    let Grading::Swebench { base_commit, .. } = &record.grading else {
-        return None;
-    };
-    let built = &harness
-        .recipes
-        .swebench
-        .get(record.task_id.as_str())?
-        .base_commit;
-    (built != base_commit).then(|| CheckError::CommitMismatch {
-        row: base_commit.clone(),
-        built: built.clone(),
-        environment: record.environment.name.clone(),
-    })
 }
 
 /// The gold patch to grade, and for a Harbor solution what its run said.

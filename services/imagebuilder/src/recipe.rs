@@ -50,6 +50,14 @@ pub enum RecipeError {
     NothingToBuild,
     #[error("SWE-bench instance {0}: {1}")]
     Spec(String, arl_swebench::SpecError),
+    #[error(
+        "the dataset's base_commit {row} is not the commit its environment recipe ({environment}) builds, {built}: the patches would be graded on another tree"
+    )]
+    CommitMismatch {
+        row: String,
+        built: String,
+        environment: String,
+    },
 }
 
 /// Where an environment's files come from.
@@ -214,6 +222,15 @@ impl Recipes {
             TaskKind::Swebench => {
                 let id = environment.strip_prefix("swebench/").unwrap_or(environment);
                 if let Some(instance) = self.swebench.get(id) {
+                    if let Some(row) = row
+                        && row.base_commit != instance.base_commit
+                    {
+                        return Err(RecipeError::CommitMismatch {
+                            row: row.base_commit.to_owned(),
+                            built: instance.base_commit.clone(),
+                            environment: environment.to_owned(),
+                        });
+                    }
                     return Recipe::from_swe(instance, &self.swebench_dir, &self.pyenv_root);
                 }
                 let row = row.ok_or_else(|| RecipeError::NoSweRecipe(id.to_owned()))?;
@@ -241,11 +258,6 @@ impl Recipes {
                 || Source::Remote(format!("https://github.com/{repo}.git")),
                 Source::GitRepository,
             )
-    }
-
-    /// Whether an instance has a recorded recipe (which overrides its spec).
-    pub fn is_recorded(&self, instance_id: &str) -> bool {
-        self.swebench.contains_key(instance_id)
     }
 }
 
@@ -741,11 +753,29 @@ mod tests {
                     "django__django-11880",
                     "django/django",
                     "3.1",
-                    "06909fe0",
+                    "06909fe084f87a65459a83bd69d7cdbe4fce9a7c",
                 )),
             )
             .unwrap();
         assert!(recorded.shared.is_none() && recorded.script.contains("EOF_59812759871"));
+        // A row whose commit is not the recorded recipe's is refused, not built.
+        let mismatch = recipes
+            .recipe(
+                TaskKind::Swebench,
+                "swebench/django__django-11880",
+                None,
+                Some(row(
+                    "django__django-11880",
+                    "django/django",
+                    "3.1",
+                    "0123456789abcdef",
+                )),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(mismatch, RecipeError::CommitMismatch { .. }),
+            "{mismatch}"
+        );
         let sphinx = recipes
             .recipe(
                 TaskKind::Swebench,

@@ -118,10 +118,9 @@ impl ImageBuilder {
         // Math tasks run in a generic sandbox: nothing to build, nothing to announce.
         for task in batch.tasks.iter().filter(|t| t.kind != TaskKind::Math) {
             let started = std::time::Instant::now();
-            // A SWE-bench instance without a recorded recipe is built from its row.
-            let manifest = if task.kind == TaskKind::Swebench
-                && !self.recipes.is_recorded(task.task_id.as_str())
-            {
+            // A SWE-bench instance is built from its row (its commit must be a recorded
+            // recipe's, where there is one).
+            let manifest = if task.kind == TaskKind::Swebench {
                 self.bus.dataset_manifest(&task.dataset_digest).await?
             } else {
                 None
