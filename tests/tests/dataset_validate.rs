@@ -55,6 +55,16 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// The command exited 0; otherwise what it printed is the failure message.
+fn assert_succeeded(output: &Output) {
+    assert!(
+        output.status.success(),
+        "{}\n{}",
+        text(&output.stdout),
+        text(&output.stderr)
+    );
+}
+
 /// The task lines of `--json` output by task id, and the summary.
 fn json_report(output: &Output) -> (Vec<Value>, Value) {
     let mut lines: Vec<Value> = text(&output.stdout)
@@ -147,12 +157,7 @@ fn instances_without_a_recipe_are_built_from_swebench_specs_sharing_dependencies
         ],
         &[],
     );
-    assert!(
-        output.status.success(),
-        "{}\n{}",
-        text(&output.stdout),
-        text(&output.stderr)
-    );
+    assert_succeeded(&output);
     let (lines, _) = json_report(&output);
     let mut mounts = Vec::new();
     for id in ids {
@@ -228,12 +233,7 @@ fn a_swebench_instance_validates_and_broken_rows_are_named() {
         ],
         &[],
     );
-    assert!(
-        output.status.success(),
-        "{}\n{}",
-        text(&output.stdout),
-        text(&output.stderr)
-    );
+    assert_succeeded(&output);
     let (lines, summary) = json_report(&output);
     assert_eq!(lines.len(), 1);
     let line = &lines[0];
@@ -448,7 +448,7 @@ fn math_tasks_have_nothing_to_build_and_bad_answers_are_named() {
         .envs(no_server)
         .output()
         .unwrap();
-    assert!(output.status.success(), "{}", text(&output.stderr));
+    assert_succeeded(&output);
     let (lines, summary) = json_report(&output);
     assert!(lines.len() > 100);
     for line in &lines {

@@ -339,7 +339,9 @@ impl LocalBuilder {
         opt: &Opt,
         staging: &Path,
     ) -> Result<(), BuildError> {
-        for sub in ["tree", "opt"] {
+        // With a shared environment, /opt/arl is that one: nothing of its own to make.
+        let own_opt = matches!(opt, Opt::Own).then_some("opt");
+        for sub in std::iter::once("tree").chain(own_opt) {
             tokio::fs::create_dir_all(staging.join(sub))
                 .await
                 .map_err(io("creating the build folder"))?;
@@ -440,10 +442,6 @@ impl LocalBuilder {
             tokio::fs::remove_dir_all(&copy)
                 .await
                 .map_err(io("removing the source copy"))?;
-        }
-        if matches!(opt, Opt::Shared(_)) {
-            // Nothing was written there: /opt/arl was the shared environment.
-            let _ = tokio::fs::remove_dir(staging.join("opt")).await;
         }
         Ok(())
     }

@@ -687,6 +687,17 @@ mod tests {
         }
     }
 
+    /// The recipe of a SWE-bench task, by its row (its environment named as the dataset
+    /// service names it).
+    fn swe_recipe(recipes: &Recipes, row: SweTask<'_>) -> Result<Recipe, RecipeError> {
+        recipes.recipe(
+            TaskKind::Swebench,
+            &format!("swebench/{}", row.instance_id),
+            None,
+            Some(row),
+        )
+    }
+
     #[test]
     fn instances_of_one_version_share_one_dependency_environment() {
         let pyenv = pyenv();
@@ -697,16 +708,8 @@ mod tests {
             pyenv_root: pyenv.path().to_path_buf(),
             ..Recipes::default()
         };
-        let recipe = |id, commit| {
-            recipes
-                .recipe(
-                    TaskKind::Swebench,
-                    &format!("swebench/{id}"),
-                    None,
-                    Some(row(id, "django/django", "3.1", commit)),
-                )
-                .unwrap()
-        };
+        let recipe =
+            |id, commit| swe_recipe(&recipes, row(id, "django/django", "3.1", commit)).unwrap();
         let a = recipe("django__django-11790", "aaaaaaa1");
         let b = recipe("django__django-12143", "bbbbbbb2");
         let (sa, sb) = (a.shared.clone().unwrap(), b.shared.clone().unwrap());
@@ -744,68 +747,56 @@ mod tests {
         )
         .unwrap();
         assert!(recipes.swebench_repos.as_ref().unwrap().ends_with("repos"));
-        let recorded = recipes
-            .recipe(
-                TaskKind::Swebench,
-                "swebench/django__django-11880",
-                None,
-                Some(row(
-                    "django__django-11880",
-                    "django/django",
-                    "3.1",
-                    "06909fe084f87a65459a83bd69d7cdbe4fce9a7c",
-                )),
-            )
-            .unwrap();
+        let recorded = swe_recipe(
+            &recipes,
+            row(
+                "django__django-11880",
+                "django/django",
+                "3.1",
+                "06909fe084f87a65459a83bd69d7cdbe4fce9a7c",
+            ),
+        )
+        .unwrap();
         assert!(recorded.shared.is_none() && recorded.script.contains("EOF_59812759871"));
         // A row whose commit is not the recorded recipe's is refused, not built.
-        let mismatch = recipes
-            .recipe(
-                TaskKind::Swebench,
-                "swebench/django__django-11880",
-                None,
-                Some(row(
-                    "django__django-11880",
-                    "django/django",
-                    "3.1",
-                    "0123456789abcdef",
-                )),
-            )
-            .unwrap_err();
+        let mismatch = swe_recipe(
+            &recipes,
+            row(
+                "django__django-11880",
+                "django/django",
+                "3.1",
+                "0123456789abcdef",
+            ),
+        )
+        .unwrap_err();
         assert!(
             matches!(mismatch, RecipeError::CommitMismatch { .. }),
             "{mismatch}"
         );
-        let sphinx = recipes
-            .recipe(
-                TaskKind::Swebench,
-                "swebench/sphinx-doc__sphinx-11445",
-                None,
-                Some(row(
-                    "sphinx-doc__sphinx-11445",
-                    "sphinx-doc/sphinx",
-                    "7.2",
-                    "71db08c0",
-                )),
-            )
-            .unwrap();
+        let sphinx = swe_recipe(
+            &recipes,
+            row(
+                "sphinx-doc__sphinx-11445",
+                "sphinx-doc/sphinx",
+                "7.2",
+                "71db08c0",
+            ),
+        )
+        .unwrap();
         assert_eq!(sphinx.system_packages, ["graphviz"]);
         assert!(
             matches!(sphinx.source, Source::GitRepository(ref p) if p.ends_with("repos/sphinx.git"))
         );
-        let astropy = recipes
-            .recipe(
-                TaskKind::Swebench,
-                "swebench/astropy__astropy-12907",
-                None,
-                Some(row(
-                    "astropy__astropy-12907",
-                    "astropy/astropy",
-                    "4.3",
-                    "d16bfe05",
-                )),
-            )
-            .unwrap();
+        let astropy = swe_recipe(
+            &recipes,
+            row(
+                "astropy__astropy-12907",
+                "astropy/astropy",
+                "4.3",
+                "d16bfe05",
+            ),
+        )
+        .unwrap();
         // No copy of astropy here: the build clones it.
         assert!(
             matches!(astropy.source, Source::Remote(ref url) if url == "https://github.com/astropy/astropy.git")
@@ -823,18 +814,15 @@ mod tests {
                 .script
                 .starts_with("git clone --quiet --bare https://github.com/psf/requests.git")
         );
-        let error = recipes
-            .recipe(
-                TaskKind::Swebench,
-                "swebench/django__django-99999",
-                None,
-                Some(SweTask {
-                    version: None,
-                    ..row("django__django-99999", "django/django", "", "abcdef01")
-                }),
-            )
-            .unwrap_err()
-            .to_string();
+        let error = swe_recipe(
+            &recipes,
+            SweTask {
+                version: None,
+                ..row("django__django-99999", "django/django", "", "abcdef01")
+            },
+        )
+        .unwrap_err()
+        .to_string();
         assert!(error.contains("version"), "{error}");
     }
 
