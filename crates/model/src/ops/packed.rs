@@ -111,11 +111,7 @@ impl thin::WeightRows for Q4_1Rows<'_> {
     unsafe fn decode<L: Lanes>(p: *const u8) -> (L, L) {
         // SAFETY: p is a 20-byte record inside `blocks` (the trait's contract); the CPU
         // supports L (also the contract).
-        unsafe {
-            let (d, m) = (L::splat_f16(p), L::splat_f16(p.add(2)));
-            let (lo, hi) = L::nibbles(p.add(4));
-            (L::add(L::mul(d, lo), m), L::add(L::mul(d, hi), m))
-        }
+        unsafe { L::q4_1(p) }
     }
 }
 
