@@ -165,6 +165,31 @@ mod tests {
         data
     }
 
+    /// Times a one-hot row, the product is the weight itself: every column of a packed
+    /// matrix holds exactly the bits `quant.rs` dequantizes it to, on this CPU's kernel.
+    #[test]
+    fn packed_weights_are_the_dequantized_bits() {
+        for kind in [GgmlType::Q4_1, GgmlType::Q8_0] {
+            let (rows, cols) = (24, 64);
+            let data = gguf_blocks(kind, rows, cols);
+            let dense = kind.dequantize(&data, rows * cols).unwrap();
+            let packed = PackedMatrix::from_gguf(kind, &data, rows, cols, None).unwrap();
+            for c in 0..cols {
+                let mut x = vec![0f32; cols];
+                x[c] = 1.0;
+                let mut out = vec![0f32; rows];
+                packed.matmul(&mut out, &x, 1);
+                for r in 0..rows {
+                    assert_eq!(
+                        out[r].to_bits(),
+                        dense[r * cols + c].to_bits(),
+                        "{kind:?} [{r},{c}]"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn packed_matches_dequantized_f32() {
         for (kind, n) in [
