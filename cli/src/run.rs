@@ -675,10 +675,15 @@ pub fn render_status(state: &RunStateV1) -> String {
         ));
     }
     if !state.steps.is_empty() {
-        out.push(
-            "steps:       step  policy  reward_mean   pg_loss  grad_norm  seconds  samples trained  zero-adv groups"
-                .into(),
-        );
+        // Tool calls only where a step made any (tool-using agents over MCP).
+        let tools = state
+            .steps
+            .iter()
+            .any(|s| s.tool_calls_mean.is_some_and(|t| t > 0.0));
+        out.push(format!(
+            "steps:       step  policy  reward_mean   pg_loss  grad_norm  seconds  samples trained  zero-adv groups{}",
+            if tools { "  tool calls" } else { "" }
+        ));
         for s in &state.steps {
             let note = if s.trained_nothing() {
                 "  nothing trained"
@@ -692,8 +697,13 @@ pub fn render_status(state: &RunStateV1) -> String {
                 ),
                 None => ("-".into(), "-".into()),
             };
+            let tool_calls = match (tools, s.tool_calls_mean) {
+                (false, _) => String::new(),
+                (true, Some(t)) => format!("  {t:>10.2}"),
+                (true, None) => format!("  {:>10}", "-"),
+            };
             out.push(format!(
-                "             {:>4}  {:>6}  {:>11.4}  {:>8.4}  {:>9.4}  {:>7.1}  {trained:>15}  {flat:>15}{note}",
+                "             {:>4}  {:>6}  {:>11.4}  {:>8.4}  {:>9.4}  {:>7.1}  {trained:>15}  {flat:>15}{tool_calls}{note}",
                 s.step, s.policy_version, s.reward_mean, s.pg_loss, s.grad_norm, s.seconds
             ));
         }
@@ -963,6 +973,26 @@ mod tests {
             status.contains("steps trained nothing (step 3)"),
             "{status}"
         );
+    }
+
+    #[test]
+    fn tool_calls_per_trajectory_are_shown_once_a_step_made_any() {
+        let plain = render_status(&state());
+        assert!(!plain.contains("tool calls"), "{plain}");
+        let mut tools = state();
+        tools.steps[0].tool_calls_mean = Some(0.0);
+        tools.steps[2].tool_calls_mean = Some(1.75);
+        let status = render_status(&tools);
+        assert!(status.contains("zero-adv groups  tool calls"), "{status}");
+        let last_column: Vec<&str> = status
+            .lines()
+            .skip_while(|l| !l.starts_with("steps:"))
+            .skip(1)
+            .take(3)
+            .filter_map(|l| l.split_whitespace().last())
+            .collect();
+        // Step 2 was recorded before the controller kept tool calls: "-", not a made-up 0.
+        assert_eq!(last_column, ["0.00", "-", "1.75"], "{status}");
     }
 
     #[test]

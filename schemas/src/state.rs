@@ -67,6 +67,10 @@ pub struct StepSummary {
     /// What the step's batch held and trained on (absent for a version-1 `train.step`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch: Option<BatchCounts>,
+    /// Tool calls per trajectory (MCP tools), as the step's `train.step` reported it;
+    /// absent in states recorded before the controller kept it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls_mean: Option<f64>,
 }
 
 impl StepSummary {

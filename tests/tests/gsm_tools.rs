@@ -140,6 +140,8 @@ async fn a_tool_using_agent_trains_through_mcp() {
         (mean - f64::from(tool_calls) / 4.0).abs() < 1e-9,
         "{mean} vs {tool_calls} calls in 4 trajectories"
     );
+    // The run's state (what `arl run status` shows) keeps the same figure.
+    assert_eq!(record.steps[0].tool_calls_mean, Some(mean));
 
     // Token truth: trained tokens are exactly the completions the proxy recorded; the
     // prompts that carry tool outputs are masked.

@@ -42,6 +42,7 @@ pub fn apply_train_step(state: &mut RunStateV1, event: &TrainStep) {
             grad_norm: metrics.grad_norm,
             seconds: event.timing().total,
             batch: event.batch().cloned(),
+            tool_calls_mean: Some(metrics.tool_calls_mean),
         });
         state.steps.sort_by_key(|s| s.step);
     }
