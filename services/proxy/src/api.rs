@@ -11,9 +11,12 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use arl_runtime::{Bus, BusError};
-use arl_schemas::RunId;
-use arl_schemas::events::{CallTiming, FinishReason, LlmCallV2};
+use arl_runtime::consumer::run_consumer;
+use arl_runtime::{Bus, BusError, ConsumerSpec, Delivery, HandlerError, Shutdown};
+use arl_schemas::events::{
+    CallTiming, FinishReason, LlmCallV2, RunCancelledV1, RunCompletedV1, RunFailedV1,
+};
+use arl_schemas::{Event, RunId};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
@@ -95,6 +98,53 @@ impl Proxy {
             .or_default()
             .clone()
     }
+
+    /// Runs the proxy keeps a load for (calls in flight, newest version seen).
+    pub fn tracked_runs(&self) -> usize {
+        self.runs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// Drops each run's load when the run ends (`run.completed`, `run.failed`,
+    /// `run.cancelled`): without it a long-lived proxy kept one for every run it ever
+    /// served. A call still in flight keeps its own handle; a call of an ended run after
+    /// that starts a new load.
+    pub fn forget_ended_runs(&self, durable: &str, shutdown: &Shutdown) {
+        let ns = self.bus.namespace();
+        let mut ends =
+            ConsumerSpec::for_event::<RunCompletedV1>(ns, format!("{durable}-run-loads"))
+                .and_event::<RunFailedV1>(ns)
+                .and_event::<RunCancelledV1>(ns)
+                .ordered();
+        ends.keep_alive = true;
+        let runs = self.runs.clone();
+        shutdown.spawn(run_consumer(
+            self.bus.clone(),
+            ends,
+            move |delivery: Delivery| {
+                let runs = runs.clone();
+                async move {
+                    let ended = ended_run(&delivery)?;
+                    runs.lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .remove(&ended);
+                    Ok::<(), HandlerError>(())
+                }
+            },
+            shutdown.clone(),
+        ));
+    }
+}
+
+/// The run a `run.completed`, `run.failed` or `run.cancelled` event ended.
+pub(crate) fn ended_run(delivery: &Delivery) -> Result<RunId, HandlerError> {
+    Ok(match delivery.event_type().as_deref() {
+        Some(RunFailedV1::TYPE) => delivery.decode::<RunFailedV1>()?.run_id,
+        Some(RunCancelledV1::TYPE) => delivery.decode::<RunCancelledV1>()?.run_id,
+        _ => delivery.decode::<RunCompletedV1>()?.run_id,
+    })
 }
 
 pub fn router(proxy: Proxy) -> Router {

@@ -30,7 +30,7 @@ use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
 use arl_schemas::events::{
     RunCancelledV1, RunCompletedV1, RunFailedV1, WEIGHTS_FILE, WeightsLocation, WeightsPublishedV2,
 };
-use arl_schemas::{Domain, Event, RunId};
+use arl_schemas::{Domain, RunId};
 use bytes::Bytes;
 use serde_json::{Value, json};
 
@@ -219,11 +219,7 @@ impl Follower {
     /// first trials (version 0) find their policy, and a run going on beside the ended
     /// one is not left waiting for a version it already published.
     async fn on_run_end(&self, delivery: &Delivery) -> Result<(), HandlerError> {
-        let ended = match delivery.event_type().as_deref() {
-            Some(RunFailedV1::TYPE) => delivery.decode::<RunFailedV1>()?.run_id,
-            Some(RunCancelledV1::TYPE) => delivery.decode::<RunCancelledV1>()?.run_id,
-            _ => delivery.decode::<RunCompletedV1>()?.run_id,
-        };
+        let ended = crate::api::ended_run(delivery)?;
         let next = {
             let mut live = lock(&self.live);
             live.newest.remove(&ended);

@@ -132,6 +132,7 @@ impl Service for Proxy {
             },
         );
         backends.watch_health(proxy.client.clone(), Duration::from_secs(2), &ctx.shutdown);
+        proxy.forget_ended_runs(&args.instance, &ctx.shutdown);
         if args.follow_weights {
             crate::follow::follow(
                 &ctx.bus,

@@ -152,6 +152,7 @@ async fn fake_backend_in(shutdown: &Shutdown, dialect: Dialect) -> (SocketAddr, 
 struct Setup {
     server: NatsServer,
     bus: Bus,
+    proxy: Proxy,
     base: String,
     seen: Seen,
     shutdown: Shutdown,
@@ -216,9 +217,10 @@ async fn setup_following(
             &shutdown,
         );
     }
+    proxy.forget_ended_runs("p1", &shutdown);
     let addr = arl_runtime::http::serve(
         "127.0.0.1:0".parse().unwrap(),
-        api::router(proxy),
+        api::router(proxy.clone()),
         &shutdown,
     )
     .await
@@ -230,6 +232,7 @@ async fn setup_following(
     Setup {
         server,
         bus,
+        proxy,
         base,
         seen,
         shutdown,
@@ -520,6 +523,40 @@ async fn a_trial_past_its_staleness_limit_is_held_back() {
     let code: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(code["error"]["code"], "policy_too_stale", "{body}");
     assert!(headers.iter().any(|(k, _)| k == "retry-after"));
+    s.shutdown.trigger();
+}
+
+/// A run's load (calls in flight, newest version) lasts as long as the run: its end drops
+/// it, so a long-lived proxy does not keep one for every run it ever served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_runs_load_is_dropped() {
+    let s = setup(ProxyConfig::default(), false).await;
+    let url = format!(
+        "{}/chat/completions",
+        s.key("trial-end", None).await.base_url
+    );
+    assert_eq!(s.post(&url, &[], &chat("one")).await.0, 200);
+    assert_eq!(s.proxy.tracked_runs(), 1);
+    s.bus
+        .publish(&RunCompletedV1 {
+            run_id: RunId::new("run-proxy").unwrap(),
+            completed_at: chrono::Utc::now(),
+            steps: 1,
+            final_policy_version: 1,
+            checkpoint_uri: None,
+            final_resolution_rate: None,
+        })
+        .await
+        .unwrap();
+    wait_for(
+        "the ended run's load dropped",
+        Duration::from_secs(10),
+        || async { (s.proxy.tracked_runs() == 0).then_some(()) },
+    )
+    .await;
+    // A late call of the ended run is still served, on a load of its own.
+    assert_eq!(s.post(&url, &[], &chat("two")).await.0, 200);
+    assert_eq!(s.proxy.tracked_runs(), 1);
     s.shutdown.trigger();
 }
 
