@@ -229,6 +229,10 @@ impl Namespace {
                 p.answers_requests = true;
                 // Each MCP session of a trial leases a sandbox of its own.
                 p.publish(sandbox_rpc.clone());
+                // A run's end drops its load (and, with --follow-weights, sends a followed
+                // engine back to its base model); the follower loads each published version.
+                p.consume(&stream(Domain::Run));
+                p.consume(&stream(Domain::Weights));
             }
             Role::Reward => {
                 p.publish(event(Domain::Reward, "scored"));
