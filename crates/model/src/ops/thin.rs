@@ -228,7 +228,7 @@ unsafe fn rows_any<L: Lanes, W: WeightRows>(
         }
     } else {
         match nt {
-            1 => go!(1, 1),
+            1 => go!(4, 1),
             2 => go!(2, 2),
             3 => go!(1, 3),
             _ => go!(1, 4),
@@ -664,8 +664,8 @@ mod x86 {
         }
         /// A code has only 16 values: work out d·q + m once for each (the same two
         /// roundings per value) and look the 32 weights up with two lane permutes, instead
-        /// of converting and scaling all 32 (5 fewer vector operations per block, which is
-        /// most of a batch-1 decode's arithmetic).
+        /// of converting and scaling all 32 — about half the vector operations of a block,
+        /// which are most of a batch-1 decode's arithmetic.
         #[inline(always)]
         unsafe fn q4_1(p: *const u8) -> (Self, Self) {
             unsafe {
