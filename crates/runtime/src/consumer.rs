@@ -74,6 +74,19 @@ impl ConsumerSpec {
         Self::new(E::DOMAIN, durable, vec![E::filter(ns)])
     }
 
+    /// Every run's end (`run.completed`, `run.failed`, `run.cancelled`), one at a time and
+    /// kept alive while handled: what a service that holds something per run lets go on.
+    /// Read the run with [`Delivery::ended_run`].
+    pub fn run_ends(ns: &arl_schemas::Namespace, durable: impl Into<String>) -> Self {
+        use arl_schemas::events::{RunCancelledV1, RunCompletedV1, RunFailedV1};
+        let mut spec = Self::for_event::<RunCompletedV1>(ns, durable)
+            .and_event::<RunFailedV1>(ns)
+            .and_event::<RunCancelledV1>(ns)
+            .ordered();
+        spec.keep_alive = true;
+        spec
+    }
+
     /// Also takes event `E`, which must live in the same stream.
     pub fn and_event<E: Event>(mut self, ns: &arl_schemas::Namespace) -> Self {
         assert_eq!(
@@ -196,6 +209,16 @@ impl Delivery {
             }
         };
         read(version, &self.payload)
+    }
+
+    /// The run a delivery of [`ConsumerSpec::run_ends`] ended.
+    pub fn ended_run(&self) -> Result<arl_schemas::RunId, DecodeError> {
+        use arl_schemas::events::{RunCancelledV1, RunCompletedV1, RunFailedV1};
+        Ok(match self.event_type().as_deref() {
+            Some(RunFailedV1::TYPE) => self.decode::<RunFailedV1>()?.run_id,
+            Some(RunCancelledV1::TYPE) => self.decode::<RunCancelledV1>()?.run_id,
+            _ => self.decode::<RunCompletedV1>()?.run_id,
+        })
     }
 
     /// The `Arl-Type` header, if present.

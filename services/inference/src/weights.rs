@@ -11,10 +11,8 @@ use arl_model::load::LoadedModel;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::digest::sha256_file;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
-use arl_schemas::events::{
-    RunCancelledV1, RunCompletedV1, RunFailedV1, WEIGHTS_FILE, WeightsLocation, WeightsPublishedV2,
-};
-use arl_schemas::{Domain, Event, RunId};
+use arl_schemas::events::{WEIGHTS_FILE, WeightsLocation, WeightsPublishedV2};
+use arl_schemas::{Domain, RunId};
 
 use crate::engine::{EngineHandle, ServedModel};
 use crate::fetch;
@@ -181,12 +179,7 @@ fn follow_run_ends(
     shutdown: &Shutdown,
 ) {
     // Every run's end: only the one whose weights are served changes anything.
-    let ns = bus.namespace();
-    let mut spec = ConsumerSpec::for_event::<RunCompletedV1>(ns, format!("{durable}-run-ends"))
-        .and_event::<RunFailedV1>(ns)
-        .and_event::<RunCancelledV1>(ns)
-        .ordered();
-    spec.keep_alive = true;
+    let spec = ConsumerSpec::run_ends(bus.namespace(), format!("{durable}-run-ends"));
     let fetcher = bus.clone();
     shutdown.spawn(run_consumer(
         bus.clone(),
@@ -208,11 +201,7 @@ async fn on_run_end(
     live: &Live,
     delivery: &Delivery,
 ) -> Result<(), HandlerError> {
-    let ended = match delivery.event_type().as_deref() {
-        Some(RunFailedV1::TYPE) => delivery.decode::<RunFailedV1>()?.run_id,
-        Some(RunCancelledV1::TYPE) => delivery.decode::<RunCancelledV1>()?.run_id,
-        _ => delivery.decode::<RunCompletedV1>()?.run_id,
-    };
+    let ended = delivery.ended_run()?;
     let next = {
         let mut live = lock(live);
         live.newest.remove(&ended);

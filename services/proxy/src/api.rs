@@ -13,10 +13,8 @@ use std::time::Instant;
 
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, BusError, ConsumerSpec, Delivery, HandlerError, Shutdown};
-use arl_schemas::events::{
-    CallTiming, FinishReason, LlmCallV2, RunCancelledV1, RunCompletedV1, RunFailedV1,
-};
-use arl_schemas::{Event, RunId};
+use arl_schemas::RunId;
+use arl_schemas::events::{CallTiming, FinishReason, LlmCallV2};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
@@ -112,13 +110,7 @@ impl Proxy {
     /// served. A call still in flight keeps its own handle; a call of an ended run after
     /// that starts a new load.
     pub fn forget_ended_runs(&self, durable: &str, shutdown: &Shutdown) {
-        let ns = self.bus.namespace();
-        let mut ends =
-            ConsumerSpec::for_event::<RunCompletedV1>(ns, format!("{durable}-run-loads"))
-                .and_event::<RunFailedV1>(ns)
-                .and_event::<RunCancelledV1>(ns)
-                .ordered();
-        ends.keep_alive = true;
+        let ends = ConsumerSpec::run_ends(self.bus.namespace(), format!("{durable}-run-loads"));
         let runs = self.runs.clone();
         shutdown.spawn(run_consumer(
             self.bus.clone(),
@@ -126,7 +118,7 @@ impl Proxy {
             move |delivery: Delivery| {
                 let runs = runs.clone();
                 async move {
-                    let ended = ended_run(&delivery)?;
+                    let ended = delivery.ended_run()?;
                     runs.lock()
                         .unwrap_or_else(PoisonError::into_inner)
                         .remove(&ended);
@@ -136,15 +128,6 @@ impl Proxy {
             shutdown.clone(),
         ));
     }
-}
-
-/// The run a `run.completed`, `run.failed` or `run.cancelled` event ended.
-pub(crate) fn ended_run(delivery: &Delivery) -> Result<RunId, HandlerError> {
-    Ok(match delivery.event_type().as_deref() {
-        Some(RunFailedV1::TYPE) => delivery.decode::<RunFailedV1>()?.run_id,
-        Some(RunCancelledV1::TYPE) => delivery.decode::<RunCancelledV1>()?.run_id,
-        _ => delivery.decode::<RunCompletedV1>()?.run_id,
-    })
 }
 
 pub fn router(proxy: Proxy) -> Router {

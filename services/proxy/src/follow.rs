@@ -27,9 +27,7 @@ use std::time::Duration;
 
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::{Bus, ConsumerSpec, Delivery, HandlerError, Shutdown};
-use arl_schemas::events::{
-    RunCancelledV1, RunCompletedV1, RunFailedV1, WEIGHTS_FILE, WeightsLocation, WeightsPublishedV2,
-};
+use arl_schemas::events::{WEIGHTS_FILE, WeightsLocation, WeightsPublishedV2};
 use arl_schemas::{Domain, RunId};
 use bytes::Bytes;
 use serde_json::{Value, json};
@@ -104,11 +102,7 @@ pub fn follow(
         }
     }
     let ns = bus.namespace();
-    let mut ends = ConsumerSpec::for_event::<RunCompletedV1>(ns, format!("{durable}-run-ends"))
-        .and_event::<RunFailedV1>(ns)
-        .and_event::<RunCancelledV1>(ns)
-        .ordered();
-    ends.keep_alive = true;
+    let ends = ConsumerSpec::run_ends(ns, format!("{durable}-run-ends"));
     let on_end = follower.clone();
     shutdown.spawn(run_consumer(
         bus.clone(),
@@ -219,7 +213,7 @@ impl Follower {
     /// first trials (version 0) find their policy, and a run going on beside the ended
     /// one is not left waiting for a version it already published.
     async fn on_run_end(&self, delivery: &Delivery) -> Result<(), HandlerError> {
-        let ended = crate::api::ended_run(delivery)?;
+        let ended = delivery.ended_run()?;
         let next = {
             let mut live = lock(&self.live);
             live.newest.remove(&ended);

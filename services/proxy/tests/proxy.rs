@@ -257,6 +257,21 @@ impl Setup {
             .unwrap()
     }
 
+    /// Publishes the run's end, as the controller does when it completes.
+    async fn end_run(&self, run: &RunId) {
+        self.bus
+            .publish(&RunCompletedV1 {
+                run_id: run.clone(),
+                completed_at: chrono::Utc::now(),
+                steps: 1,
+                final_policy_version: 1,
+                checkpoint_uri: None,
+                final_resolution_rate: None,
+            })
+            .await
+            .unwrap();
+    }
+
     async fn post(
         &self,
         url: &str,
@@ -537,17 +552,7 @@ async fn an_ended_runs_load_is_dropped() {
     );
     assert_eq!(s.post(&url, &[], &chat("one")).await.0, 200);
     assert_eq!(s.proxy.tracked_runs(), 1);
-    s.bus
-        .publish(&RunCompletedV1 {
-            run_id: RunId::new("run-proxy").unwrap(),
-            completed_at: chrono::Utc::now(),
-            steps: 1,
-            final_policy_version: 1,
-            checkpoint_uri: None,
-            final_resolution_rate: None,
-        })
-        .await
-        .unwrap();
+    s.end_run(&RunId::new("run-proxy").unwrap()).await;
     wait_for(
         "the ended run's load dropped",
         Duration::from_secs(10),
@@ -765,17 +770,7 @@ async fn a_followed_sglang_serves_each_published_version_and_calls_carry_it() {
 
     // The run ends: SGLang gets the model it started with back, and the next run's first
     // trials (version 0) are served by it.
-    s.bus
-        .publish(&RunCompletedV1 {
-            run_id: run.clone(),
-            completed_at: chrono::Utc::now(),
-            steps: 1,
-            final_policy_version: 1,
-            checkpoint_uri: None,
-            final_resolution_rate: None,
-        })
-        .await
-        .unwrap();
+    s.end_run(&run).await;
     let next = s.key("trial-next-run", None).await;
     let (status, body, _) = wait_for("the start model back", Duration::from_secs(10), || async {
         let answer = s
