@@ -338,12 +338,11 @@ fuzz-one: $(CARGO_FUZZ)
 	$(FUZZ_RUN) $(TARGET) $(INPUT)
 
 # The GPU tests, built here (CUDA is loaded at run time), for scripts/device-gpu-tests.sh on
-# a GPU machine. SmolLM2's GGUF goes there in two parts (.device/smol.part00 with the
-# binaries in one call, part01 in the next).
+# a GPU machine. SmolLM2's GGUF goes there in three parts (.device/smol.part00 with the
+# binaries in one call, part01 and part02 in the next two: a call carries 64 MiB).
 gpu-test-bundle: deps models
 	scripts/gpu-test-bundle.sh
-	rm -f .device/smol.part* && head -c 45000000 $(SMOLLM2) > .device/smol.part00
-	tail -c +45000001 $(SMOLLM2) > .device/smol.part01
+	rm -f .device/smol.part* && split -b 33000000 -d -a 2 $(SMOLLM2) .device/smol.part
 
 clean-cache:
 	rm -rf $(ARL_CACHE)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests on a machine with an NVIDIA GPU and no Rust toolchain: the test
 # binaries `make gpu-test-bundle` built, stripped and compressed into .device/bin,
-# nats-server, and SmolLM2's GGUF (sent in two parts over two calls, .device/smol.part*,
+# nats-server, and SmolLM2's GGUF (sent in parts over several calls, .device/smol.part*,
 # kept and assembled under /tmp/arl-models).
 #
 #   scripts/device-gpu-tests.sh [TEST_FILTER]
@@ -22,7 +22,7 @@ if [ ! -f "$model" ] || [ "$(sha256sum "$model" | cut -c1-64)" != "$want" ]; the
     cat "$models"/smol.part* > "$model"
 fi
 if [ "$(sha256sum "$model" | cut -c1-64)" != "$want" ]; then
-    echo "SmolLM2 parts incomplete ($(ls "$models")); send .device/smol.part00 and part01 first"
+    echo "SmolLM2 parts incomplete ($(ls "$models")); send every .device/smol.part* first"
     exit 2
 fi
 bin=$(scripts/device-unpack.sh) || exit 2

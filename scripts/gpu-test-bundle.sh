@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the GPU test binaries and the training benchmark here (no CUDA needed: cudarc loads
+# Builds the GPU test binaries and the training and engine benchmarks here (no CUDA needed: cudarc loads
 # it at run time) and puts them, stripped and xz-compressed (~15 MB in all, so that one device
 # call carries them with the first part of SmolLM2), with nats-server into .device/bin —
 # scripts/device-gpu-tests.sh and scripts/device-bench-train.sh unpack and run them there;
@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 out=.device/bin
 rm -rf "$out" && mkdir -p "$out"
 # name=package:test target
-tests=(model-cuda=arl-model:cuda trainer-learning=arl-trainer:learning trainer-service=arl-trainer:service)
+tests=(model-cuda=arl-model:cuda trainer-learning=arl-trainer:learning trainer-service=arl-trainer:service
+       inference-gpu=arl-inference:gpu)
 args=()
 for t in "${tests[@]}"; do
     spec=${t#*=}
@@ -32,8 +33,10 @@ EOF
     strip -o "$out/test-$name" "$exe"
     xz -T0 -6 "$out/test-$name"
 done
-cargo build --release --quiet -p arl-trainer --bin arl-bench-train
-strip -o "$out/arl-bench-train" "${CARGO_TARGET_DIR:-target}/release/arl-bench-train"
-xz -T0 -6 "$out/arl-bench-train"
+cargo build --release --quiet -p arl-trainer --bin arl-bench-train -p arl-inference --bin arl-bench-engine
+for bench in arl-bench-train arl-bench-engine; do
+    strip -o "$out/$bench" "${CARGO_TARGET_DIR:-target}/release/$bench"
+    xz -T0 -6 "$out/$bench"
+done
 xz -T0 -6 -c "${ARL_NATS_SERVER:-$HOME/.cache/arl/tools/bin/nats-server}" > "$out/nats-server.xz"
 du -sh "$out"/*

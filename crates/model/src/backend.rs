@@ -101,6 +101,13 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
     fn len(&self, buf: &Self::Buf) -> usize;
     /// A host block-format matrix in this backend's form; None when it has no kernel for it.
     fn pack(&self, host: &PackedMatrix) -> Option<Self::Packed>;
+    /// A linear layer's (rows, cols) weights in the form this backend's products read
+    /// fastest, for weights that no longer change (a version being served); None where the
+    /// plain product already reads `w` as it is. The product's numbers do not change.
+    fn freeze(&self, w: &Self::Buf, rows: usize, cols: usize) -> Option<Self::Packed> {
+        let _ = (w, rows, cols);
+        None
+    }
     /// dst grows by src[range] (KV caches).
     fn append(&self, dst: &mut Self::Buf, src: &Self::Buf, range: Range<usize>);
     fn truncate(&self, buf: &mut Self::Buf, len: usize);

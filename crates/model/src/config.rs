@@ -184,6 +184,31 @@ pub struct ModelConfig {
 const ROPE_TYPES: &str = "\"default\", \"linear\", \"llama3\" and \"yarn\"";
 
 impl ModelConfig {
+    /// The configuration (`config.json`) of Qwen2.5-0.5B or -1.5B by name
+    /// (`qwen2.5-0.5b`, `qwen2.5-1.5b`; the -Instruct builds share it): benchmarks build
+    /// random weights of these shapes, with nothing to download.
+    pub fn qwen25(name: &str) -> Option<Self> {
+        let (hidden, intermediate, layers, heads) = match name {
+            "qwen2.5-0.5b" => (896, 4864, 24, 14),
+            "qwen2.5-1.5b" => (1536, 8960, 28, 12),
+            _ => return None,
+        };
+        Some(Self {
+            architecture: Architecture::Qwen2,
+            vocab_size: 151_936,
+            hidden_size: hidden,
+            intermediate_size: intermediate,
+            num_hidden_layers: layers,
+            num_attention_heads: heads,
+            num_key_value_heads: 2,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            rope_scaling: None,
+            max_position_embeddings: 32_768,
+            tie_word_embeddings: true,
+        })
+    }
+
     /// The size of one attention head.
     pub fn head_dim(&self) -> usize {
         match self.architecture {

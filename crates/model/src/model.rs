@@ -177,6 +177,47 @@ impl<B: Backend> Model<B> {
         self.packed.is_some()
     }
 
+    /// Readies weights that will not change (a version being served) for fast products:
+    /// every linear layer and the head without a packed copy gets the backend's frozen
+    /// form where it has one (the CUDA backend's bf16 copies, which its products would
+    /// otherwise convert from f32 at every call). Numbers do not change. Changing the
+    /// weights afterwards drops these copies, as it drops the GGUF's.
+    pub fn freeze(&mut self) {
+        let be = &self.backend;
+        let freeze = |slot: &mut Option<B::Packed>, t: &Tensor<B::Buf>| {
+            if slot.is_none() {
+                *slot = be.freeze(&t.data, t.shape[0], t.shape[1]);
+            }
+        };
+        let packed = self.packed.get_or_insert_with(|| PackedWeights {
+            layers: Vec::new(),
+            head: None,
+        });
+        packed
+            .layers
+            .resize_with(self.weights.layers.len(), PackedLayer::default);
+        for (p, w) in packed.layers.iter_mut().zip(&self.weights.layers) {
+            freeze(&mut p.wq, &w.wq);
+            freeze(&mut p.wk, &w.wk);
+            freeze(&mut p.wv, &w.wv);
+            freeze(&mut p.wo, &w.wo);
+            freeze(&mut p.w_gate, &w.w_gate);
+            freeze(&mut p.w_up, &w.w_up);
+            freeze(&mut p.w_down, &w.w_down);
+        }
+        freeze(&mut packed.head, self.weights.head());
+        let empty = packed.head.is_none()
+            && packed.layers.iter().all(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                    .iter()
+                    .all(|m| m.is_none())
+            });
+        if empty {
+            // A backend with no frozen form (the CPU): nothing packed, as before.
+            self.packed = None;
+        }
+    }
+
     /// out (N, O) = x (N, I) · Wᵀ + b, from the packed copy when there is one, with each
     /// token's row computed the same way whatever N is: a sequence's logits do not depend on
     /// what else shares its step (decodes, another prompt's chunk).

@@ -602,6 +602,25 @@ fn tiny_models_agree_in_logprobs_and_gradients() {
                 0.05,
                 0.0,
             );
+
+            // Frozen for serving (the weights' bf16 copies made once, as the engine does):
+            // the same products, so the same logits.
+            let mut frozen = on_gpu.clone();
+            frozen.freeze();
+            assert!(frozen.has_packed_weights(), "{what}: nothing frozen");
+            let mut frozen_cache = KvCache::new(&frozen);
+            let frozen_logits = frozen.forward(&mut [SeqInput {
+                tokens: sequences[0],
+                cache: &mut frozen_cache,
+            }]);
+            frozen.backend.check().unwrap();
+            assert_close(
+                &format!("{what} frozen decode"),
+                &frozen_logits[0],
+                &logits[0],
+                1e-5,
+                0.0,
+            );
         }
     }
 }

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use arl_inference::api::{self, AppState, InferenceMetrics};
+use arl_inference::device::Device;
 use arl_inference::engine::{EngineConfig, EngineHandle, ServedModel};
 use arl_model::load::LoadedModel;
 use arl_runtime::{Metrics, Shutdown};
@@ -131,11 +132,7 @@ async fn main() -> anyhow::Result<()> {
             queue_limit: 256,
             ..EngineConfig::default()
         },
-        Some(ServedModel {
-            run_id: None,
-            version: 0,
-            loaded,
-        }),
+        Some(ServedModel::new(None, 0, loaded, &Device::Cpu)?),
     )?;
     let shutdown = Shutdown::new();
     let metrics = InferenceMetrics::register(&Metrics::new(), "policy", &engine);

@@ -17,23 +17,51 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
+use arl_model::backend::BackendError;
 use arl_model::generate::{Rng, Sampling, sample};
 use arl_model::load::LoadedModel;
-use arl_model::model::{KvCache, SeqInput};
 use rayon::prelude::*;
 use tokio::sync::mpsc;
 
-/// A loaded policy version.
+use crate::device::{Cache, Device, Runner};
+
+/// A loaded policy version, ready on the engine's device.
 #[derive(Debug)]
 pub struct ServedModel {
     /// The run whose trained weights these are; None for the model the engine started
     /// with (version 0). A policy is (run, version): two runs' version 3 differ.
     pub run_id: Option<arl_schemas::RunId>,
     pub version: u64,
+    /// The host copy: tokenizer, chat template, configuration (and the CPU's weights).
     pub loaded: LoadedModel,
+    runner: Runner,
 }
 
 impl ServedModel {
+    /// A version ready to serve on `device` (for a GPU, its weights uploaded).
+    pub fn new(
+        run_id: Option<arl_schemas::RunId>,
+        version: u64,
+        loaded: LoadedModel,
+        device: &Device,
+    ) -> Result<Self, BackendError> {
+        let runner = device.prepare(&loaded)?;
+        Ok(Self {
+            run_id,
+            version,
+            loaded,
+            runner,
+        })
+    }
+
+    fn new_cache(&self) -> Cache {
+        self.runner.new_cache(&self.loaded.model)
+    }
+
+    fn truncate(&self, cache: &mut Cache, len: usize) {
+        self.runner.truncate(&self.loaded.model, cache, len);
+    }
+
     /// Whether this is `run`'s version `version` or a newer version of the same run.
     pub fn is_at_least(&self, run: &arl_schemas::RunId, version: u64) -> bool {
         self.run_id.as_ref() == Some(run) && self.version >= version
@@ -88,6 +116,8 @@ pub struct EngineConfig {
     /// Prompt tokens whose KV caches are kept for later requests that share a prefix with
     /// them (0 = off).
     pub prefix_cache_tokens: usize,
+    /// What runs the model; every version served is prepared for it.
+    pub device: Device,
 }
 
 impl Default for EngineConfig {
@@ -100,6 +130,7 @@ impl Default for EngineConfig {
             swap_policy: SwapPolicy::Finish,
             session_cache: 32,
             prefix_cache_tokens: 16_384,
+            device: Device::Cpu,
         }
     }
 }
@@ -231,6 +262,11 @@ impl EngineHandle {
         })
     }
 
+    /// What runs the model: versions to swap in are prepared for it.
+    pub fn device(&self) -> &Device {
+        &self.config.device
+    }
+
     /// The version new requests start on.
     pub fn current(&self) -> Option<Arc<ServedModel>> {
         self.current
@@ -288,7 +324,7 @@ struct Sequence {
     request: Arc<RequestShared>,
     choice: usize,
     model: Arc<ServedModel>,
-    cache: KvCache,
+    cache: Cache,
     /// Prompt, then generated tokens.
     tokens: Vec<u32>,
     /// Tokens already in the cache.
@@ -299,6 +335,8 @@ struct Sequence {
     rng: Rng,
     /// Choices still to fork from this one once its prompt is in the cache.
     forks: usize,
+    /// A forward pass failed on it: its cache is not to be kept.
+    failed: bool,
 }
 
 struct RequestShared {
@@ -438,7 +476,7 @@ impl Engine {
             .and_then(|session| self.sessions.take(session, model, &request.prompt));
         let (cache, cached) = from_session
             .or_else(|| self.prefixes.take(model, &request.prompt))
-            .unwrap_or_else(|| (KvCache::new(&model.loaded.model), 0));
+            .unwrap_or_else(|| (model.new_cache(), 0));
         let shared = Arc::new(RequestShared {
             params: request.params,
             session: request.session,
@@ -464,6 +502,7 @@ impl Engine {
             generated: 0,
             rng: Rng::new(base_seed),
             forks: slots - 1,
+            failed: false,
         });
     }
 
@@ -501,20 +540,22 @@ impl Engine {
                 continue;
             };
             let model = self.active[first].model.clone();
-            let mut inputs: Vec<SeqInput<'_>> = Vec::with_capacity(indices.len());
+            let mut batch = Vec::with_capacity(indices.len());
             for (i, seq) in self.active.iter_mut().enumerate() {
                 if let (Some(end), true) = (feed_to[i], seq.model.is(&policy)) {
                     let Sequence {
                         tokens, cache, fed, ..
                     } = seq;
-                    inputs.push(SeqInput {
-                        tokens: &tokens[*fed..end],
-                        cache,
-                    });
+                    batch.push((&tokens[*fed..end], cache));
                 }
             }
-            let outputs = model.loaded.model.forward(&mut inputs);
-            drop(inputs);
+            let outputs = match model.runner.forward(&model.loaded.model, batch) {
+                Ok(outputs) => outputs,
+                Err(error) => {
+                    self.abort_failed(&indices, &error);
+                    continue;
+                }
+            };
             for (i, out) in indices.into_iter().zip(outputs) {
                 let end = feed_to[i].unwrap_or(0);
                 let seq = &mut self.active[i];
@@ -554,6 +595,7 @@ impl Engine {
                             generated: 0,
                             rng: Rng::new(seq.request.base_seed.wrapping_add(choice as u64)),
                             forks: 0,
+                            failed: false,
                         },
                         l.clone(),
                     ));
@@ -634,10 +676,10 @@ impl Engine {
             if !keep
                 && seq.choice == 0
                 && seq.forks == 0
+                && !seq.failed
                 && let Some(session) = &seq.request.session
             {
-                let cache =
-                    std::mem::replace(&mut seq.cache, KvCache::new(&seq.model.loaded.model));
+                let cache = std::mem::replace(&mut seq.cache, seq.model.new_cache());
                 sessions.put(
                     session,
                     seq.model.policy(),
@@ -657,6 +699,28 @@ impl Engine {
             ms = started.elapsed().as_millis() as u64,
             "step"
         );
+    }
+}
+
+impl Engine {
+    /// A forward pass failed on the device (out of memory, a driver error): the requests
+    /// it ran are told why (an error the client sees, never a silent drop) and cancelled,
+    /// so their sequences leave the batch at the end of this step; their caches, which the
+    /// pass may have left half-written, are kept nowhere. The engine goes on with the rest.
+    fn abort_failed(&mut self, indices: &[usize], error: &BackendError) {
+        tracing::error!(%error, sequences = indices.len(), "forward pass failed");
+        let message = format!("the inference device failed: {error}; retry the request");
+        for &i in indices {
+            let seq = &mut self.active[i];
+            seq.failed = true;
+            let _ = seq.request.events.send(Event::Aborted {
+                message: message.clone(),
+            });
+            seq.request
+                .cancel
+                .iter()
+                .for_each(|c| c.store(true, Ordering::SeqCst));
+        }
     }
 }
 
@@ -745,7 +809,7 @@ struct PrefixCache {
 struct PrefixEntry {
     policy: Policy,
     tokens: Vec<u32>,
-    cache: KvCache,
+    cache: Cache,
     used: u64,
 }
 
@@ -786,18 +850,18 @@ impl PrefixCache {
     }
 
     /// A copy of the best entry's cache cut to the shared prefix, and its length.
-    fn take(&mut self, model: &ServedModel, prompt: &[u32]) -> Option<(KvCache, usize)> {
+    fn take(&mut self, model: &ServedModel, prompt: &[u32]) -> Option<(Cache, usize)> {
         let (i, shared) = self.best(&model.policy(), prompt)?;
         self.clock += 1;
         let entry = &mut self.entries[i];
         entry.used = self.clock;
         let mut cache = entry.cache.clone();
-        cache.truncate(&model.loaded.model, shared);
+        model.truncate(&mut cache, shared);
         Some((cache, shared))
     }
 
     /// Keeps a copy of a prompt's cache (or marks an equal entry as used).
-    fn put(&mut self, policy: Policy, tokens: &[u32], cache: &KvCache) {
+    fn put(&mut self, policy: Policy, tokens: &[u32], cache: &Cache) {
         if tokens.len() < MIN_SHARED || tokens.len() > self.token_budget {
             return;
         }
@@ -836,7 +900,7 @@ struct SessionCache {
 struct SessionEntry {
     policy: Policy,
     tokens: Vec<u32>,
-    cache: KvCache,
+    cache: Cache,
     used: u64,
 }
 
@@ -860,7 +924,7 @@ impl SessionCache {
         session: &str,
         model: &ServedModel,
         prompt: &[u32],
-    ) -> Option<(KvCache, usize)> {
+    ) -> Option<(Cache, usize)> {
         let entry = self.entries.remove(session)?;
         if !model.is(&entry.policy) {
             return None;
@@ -876,11 +940,11 @@ impl SessionCache {
             return None;
         }
         let mut cache = entry.cache;
-        cache.truncate(&model.loaded.model, shared);
+        model.truncate(&mut cache, shared);
         Some((cache, shared))
     }
 
-    fn put(&mut self, session: &str, policy: Policy, tokens: Vec<u32>, cache: KvCache) {
+    fn put(&mut self, session: &str, policy: Policy, tokens: Vec<u32>, cache: Cache) {
         if self.capacity == 0 || tokens.is_empty() {
             return;
         }

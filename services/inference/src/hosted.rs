@@ -9,6 +9,7 @@ use arl_runtime::host::{Context, Ops, Service, StartError};
 use arl_schemas::RunId;
 
 use crate::api::{self, AppState, InferenceMetrics};
+use crate::device::{Device, DeviceKind};
 use crate::engine::{EngineConfig, EngineHandle, ServedModel, SwapPolicy};
 
 /// `arl-inference`'s own flags (beside the common ones).
@@ -66,6 +67,13 @@ pub struct Args {
     /// affinity and cgroup quota).
     #[arg(long, env = "ARL_THREADS")]
     threads: Option<usize>,
+    /// What runs the model: the CPU, or a GPU (weights and KV caches in its memory;
+    /// sampling stays on the CPU).
+    #[arg(long, value_enum, env = "ARL_INFERENCE_DEVICE", default_value_t = DeviceKind::Cpu)]
+    device: DeviceKind,
+    /// The GPU to use with --device cuda (CUDA ordinal).
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
 }
 
 /// The inference service, for `arl_runtime::host`.
@@ -89,18 +97,20 @@ impl Service for Inference {
             .map(RunId::new)
             .transpose()
             .map_err(|e| format!("--run: {e}"))?;
+        let device = Device::open(args.device, args.gpu)
+            .map_err(|e| format!("--device {:?}: {e}", args.device))?;
+        tracing::info!(device = %device.name(), "model device opened");
         let base = args.model.as_deref().map(model_path_or_name);
         let initial = match &args.model {
             Some(name) => {
-                let path = model_path_or_name(name);
-                let loaded = tokio::task::spawn_blocking(move || LoadedModel::open(&path))
-                    .await?
-                    .map_err(|e| format!("loading {name}: {e}"))?;
-                Some(ServedModel {
-                    run_id: None,
-                    version: 0,
-                    loaded,
+                let (path, on) = (model_path_or_name(name), device.clone());
+                let served = tokio::task::spawn_blocking(move || {
+                    let loaded = LoadedModel::open(&path).map_err(|e| e.to_string())?;
+                    ServedModel::new(None, 0, loaded, &on).map_err(|e| e.to_string())
                 })
+                .await?
+                .map_err(|e| format!("loading {name}: {e}"))?;
+                Some(served)
             }
             None => None,
         };
@@ -112,6 +122,7 @@ impl Service for Inference {
             swap_policy: args.swap_policy,
             session_cache: args.session_cache,
             prefix_cache_tokens: args.prefix_cache_tokens,
+            device,
         };
         let engine = EngineHandle::start(config, initial)
             .map_err(|e| format!("starting the engine thread: {e}"))?;

@@ -1,7 +1,8 @@
 //! The embedded inference engine: an OpenAI-compatible server over the model core.
 //!
 //! - [`engine`]: continuous batching on one thread (chunked prefill, `n` forks, per-session
-//!   prefix cache, weight swaps between decode steps);
+//!   prefix cache, weight swaps between decode steps); [`device`]: where it runs the model
+//!   (the CPU's kernels or a GPU through the CUDA backend);
 //! - [`api`]: the HTTP routes; [`request`]: a request body to a job; [`generation`]: a job
 //!   run to its answer; [`stream`]: the streamed answer; [`protocol`]: request bodies,
 //!   errors, and the per-choice text state (stop strings, incremental detokenization,
@@ -11,6 +12,7 @@
 //!   [`metrics`]: vLLM's metric names, request timelines.
 
 pub mod api;
+pub mod device;
 pub mod engine;
 pub mod fetch;
 pub mod generation;

@@ -144,17 +144,15 @@ async fn serve(
     };
     let expected = event.sha256.clone();
     let version = event.policy_version;
-    let loaded = tokio::task::spawn_blocking(move || load_checked(&dir, &expected))
-        .await
-        .map_err(|e| HandlerError::retry(format!("loading version {version} panicked: {e}")))?
-        .map_err(HandlerError::retry)?;
-    engine
-        .swap(ServedModel {
-            run_id: Some(event.run_id.clone()),
-            version,
-            loaded,
-        })
-        .map_err(HandlerError::retry)?;
+    let (run, device) = (event.run_id.clone(), engine.device().clone());
+    let served = tokio::task::spawn_blocking(move || {
+        let loaded = load_checked(&dir, &expected)?;
+        ServedModel::new(Some(run), version, loaded, &device).map_err(WeightsError::Device)
+    })
+    .await
+    .map_err(|e| HandlerError::retry(format!("loading version {version} panicked: {e}")))?
+    .map_err(HandlerError::retry)?;
+    engine.swap(served).map_err(HandlerError::retry)?;
     tracing::info!(run = %event.run_id, policy_version = version, uri = %event.uri(), "serving new weights");
     if fetched {
         let (weights_dir, run) = (weights_dir.to_path_buf(), event.run_id.clone());
@@ -220,18 +218,15 @@ async fn on_run_end(
             "the run ended; serving another live run's newest version");
         return serve(bus, engine, weights_dir, &next).await;
     }
-    let path = base.to_path_buf();
-    let loaded = tokio::task::spawn_blocking(move || LoadedModel::open(&path))
-        .await
-        .map_err(|e| HandlerError::retry(format!("loading the base model panicked: {e}")))?
-        .map_err(|e| HandlerError::retry(format!("loading the base model: {e}")))?;
-    engine
-        .swap(ServedModel {
-            run_id: None,
-            version: 0,
-            loaded,
-        })
-        .map_err(HandlerError::retry)?;
+    let (path, device) = (base.to_path_buf(), engine.device().clone());
+    let served = tokio::task::spawn_blocking(move || {
+        let loaded = LoadedModel::open(&path).map_err(|e| e.to_string())?;
+        ServedModel::new(None, 0, loaded, &device).map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| HandlerError::retry(format!("loading the base model panicked: {e}")))?
+    .map_err(|e| HandlerError::retry(format!("loading the base model: {e}")))?;
+    engine.swap(served).map_err(HandlerError::retry)?;
     tracing::info!(run = %ended, "the run ended; serving the base model again");
     Ok(())
 }
@@ -261,6 +256,8 @@ pub enum WeightsError {
     },
     #[error(transparent)]
     Load(#[from] arl_model::load::LoadError),
+    #[error("putting the weights on the device: {0}")]
+    Device(arl_model::backend::BackendError),
 }
 
 /// `dir` with links and `..` resolved, when it lies inside `root`: an engine loads only

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use arl_inference::api::{self, AppState, InferenceMetrics};
+use arl_inference::device::Device;
 use arl_inference::engine::{EngineConfig, EngineHandle, ServedModel};
 use arl_model::config::ModelConfig;
 use arl_model::load::LoadedModel;
@@ -144,11 +145,7 @@ impl Server {
 
 /// The model the engine starts with (no run's weights).
 fn served(loaded: LoadedModel, version: u64) -> Option<ServedModel> {
-    Some(ServedModel {
-        run_id: None,
-        version,
-        loaded,
-    })
+    Some(ServedModel::new(None, version, loaded, &Device::Cpu).unwrap())
 }
 
 fn ids(value: &Value) -> Vec<u32> {
@@ -562,11 +559,9 @@ async fn bad_requests_get_openai_errors() {
     assert_eq!(status, 503, "{error}");
     empty
         .engine
-        .swap(ServedModel {
-            run_id: Some(RunId::new("run-a").unwrap()),
-            version: 3,
-            loaded: tiny(2),
-        })
+        .swap(
+            ServedModel::new(Some(RunId::new("run-a").unwrap()), 3, tiny(2), &Device::Cpu).unwrap(),
+        )
         .unwrap();
     let (status, body) = empty
         .post("/v1/completions", &json!({"prompt": [1, 2, 3]}))
@@ -1170,11 +1165,15 @@ async fn the_abort_policy_fails_in_flight_requests_clearly() {
         tokio::time::sleep(Duration::from_millis(300)).await;
         server
             .engine
-            .swap(ServedModel {
-                run_id: Some(RunId::new("run-a").unwrap()),
-                version: 5,
-                loaded: tiny(21),
-            })
+            .swap(
+                ServedModel::new(
+                    Some(RunId::new("run-a").unwrap()),
+                    5,
+                    tiny(21),
+                    &Device::Cpu,
+                )
+                .unwrap(),
+            )
             .unwrap();
     });
     let (status, error) = in_flight;

@@ -53,7 +53,7 @@ pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum CudaError {
     #[error(
-        "no CUDA driver: libcuda.so could not be loaded on this machine; install the NVIDIA driver, or use trainer.device = \"cpu\""
+        "no CUDA driver: libcuda.so could not be loaded on this machine; install the NVIDIA driver, or run on the CPU (trainer.device = \"cpu\"; arl-inference --device cpu)"
     )]
     NoDriver,
     #[error(
@@ -61,7 +61,7 @@ pub enum CudaError {
     )]
     MissingLibrary { library: &'static str },
     #[error(
-        "no CUDA GPU: the driver reports {found} device(s), device {ordinal} was asked for; use trainer.device = \"cpu\""
+        "no CUDA GPU: the driver reports {found} device(s), device {ordinal} was asked for; run on the CPU (trainer.device = \"cpu\"; arl-inference --device cpu) or name a GPU that exists"
     )]
     NoDevice { ordinal: usize, found: usize },
     #[error(
@@ -75,7 +75,7 @@ pub enum CudaError {
         minor: i32,
     },
     #[error(
-        "out of GPU memory: {what} needed {bytes} bytes more than were free; lower trainer.micro_batch_tokens or use a GPU with more memory"
+        "out of GPU memory: {what} needed {bytes} bytes more than were free; lower trainer.micro_batch_tokens (training) or --max-batch / --max-model-len (arl-inference), or use a GPU with more memory"
     )]
     OutOfMemory { what: &'static str, bytes: usize },
     #[error("NVRTC could not compile the kernels for {arch}: {log}")]

@@ -43,10 +43,25 @@ pub struct Cuda {
     device: Arc<Device>,
 }
 
-/// The block-format weights of the CPU's decode kernels have no GPU kernel: the CUDA
-/// backend answers `pack` with None and the model uses its f32 weights.
-#[derive(Clone, Copy, Debug)]
-pub enum NoPacked {}
+/// A linear layer's weights as bf16, converted once for a version being served
+/// ([`Backend::freeze`]): the products read them directly instead of converting the f32
+/// weights at every call (for a decode step, most of its memory traffic). The GGUF block
+/// formats have no GPU kernel: `pack` answers None and serving freezes the f32 weights.
+#[derive(Clone)]
+pub struct Bf16Matrix {
+    rows: usize,
+    cols: usize,
+    data: Arc<gemm::Bf16>,
+}
+
+impl std::fmt::Debug for Bf16Matrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bf16Matrix")
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .finish()
+    }
+}
 
 /// An f32 buffer on the GPU. `len` is its logical length; the allocation may be larger (KV
 /// caches grow by doubling). A buffer whose allocation failed has none and is never read:
@@ -482,7 +497,7 @@ fn per_tile(tiles: usize, heads: usize, rows: usize) -> LaunchConfig {
 
 impl Backend for Cuda {
     type Buf = GpuBuf;
-    type Packed = NoPacked;
+    type Packed = Bf16Matrix;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -531,8 +546,16 @@ impl Backend for Cuda {
         buf.len
     }
 
-    fn pack(&self, _host: &PackedMatrix) -> Option<NoPacked> {
+    fn pack(&self, _host: &PackedMatrix) -> Option<Bf16Matrix> {
         None
+    }
+
+    fn freeze(&self, w: &GpuBuf, rows: usize, cols: usize) -> Option<Bf16Matrix> {
+        Some(Bf16Matrix {
+            rows,
+            cols,
+            data: Arc::new(self.bf16(w, 0, rows * cols)),
+        })
     }
 
     fn append(&self, dst: &mut GpuBuf, src: &GpuBuf, range: Range<usize>) {
@@ -710,13 +733,19 @@ impl Backend for Cuda {
 
     fn matmul_packed(
         &self,
-        _out: &mut GpuBuf,
-        _x: &GpuBuf,
-        w: &NoPacked,
-        _bias: Option<&GpuBuf>,
-        _n: usize,
+        out: &mut GpuBuf,
+        x: &GpuBuf,
+        w: &Bf16Matrix,
+        bias: Option<&GpuBuf>,
+        n: usize,
     ) {
-        match *w {}
+        // The same product as `matmul_forward`, less the weights' conversion.
+        let x_bf = self.bf16(x, 0, n * w.cols);
+        self.gemm_bf16_forward(out.ptr(0), &x_bf, &w.data, n, w.cols, w.rows);
+        if let Some(bias) = bias {
+            let (op, bp, n32, o32) = (out.ptr(0), bias.ptr(0), n as i32, w.rows as i32);
+            self.launch("add_bias", elementwise(n * w.rows), args![op, bp, n32, o32]);
+        }
     }
 
     fn matmul_backward(

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use arl_model::backend::Backend;
-use arl_model::config::{Architecture, ModelConfig};
+use arl_model::config::ModelConfig;
 use arl_model::generate::Rng;
 use arl_model::model::Model;
 use arl_model::ops::Cpu;
@@ -72,31 +72,13 @@ struct Args {
     torch_script: PathBuf,
 }
 
-/// The config.json of Qwen2.5-0.5B or -1.5B (the -Instruct builds share it), with `layers`
-/// transformer layers when given.
+/// Qwen2.5-0.5B's or -1.5B's shapes, with `layers` transformer layers when given.
 fn qwen25(model: &str, layers: Option<usize>) -> Result<ModelConfig> {
-    let (hidden, intermediate, own_layers, heads, tied) = match model {
-        "qwen2.5-0.5b" => (896, 4864, 24, 14, true),
-        "qwen2.5-1.5b" => (1536, 8960, 28, 12, true),
-        other => {
-            return Err(format!(
-                "--model must be qwen2.5-0.5b or qwen2.5-1.5b, not {other:?}"
-            ));
-        }
-    };
+    let config = ModelConfig::qwen25(model)
+        .ok_or_else(|| format!("--model must be qwen2.5-0.5b or qwen2.5-1.5b, not {model:?}"))?;
     Ok(ModelConfig {
-        architecture: Architecture::Qwen2,
-        vocab_size: 151_936,
-        hidden_size: hidden,
-        intermediate_size: intermediate,
-        num_hidden_layers: layers.unwrap_or(own_layers),
-        num_attention_heads: heads,
-        num_key_value_heads: 2,
-        rms_norm_eps: 1e-6,
-        rope_theta: 1_000_000.0,
-        rope_scaling: None,
-        max_position_embeddings: 32_768,
-        tie_word_embeddings: tied,
+        num_hidden_layers: layers.unwrap_or(config.num_hidden_layers),
+        ..config
     })
 }
 

@@ -1,0 +1,313 @@
+//! `arl-bench-engine`: the batching engine itself (no HTTP) on the CPU or a GPU — decode
+//! tokens/s at several batch sizes, p50/p99 time per output token, prefill tokens/s — and,
+//! with `--torch-python`, Hugging Face `generate()` on the same device, shapes and batch
+//! sizes in the same run (scripts/bench_generate_torch.py), the figure to compare with.
+//!
+//! `--model smollm2` serves SmolLM2-135M's GGUF weights; `qwen2.5-0.5b` serves random
+//! weights of Qwen2.5-0.5B's shapes (nothing to download; the prompts are random token
+//! ids). Every request is greedy with no stop token, so each decodes exactly
+//! `--new-tokens`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use arl_inference::device::{Device, DeviceKind};
+use arl_inference::engine::{
+    EngineConfig, EngineHandle, Event, Request, SamplingParams, ServedModel,
+};
+use arl_model::config::ModelConfig;
+use arl_model::generate::Rng;
+use arl_model::load::LoadedModel;
+use arl_model::model::Model;
+use arl_model::tokenizer::Tokenizer;
+use arl_model::weights::Weights;
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(about = "Decode and prefill throughput of the inference engine, next to HF generate()")]
+struct Args {
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    device: DeviceKind,
+    /// GPU ordinal with --device cuda.
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
+    /// smollm2 (the GGUF `make models` installs) or qwen2.5-0.5b (random weights).
+    #[arg(long, default_value = "smollm2")]
+    model: String,
+    /// Sequences decoded together, one measurement each.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    batches: Vec<usize>,
+    #[arg(long, default_value_t = 32)]
+    prompt_len: usize,
+    #[arg(long, default_value_t = 128)]
+    new_tokens: usize,
+    /// Prefill: this many prompts of --prefill-len tokens at once, one token generated.
+    #[arg(long, default_value_t = 8)]
+    prefill_prompts: usize,
+    #[arg(long, default_value_t = 512)]
+    prefill_len: usize,
+    /// A Python with torch and transformers: also time HF generate() in this run.
+    #[arg(long)]
+    torch_python: Option<PathBuf>,
+    #[arg(long, default_value = "scripts/bench_generate_torch.py")]
+    torch_script: PathBuf,
+}
+
+type Result<T> = std::result::Result<T, String>;
+
+fn model_dir() -> PathBuf {
+    std::env::var_os("ARL_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/arl/models")
+        })
+}
+
+/// The model to serve: SmolLM2's own weights, or random ones of Qwen2.5's shapes (with a
+/// one-token tokenizer: the engine reads token ids, and nothing here is text).
+fn load(name: &str) -> Result<LoadedModel> {
+    if name == "smollm2" {
+        let path = model_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+        return LoadedModel::open(&path)
+            .map_err(|e| format!("{} (run `make models`): {e}", path.display()));
+    }
+    let config = ModelConfig::qwen25(name).ok_or_else(|| {
+        format!("--model must be smollm2, qwen2.5-0.5b or qwen2.5-1.5b, not {name:?}")
+    })?;
+    let tokenizer = Tokenizer::from_json(
+        r#"{"version":"1.0","model":{"type":"WordLevel","vocab":{"<unk>":0},"unk_token":"<unk>"}}"#,
+    )
+    .map_err(|e| e.to_string())?;
+    Ok(LoadedModel {
+        model: Model::new(config.clone(), Weights::random(&config, 7, 0.02)),
+        tokenizer,
+        chat_template: None,
+        source: format!("random {name} weights"),
+        format: "random",
+        chat_template_source: None,
+    })
+}
+
+/// One measurement: `prompts` submitted at once, each greedy for `tokens` tokens.
+struct Run {
+    /// Seconds from submission to the last token.
+    total_s: f64,
+    /// Tokens generated after each sequence's first, over the time from the last first
+    /// token to the last token: the steady decode rate of the whole batch.
+    decode_tok_s: f64,
+    /// Time between consecutive tokens of a sequence, over all sequences (seconds).
+    per_token: Vec<f64>,
+}
+
+fn run(engine: &EngineHandle, prompts: &[Vec<u32>], tokens: usize) -> Result<Run> {
+    let started = Instant::now();
+    let mut receivers = Vec::new();
+    for prompt in prompts {
+        let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
+        engine
+            .submit(Request {
+                prompt: prompt.clone(),
+                n: 1,
+                params: SamplingParams {
+                    temperature: 0.0,
+                    top_p: 1.0,
+                    top_k: 0,
+                    seed: Some(1),
+                    max_tokens: tokens,
+                    stop_ids: Vec::new(),
+                    top_logprobs: 0,
+                },
+                session: None,
+                events,
+                cancel: vec![Arc::new(AtomicBool::new(false))],
+            })
+            .map_err(|e| e.to_string())?;
+        receivers.push(receiver);
+    }
+    // A thread per request stamps each token as it arrives (read one after another, later
+    // requests' tokens would be stamped when read, not when sent).
+    let stamped: Vec<Result<Vec<f64>>> = std::thread::scope(|scope| {
+        let readers: Vec<_> = receivers
+            .into_iter()
+            .map(|mut receiver| {
+                scope.spawn(move || {
+                    let mut times = Vec::new();
+                    loop {
+                        match receiver.blocking_recv() {
+                            Some(Event::Token { .. }) => {
+                                times.push(started.elapsed().as_secs_f64())
+                            }
+                            Some(Event::Finished { .. }) => return Ok(times),
+                            Some(Event::Aborted { message }) => {
+                                return Err(format!("aborted: {message}"));
+                            }
+                            Some(Event::Started { .. }) => {}
+                            None => return Err("the engine stopped".to_owned()),
+                        }
+                    }
+                })
+            })
+            .collect();
+        readers
+            .into_iter()
+            .map(|r| r.join().unwrap_or_else(|_| Err("a reader panicked".into())))
+            .collect()
+    });
+    let (mut firsts, mut lasts, mut per_token, mut after_first) =
+        (Vec::new(), Vec::new(), Vec::new(), 0);
+    for times in stamped {
+        let times = times?;
+        let (Some(&first), Some(&last)) = (times.first(), times.last()) else {
+            return Err("a request finished without a token".into());
+        };
+        per_token.extend(times.windows(2).map(|w| w[1] - w[0]));
+        after_first += times.len() - 1;
+        firsts.push(first);
+        lasts.push(last);
+    }
+    let last = lasts.iter().copied().fold(0.0, f64::max);
+    let decode_from = firsts.iter().copied().fold(0.0, f64::max);
+    Ok(Run {
+        total_s: last,
+        decode_tok_s: after_first as f64 / (last - decode_from).max(1e-9),
+        per_token,
+    })
+}
+
+fn percentile(values: &mut [f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    values.sort_by(f64::total_cmp);
+    values[((values.len() - 1) as f64 * p).round() as usize]
+}
+
+fn random_prompts(count: usize, len: usize, vocab: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = Rng::new(seed);
+    // Ids the tokenizer and every model here know (SmolLM2's vocabulary is the smallest).
+    let ids = vocab.min(49_152) as f32;
+    (0..count)
+        .map(|_| {
+            (0..len)
+                .map(|_| (rng.next_f32() * (ids - 1.0)) as u32)
+                .collect()
+        })
+        .collect()
+}
+
+/// HF generate() rows from the script: (batch, decode tok/s, per-token ms).
+fn torch_rows(args: &Args, python: &PathBuf) -> Result<Vec<serde_json::Value>> {
+    let batches: Vec<String> = args.batches.iter().map(ToString::to_string).collect();
+    let output = std::process::Command::new(python)
+        .arg(&args.torch_script)
+        .args(["--model", &args.model, "--prompt-len"])
+        .arg(args.prompt_len.to_string())
+        .arg("--new-tokens")
+        .arg(args.new_tokens.to_string())
+        .arg("--batches")
+        .arg(batches.join(","))
+        .output()
+        .map_err(|e| format!("{}: {e}", python.display()))?;
+    if !output.status.success() {
+        return Err(format!(
+            "{} failed: {}",
+            args.torch_script.display(),
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).map_err(|e| format!("{l}: {e}")))
+        .collect()
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    arl_model::ops::retain_freed_memory();
+    let device = Device::open(args.device, args.gpu).map_err(|e| format!("--device: {e}"))?;
+    let started = Instant::now();
+    let loaded = load(&args.model)?;
+    let vocab = loaded.model.config.vocab_size;
+    let served = ServedModel::new(None, 0, loaded, &device).map_err(|e| e.to_string())?;
+    eprintln!(
+        "{} on {} ready in {:.1} s",
+        args.model,
+        device.name(),
+        started.elapsed().as_secs_f64()
+    );
+    let widest = args
+        .batches
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(1)
+        .max(args.prefill_prompts);
+    let engine = EngineHandle::start(
+        EngineConfig {
+            max_batch: widest,
+            queue_limit: widest,
+            // A whole batch's prompts in one step: decode is what is measured.
+            prefill_chunk: widest * args.prompt_len.max(args.prefill_len),
+            max_model_len: args.prefill_len.max(args.prompt_len + args.new_tokens) + 1,
+            prefix_cache_tokens: 0,
+            device: device.clone(),
+            ..EngineConfig::default()
+        },
+        Some(served),
+    )
+    .map_err(|e| e.to_string())?;
+
+    // Warm-up (kernel compilation, allocator pools).
+    run(&engine, &random_prompts(2, args.prompt_len, vocab, 1), 4)?;
+
+    let prefill_prompts = random_prompts(args.prefill_prompts, args.prefill_len, vocab, 2);
+    let prefill = run(&engine, &prefill_prompts, 1)?;
+    let prefill_tok_s = (args.prefill_prompts * args.prefill_len) as f64 / prefill.total_s;
+
+    let mut rows = Vec::new();
+    for (i, &batch) in args.batches.iter().enumerate() {
+        let prompts = random_prompts(batch, args.prompt_len, vocab, 10 + i as u64);
+        let mut measured = run(&engine, &prompts, args.new_tokens)?;
+        let p50 = percentile(&mut measured.per_token, 0.5) * 1e3;
+        let p99 = percentile(&mut measured.per_token, 0.99) * 1e3;
+        rows.push((batch, measured.decode_tok_s, p50, p99));
+    }
+    let torch = match &args.torch_python {
+        Some(python) => torch_rows(&args, python)?,
+        None => Vec::new(),
+    };
+
+    println!(
+        "\narl-bench-engine: {} on {}, {}-token prompts, {} new tokens, greedy",
+        args.model,
+        device.name(),
+        args.prompt_len,
+        args.new_tokens
+    );
+    println!(
+        "prefill: {:.0} tok/s ({} prompts of {} tokens at once)",
+        prefill_tok_s, args.prefill_prompts, args.prefill_len
+    );
+    println!(
+        "{:>6} {:>14} {:>18} {:>16} {:>8}",
+        "batch", "ARL tok/s", "ARL ms/token p50/p99", "HF generate tok/s", "ratio"
+    );
+    for (batch, tok_s, p50, p99) in rows {
+        let hf = torch
+            .iter()
+            .find(|r| r["batch"].as_u64() == Some(batch as u64))
+            .and_then(|r| r["tok_s"].as_f64());
+        let (hf_text, ratio) = match hf {
+            Some(hf) => (format!("{hf:.0}"), format!("{:.2}x", tok_s / hf)),
+            None => ("-".into(), "-".into()),
+        };
+        println!(
+            "{batch:>6} {tok_s:>14.0} {:>10.2}/{:<7.2} {hf_text:>16} {ratio:>8}",
+            p50, p99
+        );
+    }
+    Ok(())
+}

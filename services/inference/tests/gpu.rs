@@ -1,0 +1,155 @@
+//! The engine on a GPU (`--device cuda`) serves what the CPU engine serves: SmolLM2's greedy
+//! continuations of a batch of prompts agree token for token until the first near-tie, and
+//! their log-probabilities to the accuracy of bf16 products.
+//!
+//! Without a usable GPU the test prints why and passes (CI has none); with
+//! `ARL_REQUIRE_GPU=1` (the device run in the README) a missing GPU fails it.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use arl_inference::device::Device;
+use arl_inference::engine::{
+    EngineConfig, EngineHandle, Event, Request, Sampled, SamplingParams, ServedModel,
+};
+use arl_model::load::LoadedModel;
+
+fn smollm2() -> PathBuf {
+    std::env::var_os("ARL_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/arl/models")
+        })
+        .join("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+fn engine(device: &Device, max_batch: usize) -> EngineHandle {
+    let loaded = LoadedModel::open(&smollm2()).expect("SmolLM2: run `make models`");
+    let served = ServedModel::new(None, 0, loaded, device).unwrap();
+    let config = EngineConfig {
+        max_batch,
+        device: device.clone(),
+        ..EngineConfig::default()
+    };
+    EngineHandle::start(config, Some(served)).unwrap()
+}
+
+/// Greedy continuations of every prompt, submitted at once (they decode as one batch),
+/// with each position's two likeliest tokens.
+fn continue_greedily(
+    engine: &EngineHandle,
+    prompts: &[Vec<u32>],
+    tokens: usize,
+) -> Vec<Vec<Sampled>> {
+    let receivers: Vec<_> = prompts
+        .iter()
+        .map(|prompt| {
+            let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
+            engine
+                .submit(Request {
+                    prompt: prompt.clone(),
+                    n: 1,
+                    params: SamplingParams {
+                        temperature: 0.0,
+                        top_p: 1.0,
+                        top_k: 0,
+                        seed: Some(1),
+                        max_tokens: tokens,
+                        stop_ids: Vec::new(),
+                        top_logprobs: 2,
+                    },
+                    session: None,
+                    events,
+                    cancel: vec![Arc::new(AtomicBool::new(false))],
+                })
+                .unwrap();
+            receiver
+        })
+        .collect();
+    receivers
+        .into_iter()
+        .map(|mut receiver| {
+            let mut sampled = Vec::new();
+            loop {
+                match receiver.blocking_recv().expect("the engine stopped") {
+                    Event::Token { token, .. } => sampled.push(token),
+                    Event::Finished { .. } => return sampled,
+                    Event::Aborted { message } => panic!("aborted: {message}"),
+                    Event::Started { .. } => {}
+                }
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn the_gpu_engine_continues_as_the_cpu_engine_does() {
+    let Some(gpu) =
+        arl_model::cuda::for_tests("the_gpu_engine_continues_as_the_cpu_engine_does").unwrap()
+    else {
+        return;
+    };
+    let loaded = LoadedModel::open(&smollm2()).expect("SmolLM2: run `make models`");
+    let template = loaded.chat_template.as_ref().unwrap();
+    let prompts: Vec<Vec<u32>> = [
+        "What is 17 + 25? Answer with the number.",
+        "Name three primary colors.",
+        "Write a Python function that returns the square of a number.",
+        "What is the capital of France?",
+        "Explain in one sentence what a compiler does.",
+        "Tom has 3 boxes of 12 pencils. How many pencils does he have?",
+    ]
+    .iter()
+    .map(|question| {
+        let text = template
+            .render(
+                &[arl_model::chat::ChatMessage::new("user", *question)],
+                None,
+                true,
+            )
+            .unwrap();
+        loaded.tokenizer.encode(&text).unwrap()
+    })
+    .collect();
+    let tokens = 40;
+    let on_cpu = continue_greedily(&engine(&Device::Cpu, 8), &prompts, tokens);
+    let on_gpu = continue_greedily(&engine(&Device::Cuda(gpu), 8), &prompts, tokens);
+
+    // Token for token until the CPU's two likeliest tokens are within 0.1 nats (there a
+    // bf16 product may rightly pick the other), log-probabilities as bf16 products allow.
+    let (mut compared, mut total_delta, mut worst) = (0usize, 0f32, 0f32);
+    for (p, (cpu, gpu)) in on_cpu.iter().zip(&on_gpu).enumerate() {
+        assert_eq!(
+            gpu.len(),
+            tokens,
+            "prompt {p}: the GPU engine stopped early"
+        );
+        for (i, (c, g)) in cpu.iter().zip(gpu).enumerate() {
+            if c.top[0].1 - c.top[1].1 < 0.1 {
+                eprintln!("prompt {p}: near-tie at token {i}, compared up to it");
+                break;
+            }
+            assert_eq!(
+                g.id, c.id,
+                "prompt {p} token {i}: GPU {} vs CPU {}",
+                g.id, c.id
+            );
+            let delta = (g.logprob - c.logprob).abs();
+            total_delta += delta;
+            worst = worst.max(delta);
+            compared += 1;
+        }
+    }
+    let mean = total_delta / compared.max(1) as f32;
+    eprintln!(
+        "GPU engine vs CPU engine: {compared} of {} greedy tokens compared, equal; log-probability |Δ| mean {mean:.4}, max {worst:.4}",
+        prompts.len() * tokens
+    );
+    assert!(compared >= 60, "only {compared} tokens before near-ties");
+    assert!(
+        mean < 0.05 && worst < 0.5,
+        "log-probabilities: mean {mean}, max {worst}"
+    );
+}
