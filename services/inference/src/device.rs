@@ -57,7 +57,7 @@ impl Device {
                 let mut model = loaded.model.to_backend(gpu.clone());
                 model.freeze();
                 model.backend.check()?;
-                Ok(Runner::Cuda(model))
+                Ok(Runner::Cuda(Box::new(model)))
             }
         }
     }
@@ -68,7 +68,7 @@ impl Device {
 pub enum Runner {
     /// The loaded (host) model itself.
     Cpu,
-    Cuda(Model<Cuda>),
+    Cuda(Box<Model<Cuda>>),
 }
 
 /// A sequence's KV cache, on the device of the version that filled it.

@@ -105,7 +105,7 @@ fn the_gpu_engine_continues_as_the_cpu_engine_does() {
     .map(|question| {
         let text = template
             .render(
-                &[arl_model::chat::ChatMessage::new("user", *question)],
+                &[arl_model::chat::ChatMessage::new("user", question)],
                 None,
                 true,
             )
