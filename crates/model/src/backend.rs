@@ -110,6 +110,14 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
     }
     /// dst grows by src[range] (KV caches).
     fn append(&self, dst: &mut Self::Buf, src: &Self::Buf, range: Range<usize>);
+    /// Every (dst, range) of `appends` grows by src[range]: a step's new keys (or values)
+    /// into each sequence's cache. By default one `append` each; a device backend may copy
+    /// them all in one launch.
+    fn append_each(&self, appends: &mut [(&mut Self::Buf, Range<usize>)], src: &Self::Buf) {
+        for (dst, range) in appends {
+            self.append(dst, src, range.clone());
+        }
+    }
     fn truncate(&self, buf: &mut Self::Buf, len: usize);
     /// out row r = x row rows[r]; rows of c elements. Overwrites.
     fn gather_rows(&self, out: &mut Self::Buf, x: &Self::Buf, rows: &[usize], c: usize);

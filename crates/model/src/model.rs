@@ -326,12 +326,16 @@ impl<B: Backend> Model<B> {
 
             // Append to each sequence's cache, then attend over it.
             let mut offset = 0;
+            let (mut k_appends, mut v_appends) = (Vec::new(), Vec::new());
             for seq in inputs.iter_mut() {
                 let rows = offset * kv..(offset + seq.tokens.len()) * kv;
-                be.append(&mut seq.cache.k[l], &k, rows.clone());
-                be.append(&mut seq.cache.v[l], &v, rows);
+                k_appends.push((&mut seq.cache.k[l], rows.clone()));
+                v_appends.push((&mut seq.cache.v[l], rows));
                 offset += seq.tokens.len();
             }
+            be.append_each(&mut k_appends, &k);
+            be.append_each(&mut v_appends, &v);
+            drop((k_appends, v_appends));
             let mut offset = 0;
             let seqs: Vec<CachedSeq<'_, B::Buf>> = inputs
                 .iter()

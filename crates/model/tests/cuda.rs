@@ -621,6 +621,42 @@ fn tiny_models_agree_in_logprobs_and_gradients() {
                 1e-5,
                 0.0,
             );
+
+            // Sequences of different lengths prefilled, then decoded, together (every
+            // cache append and every row's attention in one launch each) give each one's
+            // logits alone.
+            let mut caches: Vec<KvCache<Cuda>> =
+                sequences.iter().map(|_| KvCache::new(&frozen)).collect();
+            let mut together = Vec::new();
+            for step in [None, Some(9u32)] {
+                let tokens: Vec<Vec<u32>> = sequences
+                    .iter()
+                    .map(|s| step.map_or(s.to_vec(), |t| vec![t]))
+                    .collect();
+                let mut inputs: Vec<SeqInput<'_, Cuda>> = caches
+                    .iter_mut()
+                    .zip(&tokens)
+                    .map(|(cache, tokens)| SeqInput { tokens, cache })
+                    .collect();
+                together.push(frozen.forward(&mut inputs));
+            }
+            for (i, sequence) in sequences.iter().enumerate() {
+                let mut cache = KvCache::new(&frozen);
+                for (step, tokens) in [sequence.to_vec(), vec![9]].iter().enumerate() {
+                    let alone = frozen.forward(&mut [SeqInput {
+                        tokens,
+                        cache: &mut cache,
+                    }]);
+                    assert_close(
+                        &format!("{what} sequence {i} step {step}, batched vs alone"),
+                        &together[step][i],
+                        &alone[0],
+                        1e-3,
+                        0.0,
+                    );
+                }
+            }
+            frozen.backend.check().unwrap();
         }
     }
 }

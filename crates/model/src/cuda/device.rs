@@ -42,6 +42,8 @@ const KERNEL_NAMES: &[&str] = &[
     "flash_backward_dq_128",
     "flash_backward_dkv_128",
     "attention_cached",
+    "attention_cached_rows",
+    "copy_ranges",
     "head_stats",
     "head_dlogits",
     "adamw",

@@ -793,6 +793,61 @@ extern "C" __global__ void __launch_bounds__(64) flash_backward_dkv_128(float* d
     flash_backward_dkv<128, 2, 32>(dk, dv, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
+// Every query row of a decode step over its own sequence's cache, in one launch: row r's
+// cache is (k, v) = (table[3r], table[3r+1]) as device addresses of (len, nkv, hd) buffers,
+// of which it sees the first table[3r+2] positions. One block per (row, head); the online
+// max and sum of attention_forward, then p_j = exp(s_j − lse) a tile of keys at a time.
+extern "C" __global__ void attention_cached_rows(float* out, const float* q, const long long* table,
+                                                 int heads, int kv_heads, int hd) {
+    __shared__ float shared[32];
+    __shared__ float pc[TILE];
+    int row = blockIdx.x, h = blockIdx.y;
+    const float* k = (const float*)table[3 * row];
+    const float* v = (const float*)table[3 * row + 1];
+    int visible = (int)table[3 * row + 2];
+    int kvh = h / (heads / kv_heads);
+    float scale = 1.0f / sqrtf((float)hd);
+    const float* qi = q + ((long long)row * heads + h) * hd;
+    float m = NEG_INF, l = 0.f;
+    for (int j = threadIdx.x; j < visible; j += blockDim.x) {
+        float s = score(qi, k + ((long long)j * kv_heads + kvh) * hd, hd, scale);
+        float m_new = fmaxf(m, s);
+        l = l * expf(m - m_new) + expf(s - m_new);
+        m = m_new;
+    }
+    float row_max = block_max(m, shared);
+    float total = block_sum(m == NEG_INF ? 0.f : l * expf(m - row_max), shared);
+    float row_lse = row_max + logf(total);
+    float* oi = out + ((long long)row * heads + h) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) oi[d] = 0.f;
+    for (int j0 = 0; j0 < visible; j0 += TILE) {
+        int j1 = min(visible, j0 + TILE);
+        __syncthreads();
+        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+            pc[j - j0] = expf(score(qi, k + ((long long)j * kv_heads + kvh) * hd, hd, scale) - row_lse);
+        }
+        __syncthreads();
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float acc = 0.f;
+            for (int j = j0; j < j1; j++) acc += pc[j - j0] * v[((long long)j * kv_heads + kvh) * hd + d];
+            oi[d] += acc;
+        }
+    }
+}
+
+// Copies of many ranges in one launch (a decode step's new keys or values into every
+// sequence's cache): copy c = blockIdx.y writes table[3c+2] floats from src + table[3c+1]
+// to the device address table[3c].
+extern "C" __global__ void copy_ranges(const float* src, const long long* table) {
+    long long c = blockIdx.y;
+    float* dst = (float*)table[3 * c];
+    const float* from = src + table[3 * c + 1];
+    long long count = table[3 * c + 2];
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x) {
+        dst[i] = from[i];
+    }
+}
+
 // Query rows (t of them, at positions start..) over a cache of start + t keys. One block per
 // (new row, head); scores go to a scratch row of length start + t. q, out: (t, nh, hd) at
 // the given row offset; k, v: (len, nkv, hd).

@@ -28,7 +28,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 pub use device::{CudaError, Device, DeviceInfo, MIN_COMPUTE_CAPABILITY, devices};
 
-use crate::backend::{AdamStep, Backend, Product, ProductGrad, Span};
+use crate::backend::{AdamStep, Backend, CachedSeq, Product, ProductGrad, Span};
 use crate::ops::PackedMatrix;
 
 const BLOCK: u32 = 256;
@@ -571,6 +571,41 @@ impl Backend for Cuda {
         dst.len = new_len;
     }
 
+    fn append_each(&self, appends: &mut [(&mut GpuBuf, Range<usize>)], src: &GpuBuf) {
+        // Room first (a cache that must grow is copied into a buffer twice its size), then
+        // every range in one launch: per sequence and layer a copy of its own would make a
+        // decode step's cost grow with the batch in launches, not in bytes.
+        let mut table: Vec<i64> = Vec::with_capacity(3 * appends.len());
+        let mut longest = 0;
+        for (dst, range) in appends.iter_mut() {
+            let (old, added) = (dst.len, range.len());
+            if added == 0 {
+                continue;
+            }
+            let new_len = old + added;
+            if new_len > dst.capacity() {
+                let mut grown = self.alloc(new_len.max(2 * dst.capacity()), "growing a KV cache");
+                self.copy_within(&mut grown, 0, dst, 0, old);
+                **dst = grown;
+            }
+            dst.len = new_len;
+            table.extend([dst.ptr(old) as i64, range.start as i64, added as i64]);
+            longest = longest.max(added);
+        }
+        let copies = table.len() / 3;
+        let Some(table) = self.upload_any(&table) else {
+            return;
+        };
+        let blocks = longest.div_ceil(BLOCK as usize).min(64) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, copies as u32, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let sp = src.ptr(0);
+        self.launch("copy_ranges", cfg, args![sp, table]);
+    }
+
     fn truncate(&self, buf: &mut GpuBuf, len: usize) {
         buf.len = buf.len.min(len);
     }
@@ -967,6 +1002,50 @@ impl Backend for Cuda {
             "attention_backward_dkv",
             per_row_head(n, kv_heads),
             args![dkp, dvp, dp, lp, qp, kp, vp, dotp, table, h, kvh, hd32],
+        );
+    }
+
+    fn attention_cached_batch(
+        &self,
+        out: &mut GpuBuf,
+        q: &GpuBuf,
+        seqs: &[CachedSeq<'_, GpuBuf>],
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    ) {
+        // One launch for every query row of every sequence, each row told its own cache
+        // and how much of it it sees; rows must be the batch's, in order, from row 0.
+        let mut table: Vec<i64> = Vec::new();
+        for s in seqs {
+            if s.rows.start != table.len() / 3 {
+                // Not one run of rows from 0 (no caller does this): one launch per sequence.
+                for s in seqs {
+                    let rows = s.rows.clone();
+                    self.attention_cached(out, q, rows, s.k, s.v, s.start, heads, kv_heads, hd);
+                }
+                return;
+            }
+            let (k, v) = (s.k.ptr(0) as i64, s.v.ptr(0) as i64);
+            for r in 0..s.rows.len() {
+                table.extend([k, v, (s.start + r + 1) as i64]);
+            }
+        }
+        let rows = table.len() / 3;
+        let Some(table) = self.upload_any(&table) else {
+            return;
+        };
+        let (o, qp, h, kvh, hd32) = (
+            out.ptr(0),
+            q.ptr(0),
+            heads as i32,
+            kv_heads as i32,
+            hd as i32,
+        );
+        self.launch(
+            "attention_cached_rows",
+            per_row_head(rows, heads),
+            args![o, qp, table, h, kvh, hd32],
         );
     }
 
