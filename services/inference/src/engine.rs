@@ -191,8 +191,28 @@ pub enum Event {
         reason: FinishReason,
     },
     Aborted {
+        reason: AbortReason,
         message: String,
     },
+}
+
+/// Why the engine gave a request up before it finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AbortReason {
+    /// New weights arrived mid-request under `--swap-policy abort`.
+    WeightsChanged,
+    /// The device failed the forward pass (out of GPU memory, a driver error).
+    DeviceFailed,
+}
+
+impl AbortReason {
+    /// The error code clients see (with a 503: retrying later may succeed).
+    pub fn code(self) -> &'static str {
+        match self {
+            AbortReason::WeightsChanged => "weights_changed",
+            AbortReason::DeviceFailed => "device_failed",
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -406,6 +426,7 @@ impl Engine {
                     );
                     for seq in self.active.drain(..) {
                         let _ = seq.request.events.send(Event::Aborted {
+                            reason: AbortReason::WeightsChanged,
                             message: message.clone(),
                         });
                     }
@@ -714,6 +735,7 @@ impl Engine {
             let seq = &mut self.active[i];
             seq.failed = true;
             let _ = seq.request.events.send(Event::Aborted {
+                reason: AbortReason::DeviceFailed,
                 message: message.clone(),
             });
             seq.request

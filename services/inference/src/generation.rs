@@ -142,8 +142,8 @@ pub(crate) async fn run(
             generation.timeline.admitted(Instant::now());
             state.metrics.prompt(generation.prompt.len(), cached_tokens);
         }
-        Some(Event::Aborted { message }) => return Err(aborted(message)),
-        _ => return Err(aborted("the engine dropped the request".into())),
+        Some(Event::Aborted { reason, message }) => return Err(aborted(reason.code(), message)),
+        _ => return Err(engine_dropped()),
     }
     if job.stream {
         Ok(stream_response(
@@ -157,13 +157,19 @@ pub(crate) async fn run(
     }
 }
 
-pub(crate) fn aborted(message: String) -> ApiError {
+/// The engine's side of a request went away without an answer (the engine stopped).
+pub(crate) fn engine_dropped() -> ApiError {
+    aborted("engine_stopped", "the engine dropped the request".into())
+}
+
+/// A request the engine gave up (see [`crate::engine::AbortReason`]): 503 with `code`.
+pub(crate) fn aborted(code: &'static str, message: String) -> ApiError {
     ApiError::new(
         axum::http::StatusCode::SERVICE_UNAVAILABLE,
         "service_unavailable",
         message,
     )
-    .with_code("weights_changed")
+    .with_code(code)
 }
 
 impl Generation {
@@ -194,7 +200,7 @@ impl Generation {
                 };
                 Ok(Some((choice, None, c.end(reason))))
             }
-            Event::Aborted { message } => Err(aborted(message)),
+            Event::Aborted { reason, message } => Err(aborted(reason.code(), message)),
             Event::Started { .. } => Ok(None),
         }
     }
@@ -318,7 +324,7 @@ pub(crate) async fn collect(state: &AppState, mut g: Generation) -> Result<Value
     let mut shown: Vec<String> = vec![String::new(); g.choices.len()];
     while !g.all_finished() {
         let Some(event) = g.events.recv().await else {
-            return Err(aborted("the engine dropped the request".into()));
+            return Err(engine_dropped());
         };
         if let Some((choice, _, delta)) = g.apply(event)? {
             shown[choice].push_str(&delta.text);

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use crate::api::AppState;
 use crate::engine::Sampled;
-use crate::generation::{Generation, aborted};
+use crate::generation::{Generation, engine_dropped};
 use crate::protocol::{Delta, finish_name};
 use crate::request::Endpoint;
 
@@ -55,7 +55,7 @@ pub(crate) fn stream_response(state: AppState, g: Generation, include_usage: boo
                 continue;
             }
             let Some(event) = s.g.events.recv().await else {
-                let error = aborted("the engine dropped the request".into());
+                let error = engine_dropped();
                 s.pending
                     .push_back(SseEvent::default().data(error.body().to_string()));
                 s.done = true;

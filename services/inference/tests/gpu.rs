@@ -76,7 +76,7 @@ fn continue_greedily(
                 match receiver.blocking_recv().expect("the engine stopped") {
                     Event::Token { token, .. } => sampled.push(token),
                     Event::Finished { .. } => return sampled,
-                    Event::Aborted { message } => panic!("aborted: {message}"),
+                    Event::Aborted { message, .. } => panic!("aborted: {message}"),
                     Event::Started { .. } => {}
                 }
             }

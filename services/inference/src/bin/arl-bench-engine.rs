@@ -140,7 +140,7 @@ fn run(engine: &EngineHandle, prompts: &[Vec<u32>], tokens: usize) -> Result<Run
                                 times.push(started.elapsed().as_secs_f64())
                             }
                             Some(Event::Finished { .. }) => return Ok(times),
-                            Some(Event::Aborted { message }) => {
+                            Some(Event::Aborted { message, .. }) => {
                                 return Err(format!("aborted: {message}"));
                             }
                             Some(Event::Started { .. }) => {}
