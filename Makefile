@@ -280,9 +280,10 @@ image: image-deps
 bench: deps models loadtest
 	cargo build --release --quiet -p arl-sandbox -p arl-proxy --bins
 	cargo build --release --quiet -p arl-loadtest --bins
-	cargo build --release --quiet -p arl-trainer --bin arl-bench-train
+	cargo build --release --quiet -p arl-trainer --bin arl-bench-train -p arl-inference --bin arl-bench-engine
 	$(CARGO_TARGET_DIR)/release/arl-bench-model
 	$(CARGO_TARGET_DIR)/release/arl-bench-inference
+	$(CARGO_TARGET_DIR)/release/arl-bench-engine --device cpu --batches 1,4,16 --new-tokens 48 --prefill-prompts 2 --prefill-len 256
 	$(CARGO_TARGET_DIR)/release/arl-bench-proxy
 	$(CARGO_TARGET_DIR)/release/arl-bench-rollout
 	$(CARGO_TARGET_DIR)/release/arl-bench-images
