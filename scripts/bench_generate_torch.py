@@ -13,7 +13,9 @@ import json
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
+
+from bench_train_torch import config as qwen25_config
 
 
 def model(name):
@@ -31,21 +33,9 @@ def model(name):
             tie_word_embeddings=True,
         )
         return LlamaForCausalLM(config)
-    shapes = {"qwen2.5-0.5b": (896, 4864, 24, 14), "qwen2.5-1.5b": (1536, 8960, 28, 12)}
-    hidden, intermediate, layers, heads = shapes[name]
-    config = Qwen2Config(
-        vocab_size=151936,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=True,
-    )
-    return Qwen2ForCausalLM(config)
+    # Qwen2.5's config as the training benchmark builds it, with the model's own depth.
+    layers = {"qwen2.5-0.5b": 24, "qwen2.5-1.5b": 28}[name]
+    return Qwen2ForCausalLM(qwen25_config(name, layers))
 
 
 def main():

@@ -148,6 +148,22 @@ pub struct SamplingParams {
     pub top_logprobs: usize,
 }
 
+impl SamplingParams {
+    /// Greedy with no stop token, so a choice decodes exactly `max_tokens` (benchmarks,
+    /// and comparisons of one engine with another), reporting `top_logprobs` alternatives.
+    pub fn greedy(max_tokens: usize, top_logprobs: usize) -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: Some(1),
+            max_tokens,
+            stop_ids: Vec::new(),
+            top_logprobs,
+        }
+    }
+}
+
 /// A completion request in token space.
 pub struct Request {
     pub prompt: Vec<u32>,

@@ -51,15 +51,7 @@ fn continue_greedily(
                 .submit(Request {
                     prompt: prompt.clone(),
                     n: 1,
-                    params: SamplingParams {
-                        temperature: 0.0,
-                        top_p: 1.0,
-                        top_k: 0,
-                        seed: Some(1),
-                        max_tokens: tokens,
-                        stop_ids: Vec::new(),
-                        top_logprobs: 2,
-                    },
+                    params: SamplingParams::greedy(tokens, 2),
                     session: None,
                     events,
                     cancel: vec![Arc::new(AtomicBool::new(false))],

@@ -41,7 +41,6 @@ const KERNEL_NAMES: &[&str] = &[
     "flash_forward_128",
     "flash_backward_dq_128",
     "flash_backward_dkv_128",
-    "attention_cached",
     "attention_cached_rows",
     "copy_ranges",
     "head_stats",

@@ -293,22 +293,18 @@ __device__ float score(const float* qi, const float* kj, int hd, float scale) {
     return s * scale;
 }
 
-// One block per (row, head): lse from an online max and sum, then out = Σ_j p_j v_j with
-// p_j = exp(s_j − lse) computed a tile of keys at a time.
+// Keys a block stages in shared memory at once.
 #define TILE 1024
-extern "C" __global__ void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                                             const int* span, int heads, int kv_heads, int hd) {
-    __shared__ float shared[32];
-    __shared__ float pc[TILE];
-    int row = blockIdx.x, h = blockIdx.y;
-    long long start = span[2 * row];
-    int i = (int)(row - start);
-    int kvh = h / (heads / kv_heads);
+
+// One (row, head): out_i = Σ_j p_j v_j over the first `visible` keys and values (rows of
+// k and v `stride` floats apart), p_j = exp(s_j − lse) from an online max and sum, computed a
+// tile of keys at a time; returns lse. Called by a whole block (`shared`, `pc` its own).
+__device__ float attend_row(float* oi, const float* qi, const float* k, const float* v, int visible,
+                            int stride, int hd, float* shared, float* pc) {
     float scale = 1.0f / sqrtf((float)hd);
-    const float* qi = q + ((long long)row * heads + h) * hd;
     float m = NEG_INF, l = 0.f;
-    for (int j = threadIdx.x; j <= i; j += blockDim.x) {
-        float s = score(qi, k + ((start + j) * kv_heads + kvh) * hd, hd, scale);
+    for (int j = threadIdx.x; j < visible; j += blockDim.x) {
+        float s = score(qi, k + (long long)j * stride, hd, scale);
         float m_new = fmaxf(m, s);
         l = l * expf(m - m_new) + expf(s - m_new);
         m = m_new;
@@ -316,22 +312,37 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
     float row_max = block_max(m, shared);
     float total = block_sum(m == NEG_INF ? 0.f : l * expf(m - row_max), shared);
     float row_lse = row_max + logf(total);
-    float* oi = out + ((long long)row * heads + h) * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) oi[d] = 0.f;
-    for (int j0 = 0; j0 <= i; j0 += TILE) {
-        int j1 = min(i + 1, j0 + TILE);
+    for (int j0 = 0; j0 < visible; j0 += TILE) {
+        int j1 = min(visible, j0 + TILE);
         __syncthreads();
         for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
-            pc[j - j0] = expf(score(qi, k + ((start + j) * kv_heads + kvh) * hd, hd, scale) - row_lse);
+            pc[j - j0] = expf(score(qi, k + (long long)j * stride, hd, scale) - row_lse);
         }
         __syncthreads();
         for (int d = threadIdx.x; d < hd; d += blockDim.x) {
             float acc = 0.f;
-            for (int j = j0; j < j1; j++) acc += pc[j - j0] * v[((start + j) * kv_heads + kvh) * hd + d];
+            for (int j = j0; j < j1; j++) acc += pc[j - j0] * v[(long long)j * stride + d];
             oi[d] += acc;
         }
     }
-    if (threadIdx.x == 0) lse[(long long)row * heads + h] = row_lse;
+    return row_lse;
+}
+
+// One block per (row, head) of the packed batch: the row attends over its sequence's keys
+// up to itself.
+extern "C" __global__ void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+                                             const int* span, int heads, int kv_heads, int hd) {
+    __shared__ float shared[32];
+    __shared__ float pc[TILE];
+    int row = blockIdx.x, h = blockIdx.y;
+    long long start = span[2 * row];
+    int kvh = h / (heads / kv_heads);
+    long long pair = (long long)row * heads + h;
+    long long first = (start * kv_heads + kvh) * hd;
+    float row_lse = attend_row(out + pair * hd, q + pair * hd, k + first, v + first, (int)(row - start) + 1,
+                               kv_heads * hd, hd, shared, pc);
+    if (threadIdx.x == 0) lse[pair] = row_lse;
 }
 
 // D (N·nh) = Σ_d dout·out per (row, head), the softmax backward's row dot (Σ_j P_ij dP_ij).
@@ -793,46 +804,20 @@ extern "C" __global__ void __launch_bounds__(64) flash_backward_dkv_128(float* d
     flash_backward_dkv<128, 2, 32>(dk, dv, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
-// Every query row of a decode step over its own sequence's cache, in one launch: row r's
-// cache is (k, v) = (table[3r], table[3r+1]) as device addresses of (len, nkv, hd) buffers,
-// of which it sees the first table[3r+2] positions. One block per (row, head); the online
-// max and sum of attention_forward, then p_j = exp(s_j − lse) a tile of keys at a time.
+// Query rows over KV caches, in one launch for a whole decode step: entry e of the table
+// is (row of q and out, its cache's k and v as device addresses of (len, nkv, hd) buffers,
+// positions of the cache it sees). One block per (entry, head).
 extern "C" __global__ void attention_cached_rows(float* out, const float* q, const long long* table,
                                                  int heads, int kv_heads, int hd) {
     __shared__ float shared[32];
     __shared__ float pc[TILE];
-    int row = blockIdx.x, h = blockIdx.y;
-    const float* k = (const float*)table[3 * row];
-    const float* v = (const float*)table[3 * row + 1];
-    int visible = (int)table[3 * row + 2];
+    const long long* entry = table + 4 * blockIdx.x;
+    int h = blockIdx.y;
     int kvh = h / (heads / kv_heads);
-    float scale = 1.0f / sqrtf((float)hd);
-    const float* qi = q + ((long long)row * heads + h) * hd;
-    float m = NEG_INF, l = 0.f;
-    for (int j = threadIdx.x; j < visible; j += blockDim.x) {
-        float s = score(qi, k + ((long long)j * kv_heads + kvh) * hd, hd, scale);
-        float m_new = fmaxf(m, s);
-        l = l * expf(m - m_new) + expf(s - m_new);
-        m = m_new;
-    }
-    float row_max = block_max(m, shared);
-    float total = block_sum(m == NEG_INF ? 0.f : l * expf(m - row_max), shared);
-    float row_lse = row_max + logf(total);
-    float* oi = out + ((long long)row * heads + h) * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) oi[d] = 0.f;
-    for (int j0 = 0; j0 < visible; j0 += TILE) {
-        int j1 = min(visible, j0 + TILE);
-        __syncthreads();
-        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
-            pc[j - j0] = expf(score(qi, k + ((long long)j * kv_heads + kvh) * hd, hd, scale) - row_lse);
-        }
-        __syncthreads();
-        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-            float acc = 0.f;
-            for (int j = j0; j < j1; j++) acc += pc[j - j0] * v[((long long)j * kv_heads + kvh) * hd + d];
-            oi[d] += acc;
-        }
-    }
+    long long pair = entry[0] * heads + h;
+    long long first = (long long)kvh * hd;
+    attend_row(out + pair * hd, q + pair * hd, (const float*)entry[1] + first, (const float*)entry[2] + first,
+               (int)entry[3], kv_heads * hd, hd, shared, pc);
 }
 
 // Copies of many ranges in one launch (a decode step's new keys or values into every
@@ -845,42 +830,6 @@ extern "C" __global__ void copy_ranges(const float* src, const long long* table)
     long long count = table[3 * c + 2];
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x) {
         dst[i] = from[i];
-    }
-}
-
-// Query rows (t of them, at positions start..) over a cache of start + t keys. One block per
-// (new row, head); scores go to a scratch row of length start + t. q, out: (t, nh, hd) at
-// the given row offset; k, v: (len, nkv, hd).
-extern "C" __global__ void attention_cached(float* out, float* scores, const float* q, const float* k, const float* v,
-                                            int start, int t, int heads, int kv_heads, int hd) {
-    __shared__ float shared[32];
-    int r = blockIdx.x, h = blockIdx.y;
-    int kvh = h / (heads / kv_heads);
-    int visible = start + r + 1;
-    int width = start + t;
-    float scale = 1.0f / sqrtf((float)hd);
-    const float* qi = q + ((long long)r * heads + h) * hd;
-    float* p = scores + ((long long)r * heads + h) * width;
-    float local_max = NEG_INF;
-    for (int j = threadIdx.x; j < visible; j += blockDim.x) {
-        float s = score(qi, k + ((long long)j * kv_heads + kvh) * hd, hd, scale);
-        p[j] = s;
-        local_max = fmaxf(local_max, s);
-    }
-    float m = block_max(local_max, shared);
-    float local_sum = 0.f;
-    for (int j = threadIdx.x; j < visible; j += blockDim.x) {
-        float e = expf(p[j] - m);
-        p[j] = e;
-        local_sum += e;
-    }
-    float sum = block_sum(local_sum, shared);
-    __syncthreads();
-    float* oi = out + ((long long)r * heads + h) * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float acc = 0.f;
-        for (int j = 0; j < visible; j++) acc += p[j] * v[((long long)j * kv_heads + kvh) * hd + d];
-        oi[d] = acc / sum;
     }
 }
 

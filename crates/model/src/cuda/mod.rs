@@ -1015,23 +1015,15 @@ impl Backend for Cuda {
         hd: usize,
     ) {
         // One launch for every query row of every sequence, each row told its own cache
-        // and how much of it it sees; rows must be the batch's, in order, from row 0.
+        // and how much of it it sees.
         let mut table: Vec<i64> = Vec::new();
         for s in seqs {
-            if s.rows.start != table.len() / 3 {
-                // Not one run of rows from 0 (no caller does this): one launch per sequence.
-                for s in seqs {
-                    let rows = s.rows.clone();
-                    self.attention_cached(out, q, rows, s.k, s.v, s.start, heads, kv_heads, hd);
-                }
-                return;
-            }
             let (k, v) = (s.k.ptr(0) as i64, s.v.ptr(0) as i64);
-            for r in 0..s.rows.len() {
-                table.extend([k, v, (s.start + r + 1) as i64]);
+            for (i, row) in s.rows.clone().enumerate() {
+                table.extend([row as i64, k, v, (s.start + i + 1) as i64]);
             }
         }
-        let rows = table.len() / 3;
+        let rows = table.len() / 4;
         let Some(table) = self.upload_any(&table) else {
             return;
         };
@@ -1061,28 +1053,8 @@ impl Backend for Cuda {
         kv_heads: usize,
         hd: usize,
     ) {
-        let t = rows.len();
-        let scores = self.alloc(t * heads * (start + t), "attention scores");
-        let row0 = rows.start * heads * hd;
-        let (o, s, qp, kp, vp) = (
-            out.ptr(row0),
-            scores.ptr(0),
-            q.ptr(row0),
-            k.ptr(0),
-            v.ptr(0),
-        );
-        let (start32, t32, h, kvh, hd32) = (
-            start as i32,
-            t as i32,
-            heads as i32,
-            kv_heads as i32,
-            hd as i32,
-        );
-        self.launch(
-            "attention_cached",
-            per_row_head(t, heads),
-            args![o, s, qp, kp, vp, start32, t32, h, kvh, hd32],
-        );
+        let seq = CachedSeq { rows, k, v, start };
+        self.attention_cached_batch(out, q, &[seq], heads, kv_heads, hd);
     }
 
     fn head_forward(

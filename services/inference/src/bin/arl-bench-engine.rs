@@ -110,15 +110,7 @@ fn run(engine: &EngineHandle, prompts: &[Vec<u32>], tokens: usize) -> Result<Run
             .submit(Request {
                 prompt: prompt.clone(),
                 n: 1,
-                params: SamplingParams {
-                    temperature: 0.0,
-                    top_p: 1.0,
-                    top_k: 0,
-                    seed: Some(1),
-                    max_tokens: tokens,
-                    stop_ids: Vec::new(),
-                    top_logprobs: 0,
-                },
+                params: SamplingParams::greedy(tokens, 0),
                 session: None,
                 events,
                 cancel: vec![Arc::new(AtomicBool::new(false))],
