@@ -20,13 +20,12 @@ use crate::ops::PackedMatrix;
 /// One sequence's rows in a batch of concatenated sequences: (first row, length).
 pub type Span = (usize, usize);
 
-/// One sequence of a batched cached attention: its new query rows (in q and out), its
-/// key/value caches ((start + rows.len(), nkv, hd) each), and the position of its first new row.
+/// One sequence's new tokens in a forward pass with a KV cache: rows `rows` of the step's
+/// q, k, v and out are its positions `start..start + rows.len()`.
 #[derive(Debug)]
-pub struct CachedSeq<'a, Buf> {
+pub struct KvRows<'a, Kv> {
+    pub kv: &'a mut Kv,
     pub rows: Range<usize>,
-    pub k: &'a Buf,
-    pub v: &'a Buf,
     pub start: usize,
 }
 
@@ -50,6 +49,15 @@ pub struct Product<'a, Buf> {
     pub w: &'a Buf,
     pub bias: Option<&'a Buf>,
     pub o: usize,
+}
+
+/// One product of [`Backend::matmul_packed_shared`]: out (N, O) = x · Wᵀ + b, W in the
+/// backend's block (or frozen) form.
+#[derive(Debug)]
+pub struct PackedProduct<'a, Buf, P> {
+    pub out: &'a mut Buf,
+    pub w: &'a P,
+    pub bias: Option<&'a Buf>,
 }
 
 /// One product's gradients in [`Backend::matmul_backward_shared`]: dw (O, I), db (O) from
@@ -84,6 +92,13 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
     type Buf: Clone + Debug + Send + Sync;
     /// A linear layer's weights in a block format (quantized) for small-batch products.
     type Packed: Clone + Debug + Send + Sync;
+    /// One sequence's keys and values in every layer, as this backend keeps them (the CPU:
+    /// a growing buffer per layer; CUDA: blocks of a shared pool). A clone is a fork: it
+    /// holds the same positions, and what either writes later the other does not see.
+    type Kv: Clone + Debug + Send + Sync;
+    /// What a forward pass's cache writes and attention read, prepared once per pass
+    /// ([`Self::kv_prepare`]) and used by every layer.
+    type KvStep: Send;
 
     fn name(&self) -> &'static str;
 
@@ -108,17 +123,24 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         let _ = (w, rows, cols);
         None
     }
-    /// dst grows by src[range] (KV caches).
-    fn append(&self, dst: &mut Self::Buf, src: &Self::Buf, range: Range<usize>);
-    /// Every (dst, range) of `appends` grows by src[range]: a step's new keys (or values)
-    /// into each sequence's cache. By default one `append` each; a device backend may copy
-    /// them all in one launch.
-    fn append_each(&self, appends: &mut [(&mut Self::Buf, Range<usize>)], src: &Self::Buf) {
-        for (dst, range) in appends {
-            self.append(dst, src, range.clone());
-        }
-    }
-    fn truncate(&self, buf: &mut Self::Buf, len: usize);
+    /// An empty cache for `layers` layers of `kv_dim` (nkv·hd) keys and values a position.
+    fn kv_new(&self, layers: usize, kv_dim: usize) -> Self::Kv;
+    /// Forgets every position from `len` on (for prefix reuse).
+    fn kv_truncate(&self, kv: &mut Self::Kv, len: usize);
+    /// Readies a forward pass: room in every cache for its new positions (each cache holds
+    /// exactly its first `start` positions). A backend that finds no room records
+    /// `OutOfMemory` for [`Self::check`], as a failed allocation does.
+    fn kv_prepare(&self, seqs: &mut [KvRows<'_, Self::Kv>]) -> Self::KvStep;
+    /// Layer `layer`'s keys and values of the new rows (k, v: (N, kv_dim)) into each
+    /// sequence's cache at its positions.
+    fn kv_write(
+        &self,
+        layer: usize,
+        step: &Self::KvStep,
+        seqs: &mut [KvRows<'_, Self::Kv>],
+        k: &Self::Buf,
+        v: &Self::Buf,
+    );
     /// out row r = x row rows[r]; rows of c elements. Overwrites.
     fn gather_rows(&self, out: &mut Self::Buf, x: &Self::Buf, rows: &[usize], c: usize);
     /// x += y
@@ -214,6 +236,19 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
             self.matmul_forward(p.out, x, p.w, p.bias, n, i, p.o);
         }
     }
+    /// [`Self::matmul_packed`] for several products of one input x (q, k and v; gate and
+    /// up), each row computed as `matmul_packed` does. By default one call each; a backend
+    /// may read (or convert) x once for all of them.
+    fn matmul_packed_shared(
+        &self,
+        x: &Self::Buf,
+        n: usize,
+        products: &mut [PackedProduct<'_, Self::Buf, Self::Packed>],
+    ) {
+        for p in products {
+            self.matmul_packed(p.out, x, p.w, p.bias, n);
+        }
+    }
     /// The backward of [`Self::matmul_forward_shared`]: dx += Σ dout·W over the products,
     /// and each product's dw, db as `matmul_backward` gives them. Accumulates.
     fn matmul_backward_shared(
@@ -301,47 +336,21 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         kv_heads: usize,
         hd: usize,
     );
-    /// Rows `rows` of q (new tokens at positions start..) attend over a cache of
-    /// start + rows.len() keys; writes the same rows of out. k, v: (len, nkv, hd).
+    /// Every new row of q (N, nh, hd) attends over its sequence's layer-`layer` cache up to
+    /// and including its own position (written by [`Self::kv_write`]); writes the same rows
+    /// of out.
     #[allow(clippy::too_many_arguments)]
-    fn attention_cached(
+    fn kv_attention(
         &self,
+        layer: usize,
+        step: &Self::KvStep,
         out: &mut Self::Buf,
         q: &Self::Buf,
-        rows: Range<usize>,
-        k: &Self::Buf,
-        v: &Self::Buf,
-        start: usize,
+        seqs: &[KvRows<'_, Self::Kv>],
         heads: usize,
         kv_heads: usize,
         hd: usize,
     );
-    /// [`Self::attention_cached`] for every sequence of a decode step. A backend may run
-    /// them together (the CPU spreads all (row, head) pairs over its threads); by default
-    /// they run one after another.
-    fn attention_cached_batch(
-        &self,
-        out: &mut Self::Buf,
-        q: &Self::Buf,
-        seqs: &[CachedSeq<'_, Self::Buf>],
-        heads: usize,
-        kv_heads: usize,
-        hd: usize,
-    ) {
-        for s in seqs {
-            self.attention_cached(
-                out,
-                q,
-                s.rows.clone(),
-                s.k,
-                s.v,
-                s.start,
-                heads,
-                kv_heads,
-                hd,
-            );
-        }
-    }
 
     /// The head without materializing (N, V) logits: per row of h (N, C), with logits
     /// z = h · Wᵀ (W: (V, C)), writes lse = log Σ exp z, the entropy of softmax z, and

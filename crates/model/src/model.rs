@@ -2,7 +2,7 @@
 //! attention with RoPE → residual, RMSNorm → SwiGLU MLP → residual), final RMSNorm, head.
 //! This file holds inference with a KV cache; `train.rs` the training forward/backward.
 
-use crate::backend::{Backend, CachedSeq};
+use crate::backend::{Backend, KvRows, PackedProduct};
 use crate::config::ModelConfig;
 use crate::ops::{Cpu, PackedMatrix};
 use crate::tensor::Tensor;
@@ -77,32 +77,27 @@ impl PackedWeights {
     }
 }
 
-/// Keys and values of one sequence, per layer: (len, nkv, hd) each.
+/// Keys and values of one sequence, every layer, as its backend keeps them. A clone is a
+/// fork (a GRPO group's choices from one prompt): on a GPU the two share the prompt's
+/// blocks until one of them writes.
 #[derive(Clone, Debug)]
 pub struct KvCache<B: Backend = Cpu> {
-    pub k: Vec<B::Buf>,
-    pub v: Vec<B::Buf>,
+    pub kv: B::Kv,
     pub len: usize,
 }
 
 impl<B: Backend> KvCache<B> {
     pub fn new(model: &Model<B>) -> Self {
-        let layers = model.config.num_hidden_layers;
-        Self {
-            k: (0..layers).map(|_| model.backend.zeros(0)).collect(),
-            v: (0..layers).map(|_| model.backend.zeros(0)).collect(),
-            len: 0,
-        }
+        let kv = model
+            .backend
+            .kv_new(model.config.num_hidden_layers, model.config.kv_dim());
+        Self { kv, len: 0 }
     }
 
     /// Forgets everything after the first `len` positions (for prefix reuse).
     pub fn truncate(&mut self, model: &Model<B>, len: usize) {
         self.len = self.len.min(len);
-        let keep = self.len * model.config.kv_dim();
-        for (k, v) in self.k.iter_mut().zip(&mut self.v) {
-            model.backend.truncate(k, keep);
-            model.backend.truncate(v, keep);
-        }
+        model.backend.kv_truncate(&mut self.kv, self.len);
     }
 }
 
@@ -239,6 +234,39 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Several products of one input x (N, I): from packed copies together when every one
+    /// has one (a backend may then convert x once), else one `linear` each.
+    #[allow(clippy::type_complexity)]
+    fn linears(
+        &self,
+        x: &B::Buf,
+        n: usize,
+        products: &mut [(
+            &mut B::Buf,
+            &Tensor<B::Buf>,
+            Option<&B::Packed>,
+            Option<&Tensor<B::Buf>>,
+        )],
+    ) {
+        if products.iter().all(|(_, _, packed, _)| packed.is_some()) {
+            let mut packed: Vec<PackedProduct<'_, B::Buf, B::Packed>> = products
+                .iter_mut()
+                .filter_map(|(out, _, p, bias)| {
+                    Some(PackedProduct {
+                        out: &mut **out,
+                        w: (*p)?,
+                        bias: bias.map(|b| &b.data),
+                    })
+                })
+                .collect();
+            self.backend.matmul_packed_shared(x, n, &mut packed);
+        } else {
+            for (out, w, p, bias) in products.iter_mut() {
+                self.linear(out, x, w, *p, *bias, n);
+            }
+        }
+    }
+
     /// Runs the new tokens of every sequence through the model, extending their caches;
     /// returns the logits (V) after each sequence's last new token. Prefill (many tokens of
     /// one sequence) and batched decode (one token of many) are the same call.
@@ -293,6 +321,21 @@ impl<B: Backend> Model<B> {
             be.zeros(n * i_dim),
         );
         let eps = cfg.rms_norm_eps as f32;
+        // Each sequence's new rows of the step and the positions they take in its cache.
+        let mut offset = 0;
+        let mut kv_rows: Vec<KvRows<'_, B::Kv>> = inputs
+            .iter_mut()
+            .map(|seq| {
+                let t = seq.tokens.len();
+                offset += t;
+                KvRows {
+                    kv: &mut seq.cache.kv,
+                    rows: offset - t..offset,
+                    start: seq.cache.len,
+                }
+            })
+            .collect();
+        let kv_step = be.kv_prepare(&mut kv_rows);
 
         let no_packed = PackedLayer::default();
         for (l, w) in self.weights.layers.iter().enumerate() {
@@ -302,20 +345,29 @@ impl<B: Backend> Model<B> {
                 .and_then(|p| p.layers.get(l))
                 .unwrap_or(&no_packed);
             be.rmsnorm_forward(&mut h, &mut rstd, &x, &w.attn_norm.data, eps);
-            match (&w.q_norm, &w.k_norm) {
-                (Some(qn), Some(kn)) => {
-                    // Per-head RMSNorm: rows of hd, (N·nh, hd) and (N·nkv, hd).
-                    self.linear(&mut q_pre, &h, &w.wq, p.wq.as_ref(), w.bq.as_ref(), n);
-                    self.linear(&mut k_pre, &h, &w.wk, p.wk.as_ref(), w.bk.as_ref(), n);
-                    be.rmsnorm_forward(&mut q, &mut rstd_q, &q_pre, &qn.data, eps);
-                    be.rmsnorm_forward(&mut k, &mut rstd_k, &k_pre, &kn.data, eps);
-                }
-                _ => {
-                    self.linear(&mut q, &h, &w.wq, p.wq.as_ref(), w.bq.as_ref(), n);
-                    self.linear(&mut k, &h, &w.wk, p.wk.as_ref(), w.bk.as_ref(), n);
-                }
+            let qk_pre = w.q_norm.is_some() && w.k_norm.is_some();
+            {
+                // Qwen3 norms q and k per head afterwards: its products go to q_pre, k_pre.
+                let (q_out, k_out) = if qk_pre {
+                    (&mut q_pre, &mut k_pre)
+                } else {
+                    (&mut q, &mut k)
+                };
+                self.linears(
+                    &h,
+                    n,
+                    &mut [
+                        (q_out, &w.wq, p.wq.as_ref(), w.bq.as_ref()),
+                        (k_out, &w.wk, p.wk.as_ref(), w.bk.as_ref()),
+                        (&mut v, &w.wv, p.wv.as_ref(), w.bv.as_ref()),
+                    ],
+                );
             }
-            self.linear(&mut v, &h, &w.wv, p.wv.as_ref(), w.bv.as_ref(), n);
+            if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+                // Per-head RMSNorm: rows of hd, (N·nh, hd) and (N·nkv, hd).
+                be.rmsnorm_forward(&mut q, &mut rstd_q, &q_pre, &qn.data, eps);
+                be.rmsnorm_forward(&mut k, &mut rstd_k, &k_pre, &kn.data, eps);
+            }
             be.rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
             be.rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
             if rope_factor != 1.0 {
@@ -324,43 +376,26 @@ impl<B: Backend> Model<B> {
                 be.scale(&mut k, rope_factor);
             }
 
-            // Append to each sequence's cache, then attend over it.
-            let mut offset = 0;
-            let (mut k_appends, mut v_appends) = (Vec::new(), Vec::new());
-            for seq in inputs.iter_mut() {
-                let rows = offset * kv..(offset + seq.tokens.len()) * kv;
-                k_appends.push((&mut seq.cache.k[l], rows.clone()));
-                v_appends.push((&mut seq.cache.v[l], rows));
-                offset += seq.tokens.len();
-            }
-            be.append_each(&mut k_appends, &k);
-            be.append_each(&mut v_appends, &v);
-            drop((k_appends, v_appends));
-            let mut offset = 0;
-            let seqs: Vec<CachedSeq<'_, B::Buf>> = inputs
-                .iter()
-                .map(|seq| {
-                    let t = seq.tokens.len();
-                    offset += t;
-                    CachedSeq {
-                        rows: offset - t..offset,
-                        k: &seq.cache.k[l],
-                        v: &seq.cache.v[l],
-                        start: seq.cache.len,
-                    }
-                })
-                .collect();
-            be.attention_cached_batch(&mut att_out, &q, &seqs, heads, kv_heads, hd);
+            // Into each sequence's cache, then attend over it.
+            be.kv_write(l, &kv_step, &mut kv_rows, &k, &v);
+            be.kv_attention(l, &kv_step, &mut att_out, &q, &kv_rows, heads, kv_heads, hd);
             self.linear(&mut proj, &att_out, &w.wo, p.wo.as_ref(), None, n);
             be.add_assign(&mut x, &proj);
 
             be.rmsnorm_forward(&mut h, &mut rstd, &x, &w.ffn_norm.data, eps);
-            self.linear(&mut gate, &h, &w.w_gate, p.w_gate.as_ref(), None, n);
-            self.linear(&mut up, &h, &w.w_up, p.w_up.as_ref(), None, n);
+            self.linears(
+                &h,
+                n,
+                &mut [
+                    (&mut gate, &w.w_gate, p.w_gate.as_ref(), None),
+                    (&mut up, &w.w_up, p.w_up.as_ref(), None),
+                ],
+            );
             be.swiglu_forward(&mut act, &gate, &up);
             self.linear(&mut proj, &act, &w.w_down, p.w_down.as_ref(), None, n);
             be.add_assign(&mut x, &proj);
         }
+        drop(kv_rows);
         for seq in inputs.iter_mut() {
             seq.cache.len += seq.tokens.len();
         }

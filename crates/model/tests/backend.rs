@@ -5,16 +5,15 @@
 
 mod common;
 
-use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use arl_model::backend::{AdamStep, Backend, Span};
+use arl_model::backend::{AdamStep, Backend, KvRows, Span};
 use arl_model::config::{Architecture, ModelConfig};
 use arl_model::generate::{Sampling, generate};
 use arl_model::load::LoadedModel;
 use arl_model::model::{KvCache, Model, SeqInput};
-use arl_model::ops::{Cpu, PackedMatrix};
+use arl_model::ops::{ContiguousKv, Cpu, PackedMatrix};
 use arl_model::train::AdamW;
 use arl_model::weights::Weights;
 
@@ -51,6 +50,9 @@ type B = DeviceBuf;
 impl Backend for Device {
     type Buf = DeviceBuf;
     type Packed = DevicePacked;
+    // The cache is the CPU's own (its keys and values are host slices either way).
+    type Kv = ContiguousKv;
+    type KvStep = ();
 
     fn name(&self) -> &'static str {
         "test-device"
@@ -74,11 +76,17 @@ impl Backend for Device {
         all.push(host.clone());
         Some(DevicePacked(all.len() - 1))
     }
-    fn append(&self, dst: &mut B, src: &B, range: Range<usize>) {
-        Cpu.append(&mut dst.0, &src.0, range);
+    fn kv_new(&self, layers: usize, kv_dim: usize) -> ContiguousKv {
+        Cpu.kv_new(layers, kv_dim)
     }
-    fn truncate(&self, buf: &mut B, len: usize) {
-        Cpu.truncate(&mut buf.0, len);
+    fn kv_truncate(&self, kv: &mut ContiguousKv, len: usize) {
+        Cpu.kv_truncate(kv, len);
+    }
+    fn kv_prepare(&self, seqs: &mut [KvRows<'_, ContiguousKv>]) {
+        Cpu.kv_prepare(seqs);
+    }
+    fn kv_write(&self, l: usize, _: &(), seqs: &mut [KvRows<'_, ContiguousKv>], k: &B, v: &B) {
+        Cpu.kv_write(l, &(), seqs, &k.0, &v.0);
     }
     fn gather_rows(&self, out: &mut B, x: &B, rows: &[usize], c: usize) {
         Cpu.gather_rows(&mut out.0, &x.0, rows, c);
@@ -181,21 +189,18 @@ impl Backend for Device {
             heads, kv_heads, hd,
         );
     }
-    fn attention_cached(
+    fn kv_attention(
         &self,
+        layer: usize,
+        _: &(),
         out: &mut B,
         q: &B,
-        rows: Range<usize>,
-        k: &B,
-        v: &B,
-        start: usize,
+        seqs: &[KvRows<'_, ContiguousKv>],
         heads: usize,
         kv_heads: usize,
         hd: usize,
     ) {
-        Cpu.attention_cached(
-            &mut out.0, &q.0, rows, &k.0, &v.0, start, heads, kv_heads, hd,
-        );
+        Cpu.kv_attention(layer, &(), &mut out.0, &q.0, seqs, heads, kv_heads, hd);
     }
     fn head_forward(
         &self,

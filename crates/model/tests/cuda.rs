@@ -13,7 +13,7 @@
 
 mod common;
 
-use arl_model::backend::{AdamStep, Backend};
+use arl_model::backend::{AdamStep, Backend, KvRows};
 use arl_model::config::{Architecture, ModelConfig};
 use arl_model::cuda::Cuda;
 use arl_model::load::LoadedModel;
@@ -184,6 +184,42 @@ fn elementwise_and_norm_kernels_match_the_cpu() {
     g.check().unwrap();
 }
 
+/// Attention of a sequence's rows `start + cached_from..start + t` of q (a packed batch of
+/// n rows) over a one-layer cache of its keys and values (the same rows of k and v).
+#[allow(clippy::too_many_arguments)]
+fn cached_attention<B: Backend>(
+    be: &B,
+    q: &B::Buf,
+    k: &B::Buf,
+    v: &B::Buf,
+    start: usize,
+    cached_from: usize,
+    t: usize,
+    (heads, kv_heads, hd): (usize, usize, usize),
+) -> Vec<f32> {
+    let mut cache = be.kv_new(1, kv_heads * hd);
+    let earlier = start..start + cached_from;
+    if !earlier.is_empty() {
+        let mut rows = [KvRows {
+            kv: &mut cache,
+            rows: earlier,
+            start: 0,
+        }];
+        let step = be.kv_prepare(&mut rows);
+        be.kv_write(0, &step, &mut rows, k, v);
+    }
+    let mut out = be.zeros(be.len(q));
+    let mut rows = [KvRows {
+        kv: &mut cache,
+        rows: start + cached_from..start + t,
+        start: cached_from,
+    }];
+    let step = be.kv_prepare(&mut rows);
+    be.kv_write(0, &step, &mut rows, k, v);
+    be.kv_attention(0, &step, &mut out, q, &rows, heads, kv_heads, hd);
+    be.download(&out)
+}
+
 #[test]
 fn rope_and_attention_match_the_cpu() {
     let Some(g) = gpu("rope_and_attention_match_the_cpu") else {
@@ -303,43 +339,38 @@ fn rope_and_attention_match_the_cpu() {
             );
         }
 
-        // The last sequence's final rows again, against a cache of all its keys.
+        // The last sequence's final rows again, against a cache of all its keys: the
+        // earlier ones written in a pass of their own, then the new rows' (on the GPU a
+        // paged cache, blocks of 16 positions, so longer sequences span several).
         let (start, t) = *spans.last().unwrap();
         let new = t.min(3);
         let cached_from = t - new;
         let rows = start + cached_from..start + t;
-        let (k_seq, v_seq) = (
-            &k[start * kv..(start + t) * kv],
-            &v[start * kv..(start + t) * kv],
-        );
-        let mut cached = vec![0.0; n * c];
-        Cpu.attention_cached(
-            &mut cached,
+        let cached = cached_attention(
+            &Cpu,
             &q,
-            rows.clone(),
-            &k_seq.to_vec(),
-            &v_seq.to_vec(),
+            &k,
+            &v,
+            start,
             cached_from,
-            heads,
-            kv_heads,
-            hd,
+            t,
+            (heads, kv_heads, hd),
         );
-        let mut g_cached = g.zeros(n * c);
-        g.attention_cached(
-            &mut g_cached,
+        let (gk_host, gv_host) = (g.upload(&k), g.upload(&v));
+        let g_cached = cached_attention(
+            &g,
             &gq,
-            rows.clone(),
-            &g.upload(k_seq),
-            &g.upload(v_seq),
+            &gk_host,
+            &gv_host,
+            start,
             cached_from,
-            heads,
-            kv_heads,
-            hd,
+            t,
+            (heads, kv_heads, hd),
         );
         let r = rows.start * c..rows.end * c;
         assert_close(
             "attention cached",
-            &g.download(&g_cached)[r.clone()],
+            &g_cached[r.clone()],
             &cached[r.clone()],
             1e-5,
             1e-4,
@@ -792,5 +823,82 @@ fn running_out_of_gpu_memory_is_a_clear_error_and_the_device_recovers() {
     let mut small = g.upload(&[1.0, 2.0]);
     g.scale(&mut small, 3.0);
     assert_eq!(g.download(&small), vec![3.0, 6.0]);
+    g.check().unwrap();
+}
+
+#[test]
+fn paged_caches_share_blocks_copy_on_write_and_give_them_back() {
+    let Some(g) = gpu("paged_caches_share_blocks_copy_on_write_and_give_them_back") else {
+        return;
+    };
+    let config = tiny(Architecture::Qwen2, 8);
+    let cpu = Model::new(config.clone(), Weights::random(&config, 5, 0.3));
+    let model = cpu.to_backend(g.clone());
+    let pool = g.kv_pool(config.num_hidden_layers, config.kv_dim());
+    pool.reserve(64).unwrap();
+    assert_eq!(pool.free_blocks(), 64);
+    let vocab = config.vocab_size as u32;
+    // 21 positions: one full block and a partly filled second one.
+    let prompt: Vec<u32> = (0..21).map(|i| (i * 7 + 3) % vocab).collect();
+    let feed = |cache: &mut KvCache<Cuda>, tokens: &[u32]| {
+        model.forward(&mut [SeqInput { tokens, cache }]).remove(0)
+    };
+    // The logits after `tokens`, from a cache of their own.
+    let fresh = |tokens: &[u32]| {
+        let mut cache = KvCache::new(&model);
+        feed(&mut cache, tokens)
+    };
+
+    let mut parent = KvCache::new(&model);
+    feed(&mut parent, &prompt);
+    assert_eq!(pool.free_blocks(), 62);
+    let mut fork = parent.clone();
+    assert_eq!(pool.free_blocks(), 62, "a fork shares its parent's blocks");
+    assert_eq!(
+        fork.kv.blocks_to_write(21, 1),
+        1,
+        "a write into the shared block copies it"
+    );
+    let parent_next = feed(&mut parent, &[5]);
+    let fork_next = feed(&mut fork, &[9]);
+    assert_eq!(
+        pool.free_blocks(),
+        61,
+        "one copy of the shared, partly filled block"
+    );
+    let with = |extra: &[u32]| [prompt.as_slice(), extra].concat();
+    assert_close(
+        "parent after the fork",
+        &parent_next,
+        &fresh(&with(&[5])),
+        1e-3,
+        0.0,
+    );
+    assert_close(
+        "fork after the fork",
+        &fork_next,
+        &fresh(&with(&[9])),
+        1e-3,
+        0.0,
+    );
+
+    // The fork cut back into the first block and grown another way; the parent goes on
+    // undisturbed (the blocks they still share are never written).
+    fork.truncate(&model, 10);
+    assert_eq!(pool.free_blocks(), 62, "the fork's own copy went back");
+    let regrown = feed(&mut fork, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
+    let regrown_want = fresh(&[&prompt[..10], &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]].concat());
+    assert_close("fork regrown", &regrown, &regrown_want, 1e-3, 0.0);
+    let parent_after = feed(&mut parent, &[7]);
+    assert_close(
+        "parent after",
+        &parent_after,
+        &fresh(&with(&[5, 7])),
+        1e-3,
+        0.0,
+    );
+
+    drop((parent, fork));
+    assert_eq!(pool.free_blocks(), 64, "every block back in the pool");
     g.check().unwrap();
 }

@@ -1,14 +1,24 @@
 //! Where the engine runs a policy's weights: on the CPU (the model core's block-format
 //! decode kernels) or on a GPU (the CUDA backend: weights uploaded once per version and
-//! frozen as bf16 for its products, every sequence's KV cache in device memory, logits
-//! brought back for sampling).
+//! frozen as bf16 for its products, every sequence's KV cache in blocks of one pool in
+//! device memory, logits brought back for sampling).
+//!
+//! GPU memory is split once, when the first version is loaded: that version's weights,
+//! room for one more version (a hot swap loads the new weights while requests finish on
+//! the old), a workspace for one step's activations and logits, and the KV pool — the
+//! rest of `--gpu-memory-utilization` of the card, or exactly `--kv-cache-memory`. The
+//! engine admits requests to the pool's blocks ([`Runner::kv_room`]); the rest wait.
 //!
 //! The engine never mixes the two: a device is chosen at start (`--device`), every version
 //! it serves is prepared for it ([`Device::prepare`]) and every cache is made by the
 //! version that fills it.
 
 use arl_model::backend::{Backend, BackendError};
-use arl_model::cuda::{Cuda, CudaError};
+use std::sync::Arc;
+
+use arl_model::backend::BackendErrorKind;
+use arl_model::config::ModelConfig;
+use arl_model::cuda::{Cuda, CudaError, KvPool};
 use arl_model::load::LoadedModel;
 use arl_model::model::{KvCache, Model, SeqInput};
 use arl_model::ops::Cpu;
@@ -23,27 +33,55 @@ pub enum DeviceKind {
     Cuda,
 }
 
+/// How a GPU's memory is shared out (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GpuMemory {
+    /// The fraction of the card's memory the engine may use in all, as vLLM's
+    /// `--gpu-memory-utilization` (what other processes hold counts against it).
+    pub utilization: f64,
+    /// The KV pool's size in bytes, whatever the rest comes to.
+    pub kv_cache_bytes: Option<usize>,
+    /// Sequences decoded together and prompt tokens a step feeds: the workspace's size.
+    pub max_batch: usize,
+    pub prefill_chunk: usize,
+}
+
+impl Default for GpuMemory {
+    fn default() -> Self {
+        Self {
+            utilization: 0.9,
+            kv_cache_bytes: None,
+            max_batch: 16,
+            prefill_chunk: 256,
+        }
+    }
+}
+
 /// An opened device (cheap to clone).
 #[derive(Clone, Debug, Default)]
 pub enum Device {
     #[default]
     Cpu,
-    Cuda(Cuda),
+    Cuda {
+        gpu: Cuda,
+        memory: GpuMemory,
+    },
 }
 
 impl Device {
-    /// Opens the device `--device` names; `gpu` is the ordinal for cuda.
-    pub fn open(kind: DeviceKind, gpu: usize) -> Result<Self, CudaError> {
+    /// Opens the device `--device` names; `gpu` is the ordinal for cuda, `memory` how its
+    /// memory is shared out.
+    pub fn open(kind: DeviceKind, gpu: usize, memory: GpuMemory) -> Result<Self, CudaError> {
         match kind {
             DeviceKind::Cpu => Ok(Device::Cpu),
-            DeviceKind::Cuda => Cuda::new(gpu).map(Device::Cuda),
+            DeviceKind::Cuda => Cuda::new(gpu).map(|gpu| Device::Cuda { gpu, memory }),
         }
     }
 
     pub fn name(&self) -> String {
         match self {
             Device::Cpu => "cpu".into(),
-            Device::Cuda(gpu) => format!("cuda ({})", gpu.info().name),
+            Device::Cuda { gpu, .. } => format!("cuda ({})", gpu.info().name),
         }
     }
 
@@ -53,14 +91,97 @@ impl Device {
     pub fn prepare(&self, loaded: &LoadedModel) -> Result<Runner, BackendError> {
         match self {
             Device::Cpu => Ok(Runner::Cpu),
-            Device::Cuda(gpu) => {
+            Device::Cuda { gpu, memory } => {
+                let free_before = free_memory(gpu)?;
                 let mut model = loaded.model.to_backend(gpu.clone());
                 model.freeze();
                 model.backend.check()?;
-                Ok(Runner::Cuda(Box::new(model)))
+                let version_bytes = free_before.saturating_sub(free_memory(gpu)?);
+                let config = &model.config;
+                let pool = gpu.kv_pool(config.num_hidden_layers, config.kv_dim());
+                if pool.capacity_blocks().is_none() {
+                    size_pool(gpu, &pool, memory, config, version_bytes)?;
+                }
+                Ok(Runner::Cuda {
+                    model: Box::new(model),
+                    pool,
+                })
             }
         }
     }
+}
+
+fn free_memory(gpu: &Cuda) -> Result<usize, BackendError> {
+    gpu.memory().map(|(free, _)| free).map_err(device_error)
+}
+
+fn device_error(e: CudaError) -> BackendError {
+    let kind = match e {
+        CudaError::OutOfMemory { .. } => BackendErrorKind::OutOfMemory,
+        _ => BackendErrorKind::Device,
+    };
+    BackendError {
+        kind,
+        message: e.to_string(),
+    }
+}
+
+/// Allocates the KV pool's blocks: `--kv-cache-memory`, or what `--gpu-memory-utilization`
+/// leaves after what is in use (this version), one more version and the workspace.
+fn size_pool(
+    gpu: &Cuda,
+    pool: &KvPool,
+    memory: &GpuMemory,
+    config: &ModelConfig,
+    version_bytes: usize,
+) -> Result<(), BackendError> {
+    let (free, total) = gpu.memory().map_err(device_error)?;
+    let workspace = workspace_bytes(config, memory);
+    let bytes = match memory.kv_cache_bytes {
+        Some(bytes) => bytes,
+        None => {
+            let allowed = (memory.utilization * total as f64) as usize;
+            let in_use = total - free;
+            allowed
+                .saturating_sub(in_use)
+                .saturating_sub(version_bytes)
+                .saturating_sub(workspace)
+        }
+    };
+    let blocks = bytes / pool.block_bytes();
+    let tokens = blocks * pool.block_tokens();
+    if tokens == 0 {
+        return Err(BackendError {
+            kind: BackendErrorKind::OutOfMemory,
+            message: format!(
+                "no GPU memory is left for the KV cache ({} MiB free of {} MiB, {} MiB per version, a {} MiB workspace); raise --gpu-memory-utilization, set --kv-cache-memory, or lower --max-batch / --prefill-chunk",
+                free >> 20,
+                total >> 20,
+                version_bytes >> 20,
+                workspace >> 20
+            ),
+        });
+    }
+    pool.reserve(blocks).map_err(device_error)?;
+    tracing::info!(
+        kv_cache_mib = (blocks * pool.block_bytes()) >> 20,
+        kv_cache_tokens = tokens,
+        version_mib = version_bytes >> 20,
+        workspace_mib = workspace >> 20,
+        "GPU KV cache allocated"
+    );
+    Ok(())
+}
+
+/// A step's activations at its widest (every sequence decoding plus a prefill chunk), its
+/// logits, bf16 copies of its inputs, twice over for what the allocator holds back, and
+/// 256 MiB for cuBLAS and the kernels' tables.
+fn workspace_bytes(config: &ModelConfig, memory: &GpuMemory) -> usize {
+    let rows = memory.max_batch + memory.prefill_chunk;
+    let (c, i) = (config.hidden_size, config.intermediate_size);
+    let per_row = 5 * c + 3 * config.q_dim() + 4 * config.kv_dim() + 4 * i;
+    let logits = memory.max_batch * config.vocab_size;
+    2 * (rows * per_row + logits) * size_of::<f32>() + (256 << 20)
 }
 
 /// One version's weights where the engine runs them.
@@ -68,7 +189,25 @@ impl Device {
 pub enum Runner {
     /// The loaded (host) model itself.
     Cpu,
-    Cuda(Box<Model<Cuda>>),
+    /// On a GPU, with the block pool its caches take from.
+    Cuda {
+        model: Box<Model<Cuda>>,
+        pool: Arc<KvPool>,
+    },
+}
+
+/// A GPU version's KV pool: how many positions a block holds and how many blocks there are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvRoom {
+    pub block_tokens: usize,
+    pub blocks: usize,
+}
+
+impl KvRoom {
+    /// Blocks holding `tokens` positions.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_tokens)
+    }
 }
 
 /// A sequence's KV cache, on the device of the version that filled it.
@@ -83,7 +222,35 @@ impl Runner {
     pub fn new_cache(&self, host: &Model) -> Cache {
         match self {
             Runner::Cpu => Cache::Cpu(KvCache::new(host)),
-            Runner::Cuda(model) => Cache::Cuda(KvCache::new(model)),
+            Runner::Cuda { model, .. } => Cache::Cuda(KvCache::new(model)),
+        }
+    }
+
+    /// The KV pool requests are admitted to; None on the CPU (caches grow as needed and
+    /// `--max-batch` bounds them).
+    pub fn kv_room(&self) -> Option<KvRoom> {
+        match self {
+            Runner::Cpu => None,
+            Runner::Cuda { pool, .. } => Some(KvRoom {
+                block_tokens: pool.block_tokens(),
+                blocks: pool.capacity_blocks().unwrap_or(0),
+            }),
+        }
+    }
+
+    /// Blocks the pool has free now (None on the CPU).
+    pub fn kv_free_blocks(&self) -> Option<usize> {
+        match self {
+            Runner::Cpu => None,
+            Runner::Cuda { pool, .. } => Some(pool.free_blocks()),
+        }
+    }
+
+    /// Blocks feeding `count` more tokens to `cache` would take from the pool (0 on the CPU).
+    pub fn blocks_to_feed(cache: &Cache, count: usize) -> usize {
+        match cache {
+            Cache::Cpu(_) => 0,
+            Cache::Cuda(cache) => cache.kv.blocks_to_write(cache.len, count),
         }
     }
 
@@ -91,7 +258,7 @@ impl Runner {
     pub fn truncate(&self, host: &Model, cache: &mut Cache, len: usize) {
         match (self, cache) {
             (Runner::Cpu, Cache::Cpu(cache)) => cache.truncate(host, len),
-            (Runner::Cuda(model), Cache::Cuda(cache)) => cache.truncate(model, len),
+            (Runner::Cuda { model, .. }, Cache::Cuda(cache)) => cache.truncate(model, len),
             // A cache from another device is never truncated by this version: the engine
             // makes every cache with the version that fills it (see `forward`).
             _ => {}
@@ -114,7 +281,7 @@ impl Runner {
                 })?;
                 Ok(run(host, inputs))
             }
-            Runner::Cuda(model) => {
+            Runner::Cuda { model, .. } => {
                 let inputs = inputs(batch, |cache| match cache {
                     Cache::Cuda(cache) => Some(cache),
                     Cache::Cpu(_) => None,
@@ -142,7 +309,7 @@ fn inputs<'a, B: Backend>(
             on_device(cache)
                 .map(|cache| SeqInput { tokens, cache })
                 .ok_or_else(|| BackendError {
-                    kind: arl_model::backend::BackendErrorKind::Device,
+                    kind: BackendErrorKind::Device,
                     message: "a KV cache from another device reached this version (a bug)".into(),
                 })
         })

@@ -23,7 +23,7 @@ use arl_model::load::LoadedModel;
 use rayon::prelude::*;
 use tokio::sync::mpsc;
 
-use crate::device::{Cache, Device, Runner};
+use crate::device::{Cache, Device, KvRoom, Runner};
 
 /// A loaded policy version, ready on the engine's device.
 #[derive(Debug)]
@@ -56,6 +56,11 @@ impl ServedModel {
 
     fn new_cache(&self) -> Cache {
         self.runner.new_cache(&self.loaded.model)
+    }
+
+    /// The KV pool requests are admitted to (None on the CPU).
+    pub fn kv_room(&self) -> Option<KvRoom> {
+        self.runner.kv_room()
     }
 
     fn truncate(&self, cache: &mut Cache, len: usize) {
@@ -241,6 +246,10 @@ pub enum SubmitError {
         "this model's maximum context length is {max} tokens, but the prompt has {prompt} tokens"
     )]
     ContextLength { max: usize, prompt: usize },
+    #[error(
+        "this request needs {need} KV-cache positions (n × (prompt + max_tokens)) but the GPU's KV cache holds {capacity}; lower max_tokens or n, or give the cache more memory (--kv-cache-memory, --gpu-memory-utilization)"
+    )]
+    KvCapacity { need: usize, capacity: usize },
     #[error("the engine has stopped")]
     Stopped,
 }
@@ -318,10 +327,13 @@ impl EngineHandle {
         })
     }
 
-    /// The KV-cache tokens a full batch can hold: max_batch sequences of the longest
-    /// context (the CPU engine allocates per sequence; this is the budget it admits to).
+    /// The KV-cache tokens the engine admits to: on a GPU, what its block pool holds; on
+    /// the CPU (which allocates per sequence), max_batch sequences of the longest context.
     pub fn kv_capacity_tokens(&self) -> usize {
-        self.config.max_batch * self.max_len()
+        match self.current().and_then(|m| m.kv_room()) {
+            Some(room) => room.blocks * room.block_tokens,
+            None => self.config.max_batch * self.max_len(),
+        }
     }
 
     pub fn submit(&self, request: Request) -> Result<(), SubmitError> {
@@ -334,6 +346,17 @@ impl EngineHandle {
                 max,
                 prompt: request.prompt.len(),
             });
+        }
+        if let Some(model) = self.current()
+            && let Some(room) = model.kv_room()
+        {
+            let need = kv_blocks(room, &request, max) * request.n.max(1);
+            if need > room.blocks {
+                return Err(SubmitError::KvCapacity {
+                    need: need * room.block_tokens,
+                    capacity: room.blocks * room.block_tokens,
+                });
+            }
         }
         let waiting = self.stats.waiting.load(Ordering::SeqCst);
         if waiting >= self.config.queue_limit {
@@ -373,6 +396,9 @@ struct Sequence {
     forks: usize,
     /// A forward pass failed on it: its cache is not to be kept.
     failed: bool,
+    /// KV blocks set aside for it (and for the choices still to fork from it): it never
+    /// runs out mid-way, however long it decodes. 0 on the CPU.
+    kv_reserved: usize,
 }
 
 struct RequestShared {
@@ -465,11 +491,22 @@ impl Engine {
             return;
         };
         let mut deferred = VecDeque::new();
+        let room = model.kv_room();
+        let max = max_len(&model, self.config.max_model_len);
+        let mut reserved: usize = self.active.iter().map(|seq| seq.kv_reserved).sum();
         while let Some(request) = self.waiting.front() {
             let slots = request.n.max(1);
             if !self.active.is_empty() && self.active.len() + slots > self.config.max_batch {
                 break;
             }
+            // On a GPU, a request starts once the KV pool can hold all of it.
+            let need = room.map_or(0, |room| kv_blocks(room, request, max) * slots);
+            if let Some(room) = room
+                && reserved + need > room.blocks
+            {
+                break;
+            }
+            reserved += need;
             let Some(request) = self.waiting.pop_front() else {
                 break;
             };
@@ -477,7 +514,7 @@ impl Engine {
                 deferred.push_back(request);
                 continue;
             }
-            self.start(&model, request);
+            self.start(&model, request, need);
         }
         // Deferred requests keep their place at the front of the queue.
         while let Some(request) = deferred.pop_back() {
@@ -499,7 +536,7 @@ impl Engine {
 
     /// Starts a request: its cache from its session or a shared prefix, one sequence (whose
     /// other choices fork once its prompt is in).
-    fn start(&mut self, model: &Arc<ServedModel>, request: Request) {
+    fn start(&mut self, model: &Arc<ServedModel>, request: Request, kv_reserved: usize) {
         let slots = request.n.max(1);
         self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
         self.seed_counter += 1;
@@ -540,7 +577,34 @@ impl Engine {
             rng: Rng::new(base_seed),
             forks: slots - 1,
             failed: false,
+            kv_reserved,
         });
+    }
+
+    /// Frees the KV blocks cached prefixes and sessions hold when the pool has too few
+    /// left for this step's writes: those of running sequences fit in what admission set
+    /// aside for them, so after this they always do.
+    fn make_kv_room(&mut self, model: &ServedModel, indices: &[usize], feed_to: &[Option<usize>]) {
+        let Some(free) = model.runner.kv_free_blocks() else {
+            return;
+        };
+        let wanted: usize = indices
+            .iter()
+            .map(|&i| {
+                let seq = &self.active[i];
+                let count = feed_to[i].map_or(0, |end| end - seq.fed);
+                Runner::blocks_to_feed(&seq.cache, count)
+            })
+            .sum();
+        if wanted > free {
+            tracing::debug!(
+                wanted,
+                free,
+                "KV pool full: dropping cached prefixes and sessions"
+            );
+            self.prefixes.clear();
+            self.sessions.clear();
+        }
     }
 
     /// One forward pass per policy version over every sequence with tokens to feed.
@@ -577,6 +641,7 @@ impl Engine {
                 continue;
             };
             let model = self.active[first].model.clone();
+            self.make_kv_room(&model, &indices, &feed_to);
             let mut batch = Vec::with_capacity(indices.len());
             for (i, seq) in self.active.iter_mut().enumerate() {
                 if let (Some(end), true) = (feed_to[i], seq.model.is(&policy)) {
@@ -619,7 +684,9 @@ impl Engine {
             if seq.forks > 0
                 && let Some(l) = &logits[i]
             {
+                let per_choice = seq.kv_reserved / (seq.forks + 1);
                 for choice in 1..=seq.forks {
+                    seq.kv_reserved -= per_choice;
                     forked.push((
                         Sequence {
                             request: seq.request.clone(),
@@ -633,6 +700,7 @@ impl Engine {
                             rng: Rng::new(seq.request.base_seed.wrapping_add(choice as u64)),
                             forks: 0,
                             failed: false,
+                            kv_reserved: per_choice,
                         },
                         l.clone(),
                     ));
@@ -765,6 +833,11 @@ impl Engine {
 /// Prompt + completion limit of a model under the configured cap.
 fn max_len(model: &ServedModel, cap: usize) -> usize {
     model.loaded.model.config.max_position_embeddings.min(cap)
+}
+
+/// KV blocks one choice of `request` can fill: its prompt and every token it may generate.
+fn kv_blocks(room: KvRoom, request: &Request, max_len: usize) -> usize {
+    room.blocks_for((request.prompt.len() + request.params.max_tokens).min(max_len))
 }
 
 /// Samples with the request's settings; reports the model's raw log-probabilities.

@@ -9,7 +9,7 @@ use arl_runtime::host::{Context, Ops, Service, StartError};
 use arl_schemas::RunId;
 
 use crate::api::{self, AppState, InferenceMetrics};
-use crate::device::{Device, DeviceKind};
+use crate::device::{Device, DeviceKind, GpuMemory};
 use crate::engine::{EngineConfig, EngineHandle, ServedModel, SwapPolicy};
 
 /// `arl-inference`'s own flags (beside the common ones).
@@ -74,6 +74,25 @@ pub struct Args {
     /// The GPU to use with --device cuda (CUDA ordinal).
     #[arg(long, default_value_t = 0)]
     gpu: usize,
+    /// With --device cuda: the fraction of the GPU's memory this engine may use in all
+    /// (weights, room for one more version, a step's workspace, and the KV cache, which
+    /// takes the rest), as vLLM's flag; other processes' memory counts against it.
+    #[arg(long, default_value_t = 0.9, value_parser = fraction)]
+    gpu_memory_utilization: f64,
+    /// With --device cuda: the KV cache's size in GiB, instead of what
+    /// --gpu-memory-utilization leaves. Requests wait for room in it.
+    #[arg(long)]
+    kv_cache_memory: Option<f64>,
+}
+
+/// A fraction in (0, 1].
+fn fraction(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err(format!(
+            "expected a fraction above 0 and at most 1, got {text:?}"
+        )),
+    }
 }
 
 /// The inference service, for `arl_runtime::host`.
@@ -97,7 +116,24 @@ impl Service for Inference {
             .map(RunId::new)
             .transpose()
             .map_err(|e| format!("--run: {e}"))?;
-        let device = Device::open(args.device, args.gpu)
+        let memory = GpuMemory {
+            utilization: args.gpu_memory_utilization,
+            kv_cache_bytes: args
+                .kv_cache_memory
+                .map(|gib| {
+                    if gib > 0.0 && gib.is_finite() {
+                        Ok((gib * (1u64 << 30) as f64) as usize)
+                    } else {
+                        Err(format!(
+                            "--kv-cache-memory: expected GiB above 0, got {gib}"
+                        ))
+                    }
+                })
+                .transpose()?,
+            max_batch: args.max_batch.max(1),
+            prefill_chunk: args.prefill_chunk.max(1),
+        };
+        let device = Device::open(args.device, args.gpu, memory)
             .map_err(|e| format!("--device {:?}: {e}", args.device))?;
         tracing::info!(device = %device.name(), "model device opened");
         let base = args.model.as_deref().map(model_path_or_name);

@@ -161,6 +161,9 @@ pub fn submit_error(err: SubmitError, param: &'static str) -> ApiError {
         SubmitError::ContextLength { .. } => {
             ApiError::invalid(message, Some(param)).with_code("context_length_exceeded")
         }
+        SubmitError::KvCapacity { .. } => {
+            ApiError::invalid(message, Some("max_tokens")).with_code("kv_cache_capacity_exceeded")
+        }
     }
 }
 

@@ -8,11 +8,11 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use arl_inference::device::Device;
+use arl_inference::device::{Device, GpuMemory};
 use arl_inference::engine::{
-    EngineConfig, EngineHandle, Event, Request, Sampled, SamplingParams, ServedModel,
+    EngineConfig, EngineHandle, Event, Request, Sampled, SamplingParams, ServedModel, SubmitError,
 };
 use arl_model::load::LoadedModel;
 
@@ -107,7 +107,17 @@ fn the_gpu_engine_continues_as_the_cpu_engine_does() {
     .collect();
     let tokens = 40;
     let on_cpu = continue_greedily(&engine(&Device::Cpu, 8), &prompts, tokens);
-    let on_gpu = continue_greedily(&engine(&Device::Cuda(gpu), 8), &prompts, tokens);
+    let on_gpu = continue_greedily(
+        &engine(
+            &Device::Cuda {
+                gpu,
+                memory: GpuMemory::default(),
+            },
+            8,
+        ),
+        &prompts,
+        tokens,
+    );
 
     // Token for token until the CPU's two likeliest tokens are within 0.1 nats (there a
     // bf16 product may rightly pick the other), log-probabilities as bf16 products allow.
@@ -144,4 +154,113 @@ fn the_gpu_engine_continues_as_the_cpu_engine_does() {
         mean < 0.05 && worst < 0.5,
         "log-probabilities: mean {mean}, max {worst}"
     );
+}
+
+fn submit_greedy(
+    engine: &EngineHandle,
+    prompt: &[u32],
+    tokens: usize,
+) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, SubmitError> {
+    let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
+    engine.submit(Request {
+        prompt: prompt.to_vec(),
+        n: 1,
+        params: SamplingParams::greedy(tokens, 0),
+        session: None,
+        events,
+        cancel: vec![Arc::new(AtomicBool::new(false))],
+    })?;
+    Ok(receiver)
+}
+
+/// A request's tokens, once it finished.
+fn tokens_of(mut receiver: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Vec<u32> {
+    let mut tokens = Vec::new();
+    loop {
+        match receiver.blocking_recv().expect("the engine stopped") {
+            Event::Token { token, .. } => tokens.push(token.id),
+            Event::Finished { .. } => return tokens,
+            Event::Aborted { message, .. } => panic!("aborted: {message}"),
+            Event::Started { .. } => {}
+        }
+    }
+}
+
+#[test]
+fn the_gpu_engine_queues_requests_on_kv_memory() {
+    let Some(gpu) =
+        arl_model::cuda::for_tests("the_gpu_engine_queues_requests_on_kv_memory").unwrap()
+    else {
+        return;
+    };
+    // A KV pool of 10 blocks (16 positions each); a request of a 30-token prompt and 24
+    // new tokens sets aside 4, so two run at once and the others wait their turn.
+    let loaded = LoadedModel::open(&smollm2()).expect("SmolLM2: run `make models`");
+    let config = &loaded.model.config;
+    let block_bytes = config.num_hidden_layers * 2 * 16 * config.kv_dim() * 4;
+    let device = Device::Cuda {
+        gpu,
+        memory: GpuMemory {
+            kv_cache_bytes: Some(10 * block_bytes),
+            ..GpuMemory::default()
+        },
+    };
+    let served = ServedModel::new(None, 0, loaded, &device).unwrap();
+    let engine = EngineHandle::start(
+        EngineConfig {
+            max_batch: 8,
+            prefix_cache_tokens: 0,
+            device,
+            ..EngineConfig::default()
+        },
+        Some(served),
+    )
+    .unwrap();
+    assert_eq!(engine.kv_capacity_tokens(), 160);
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|p| (0..30).map(|i| 100 + (p * 31 + i * 17) % 4000).collect())
+        .collect();
+    let (new_tokens, rounds) = (24, 3);
+
+    // Each alone, then all at once: the same tokens, never more than two in flight.
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| tokens_of(submit_greedy(&engine, p, new_tokens).unwrap()))
+        .collect();
+    for _ in 0..rounds {
+        let receivers: Vec<_> = prompts
+            .iter()
+            .map(|p| submit_greedy(&engine, p, new_tokens).unwrap())
+            .collect();
+        let readers: Vec<_> = receivers
+            .into_iter()
+            .map(|r| std::thread::spawn(move || tokens_of(r)))
+            .collect();
+        // The engine's own count of running sequences, watched until all are done.
+        let mut most = 0;
+        while readers.iter().any(|r| !r.is_finished()) {
+            most = most.max(engine.stats.active.load(Ordering::SeqCst));
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        for (i, (reader, a)) in readers.into_iter().zip(&alone).enumerate() {
+            let together = reader.join().unwrap();
+            assert_eq!(
+                &together, a,
+                "request {i}: batched under KV pressure vs alone"
+            );
+        }
+        assert_eq!(
+            most, 2,
+            "running sequences at most; the pool holds two requests"
+        );
+    }
+
+    // One that could never fit is refused, saying why.
+    let long: Vec<u32> = (0..100).map(|i| 100 + i).collect();
+    match submit_greedy(&engine, &long, 100) {
+        Err(SubmitError::KvCapacity { need, capacity }) => {
+            assert_eq!((need, capacity), (208, 160));
+        }
+        other => panic!("expected KvCapacity, got {:?}", other.map(|_| ())),
+    }
 }

@@ -41,8 +41,8 @@ const KERNEL_NAMES: &[&str] = &[
     "flash_forward_128",
     "flash_backward_dq_128",
     "flash_backward_dkv_128",
-    "attention_cached_rows",
-    "copy_ranges",
+    "attention_paged",
+    "kv_write",
     "head_stats",
     "head_dlogits",
     "adamw",
@@ -112,6 +112,9 @@ pub struct Device {
     /// tables), newest first: every layer of a pass asks for the same ones, and each host
     /// upload can stall the stream.
     pub(crate) tables: Mutex<Vec<UploadedTable>>,
+    /// The paged KV caches' block pools, one per model shape (weak: a pool lives while a
+    /// cache or its owner holds it).
+    pub(crate) kv_pools: Mutex<Vec<std::sync::Weak<super::kv::KvPool>>>,
 }
 
 /// A host table's values and its copy on the device.
@@ -259,6 +262,7 @@ impl Device {
             blas: Mutex::new(blas),
             fault: Mutex::new(None),
             tables: Mutex::new(Vec::new()),
+            kv_pools: Mutex::new(Vec::new()),
             profile: std::env::var_os("ARL_CUDA_PROFILE")
                 .is_some_and(|v| v == "1")
                 .then(|| Mutex::new(BTreeMap::new())),

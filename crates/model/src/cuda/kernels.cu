@@ -296,15 +296,39 @@ __device__ float score(const float* qi, const float* kj, int hd, float scale) {
 // Keys a block stages in shared memory at once.
 #define TILE 1024
 
-// One (row, head): out_i = Σ_j p_j v_j over the first `visible` keys and values (rows of
-// k and v `stride` floats apart), p_j = exp(s_j − lse) from an online max and sum, computed a
-// tile of keys at a time; returns lse. Called by a whole block (`shared`, `pc` its own).
-__device__ float attend_row(float* oi, const float* qi, const float* k, const float* v, int visible,
-                            int stride, int hd, float* shared, float* pc) {
+// Where one (sequence, kv head)'s keys and values lie. Dense (training): row j at
+// k + j·stride. Paged (the decode cache): position j in block blocks[j >> shift] at row
+// j & (2^shift − 1); a block holds every layer's keys, then values, for 2^shift positions.
+struct DenseKv {
+    const float* k;
+    const float* v;
+    int stride;
+    __device__ const float* key(int j) const { return k + (long long)j * stride; }
+    __device__ const float* value(int j) const { return v + (long long)j * stride; }
+};
+
+struct PagedKv {
+    const long long* blocks;
+    long long offset;    // this layer's keys and this kv head in a block
+    long long v_offset;  // from a key to its value
+    int shift;
+    int kv_dim;
+    __device__ const float* key(int j) const {
+        return (const float*)blocks[j >> shift] + offset + (long long)(j & ((1 << shift) - 1)) * kv_dim;
+    }
+    __device__ const float* value(int j) const { return key(j) + v_offset; }
+};
+
+// One (row, head): out_i = Σ_j p_j v_j over the first `visible` keys and values, p_j =
+// exp(s_j − lse) from an online max and sum, computed a tile of keys at a time; returns lse.
+// Called by a whole block (`shared`, `pc` its own).
+template <class Kv>
+__device__ float attend_row(float* oi, const float* qi, const Kv& kv, int visible, int hd, float* shared,
+                            float* pc) {
     float scale = 1.0f / sqrtf((float)hd);
     float m = NEG_INF, l = 0.f;
     for (int j = threadIdx.x; j < visible; j += blockDim.x) {
-        float s = score(qi, k + (long long)j * stride, hd, scale);
+        float s = score(qi, kv.key(j), hd, scale);
         float m_new = fmaxf(m, s);
         l = l * expf(m - m_new) + expf(s - m_new);
         m = m_new;
@@ -317,12 +341,12 @@ __device__ float attend_row(float* oi, const float* qi, const float* k, const fl
         int j1 = min(visible, j0 + TILE);
         __syncthreads();
         for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
-            pc[j - j0] = expf(score(qi, k + (long long)j * stride, hd, scale) - row_lse);
+            pc[j - j0] = expf(score(qi, kv.key(j), hd, scale) - row_lse);
         }
         __syncthreads();
         for (int d = threadIdx.x; d < hd; d += blockDim.x) {
             float acc = 0.f;
-            for (int j = j0; j < j1; j++) acc += pc[j - j0] * v[(long long)j * stride + d];
+            for (int j = j0; j < j1; j++) acc += pc[j - j0] * kv.value(j)[d];
             oi[d] += acc;
         }
     }
@@ -340,8 +364,8 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
     int kvh = h / (heads / kv_heads);
     long long pair = (long long)row * heads + h;
     long long first = (start * kv_heads + kvh) * hd;
-    float row_lse = attend_row(out + pair * hd, q + pair * hd, k + first, v + first, (int)(row - start) + 1,
-                               kv_heads * hd, hd, shared, pc);
+    DenseKv kv = {k + first, v + first, kv_heads * hd};
+    float row_lse = attend_row(out + pair * hd, q + pair * hd, kv, (int)(row - start) + 1, hd, shared, pc);
     if (threadIdx.x == 0) lse[pair] = row_lse;
 }
 
@@ -804,32 +828,34 @@ extern "C" __global__ void __launch_bounds__(64) flash_backward_dkv_128(float* d
     flash_backward_dkv<128, 2, 32>(dk, dv, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
-// Query rows over KV caches, in one launch for a whole decode step: entry e of the table
-// is (row of q and out, its cache's k and v as device addresses of (len, nkv, hd) buffers,
-// positions of the cache it sees). One block per (entry, head).
-extern "C" __global__ void attention_cached_rows(float* out, const float* q, const long long* table,
-                                                 int heads, int kv_heads, int hd) {
+// Cached attention over the paged KV cache: one block per (new row, head). entries[3e] is
+// the row (in q and out), entries[3e+1] where its sequence's block addresses start in
+// `blocks`, entries[3e+2] how many positions it sees (its own included).
+extern "C" __global__ void attention_paged(float* out, const float* q, const long long* entries,
+                                           const long long* blocks, long long layer_offset, long long v_offset,
+                                           int heads, int kv_heads, int hd, int shift) {
     __shared__ float shared[32];
     __shared__ float pc[TILE];
-    const long long* entry = table + 4 * blockIdx.x;
+    const long long* entry = entries + 3 * blockIdx.x;
     int h = blockIdx.y;
     int kvh = h / (heads / kv_heads);
     long long pair = entry[0] * heads + h;
-    long long first = (long long)kvh * hd;
-    attend_row(out + pair * hd, q + pair * hd, (const float*)entry[1] + first, (const float*)entry[2] + first,
-               (int)entry[3], kv_heads * hd, hd, shared, pc);
+    PagedKv kv = {blocks + entry[1], layer_offset + (long long)kvh * hd, v_offset, shift, kv_heads * hd};
+    attend_row(out + pair * hd, q + pair * hd, kv, (int)entry[2], hd, shared, pc);
 }
 
-// Copies of many ranges in one launch (a decode step's new keys or values into every
-// sequence's cache): copy c = blockIdx.y writes table[3c+2] floats from src + table[3c+1]
-// to the device address table[3c].
-extern "C" __global__ void copy_ranges(const float* src, const long long* table) {
-    long long c = blockIdx.y;
-    float* dst = (float*)table[3 * c];
-    const float* from = src + table[3 * c + 1];
-    long long count = table[3 * c + 2];
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x) {
-        dst[i] = from[i];
+// A pass's new keys and values into the paged cache, one layer: the row entries[3e] of k
+// and v (kv_dim floats each) goes to slots[e] (its position's row in layer 0's keys) +
+// layer_offset, its value v_offset further on. One block per entry.
+extern "C" __global__ void kv_write(const float* k, const float* v, const long long* slots,
+                                    const long long* entries, long long layer_offset, long long v_offset,
+                                    int kv_dim) {
+    long long e = blockIdx.x;
+    long long r = entries[3 * e];
+    float* dst = (float*)slots[e] + layer_offset;
+    for (int d = threadIdx.x; d < kv_dim; d += blockDim.x) {
+        dst[d] = k[r * kv_dim + d];
+        dst[v_offset + d] = v[r * kv_dim + d];
     }
 }
 

@@ -20,15 +20,16 @@
 
 mod device;
 mod gemm;
+mod kv;
 
-use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 pub use device::{CudaError, Device, DeviceInfo, MIN_COMPUTE_CAPABILITY, devices};
+pub use kv::{BLOCK_TOKENS, KvPool, PagedKv, PagedStep};
 
-use crate::backend::{AdamStep, Backend, CachedSeq, Product, ProductGrad, Span};
+use crate::backend::{AdamStep, Backend, KvRows, PackedProduct, Product, ProductGrad, Span};
 use crate::ops::PackedMatrix;
 
 const BLOCK: u32 = 256;
@@ -91,10 +92,6 @@ impl Clone for GpuBuf {
 }
 
 impl GpuBuf {
-    fn capacity(&self) -> usize {
-        self.slice.as_ref().map_or(0, CudaSlice::len)
-    }
-
     /// The device address of element `offset` (0 when there is no allocation, which only a
     /// faulted device or an empty buffer has; neither launches anything).
     fn ptr(&self, offset: usize) -> u64 {
@@ -498,6 +495,8 @@ fn per_tile(tiles: usize, heads: usize, rows: usize) -> LaunchConfig {
 impl Backend for Cuda {
     type Buf = GpuBuf;
     type Packed = Bf16Matrix;
+    type Kv = PagedKv;
+    type KvStep = PagedStep;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -558,56 +557,29 @@ impl Backend for Cuda {
         })
     }
 
-    fn append(&self, dst: &mut GpuBuf, src: &GpuBuf, range: Range<usize>) {
-        let (old, added) = (dst.len, range.len());
-        let new_len = old + added;
-        if new_len > dst.capacity() {
-            // Grow by doubling so a cache that gains a token per step copies O(len) in all.
-            let mut grown = self.alloc(new_len.max(2 * dst.capacity()), "growing a KV cache");
-            self.copy_within(&mut grown, 0, dst, 0, old);
-            *dst = grown;
-        }
-        self.copy_within(dst, old, src, range.start, added);
-        dst.len = new_len;
+    fn kv_new(&self, layers: usize, kv_dim: usize) -> PagedKv {
+        self.kv_new_paged(layers, kv_dim)
     }
 
-    fn append_each(&self, appends: &mut [(&mut GpuBuf, Range<usize>)], src: &GpuBuf) {
-        // Room first (a cache that must grow is copied into a buffer twice its size), then
-        // every range in one launch: per sequence and layer a copy of its own would make a
-        // decode step's cost grow with the batch in launches, not in bytes.
-        let mut table: Vec<i64> = Vec::with_capacity(3 * appends.len());
-        let mut longest = 0;
-        for (dst, range) in appends.iter_mut() {
-            let (old, added) = (dst.len, range.len());
-            if added == 0 {
-                continue;
-            }
-            let new_len = old + added;
-            if new_len > dst.capacity() {
-                let mut grown = self.alloc(new_len.max(2 * dst.capacity()), "growing a KV cache");
-                self.copy_within(&mut grown, 0, dst, 0, old);
-                **dst = grown;
-            }
-            dst.len = new_len;
-            table.extend([dst.ptr(old) as i64, range.start as i64, added as i64]);
-            longest = longest.max(added);
-        }
-        let copies = table.len() / 3;
-        let Some(table) = self.upload_any(&table) else {
-            return;
-        };
-        let blocks = longest.div_ceil(BLOCK as usize).min(64) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, copies as u32, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let sp = src.ptr(0);
-        self.launch("copy_ranges", cfg, args![sp, table]);
+    fn kv_truncate(&self, kv: &mut PagedKv, len: usize) {
+        self.kv_truncate_paged(kv, len);
     }
 
-    fn truncate(&self, buf: &mut GpuBuf, len: usize) {
-        buf.len = buf.len.min(len);
+    fn kv_prepare(&self, seqs: &mut [KvRows<'_, PagedKv>]) -> PagedStep {
+        self.kv_prepare_paged(seqs)
+    }
+
+    fn kv_write(
+        &self,
+        layer: usize,
+        step: &PagedStep,
+        seqs: &mut [KvRows<'_, PagedKv>],
+        k: &GpuBuf,
+        v: &GpuBuf,
+    ) {
+        if let Some(s) = seqs.first() {
+            self.kv_write_paged(layer, step, s.kv.pool(), k, v);
+        }
     }
 
     fn gather_rows(&self, out: &mut GpuBuf, x: &GpuBuf, rows: &[usize], c: usize) {
@@ -780,6 +752,27 @@ impl Backend for Cuda {
         if let Some(bias) = bias {
             let (op, bp, n32, o32) = (out.ptr(0), bias.ptr(0), n as i32, w.rows as i32);
             self.launch("add_bias", elementwise(n * w.rows), args![op, bp, n32, o32]);
+        }
+    }
+
+    fn matmul_packed_shared(
+        &self,
+        x: &GpuBuf,
+        n: usize,
+        products: &mut [PackedProduct<'_, GpuBuf, Bf16Matrix>],
+    ) {
+        // x goes to bf16 once for every product that reads it.
+        let Some(cols) = products.first().map(|p| p.w.cols) else {
+            return;
+        };
+        let x_bf = self.bf16(x, 0, n * cols);
+        for p in products {
+            let w = p.w;
+            self.gemm_bf16_forward(p.out.ptr(0), &x_bf, &w.data, n, w.cols, w.rows);
+            if let Some(bias) = p.bias {
+                let (op, bp, n32, o32) = (p.out.ptr(0), bias.ptr(0), n as i32, w.rows as i32);
+                self.launch("add_bias", elementwise(n * w.rows), args![op, bp, n32, o32]);
+            }
         }
     }
 
@@ -1005,56 +998,21 @@ impl Backend for Cuda {
         );
     }
 
-    fn attention_cached_batch(
+    fn kv_attention(
         &self,
+        layer: usize,
+        step: &PagedStep,
         out: &mut GpuBuf,
         q: &GpuBuf,
-        seqs: &[CachedSeq<'_, GpuBuf>],
+        seqs: &[KvRows<'_, PagedKv>],
         heads: usize,
         kv_heads: usize,
         hd: usize,
     ) {
-        // One launch for every query row of every sequence, each row told its own cache
-        // and how much of it it sees.
-        let mut table: Vec<i64> = Vec::new();
-        for s in seqs {
-            let (k, v) = (s.k.ptr(0) as i64, s.v.ptr(0) as i64);
-            for (i, row) in s.rows.clone().enumerate() {
-                table.extend([row as i64, k, v, (s.start + i + 1) as i64]);
-            }
+        if let Some(s) = seqs.first() {
+            let pool = s.kv.pool();
+            self.kv_attention_paged(layer, step, pool, out, q, heads, kv_heads, hd);
         }
-        let rows = table.len() / 4;
-        let Some(table) = self.upload_any(&table) else {
-            return;
-        };
-        let (o, qp, h, kvh, hd32) = (
-            out.ptr(0),
-            q.ptr(0),
-            heads as i32,
-            kv_heads as i32,
-            hd as i32,
-        );
-        self.launch(
-            "attention_cached_rows",
-            per_row_head(rows, heads),
-            args![o, qp, table, h, kvh, hd32],
-        );
-    }
-
-    fn attention_cached(
-        &self,
-        out: &mut GpuBuf,
-        q: &GpuBuf,
-        rows: Range<usize>,
-        k: &GpuBuf,
-        v: &GpuBuf,
-        start: usize,
-        heads: usize,
-        kv_heads: usize,
-        hd: usize,
-    ) {
-        let seq = CachedSeq { rows, k, v, start };
-        self.attention_cached_batch(out, q, &[seq], heads, kv_heads, hd);
     }
 
     fn head_forward(

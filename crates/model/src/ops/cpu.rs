@@ -6,16 +6,27 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::{PackedMatrix, gemm, head};
-use crate::backend::{AdamStep, Backend, CachedSeq, Span};
+use crate::backend::{AdamStep, Backend, KvRows, Span};
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cpu;
 
 type Buf = Vec<f32>;
 
+/// The CPU's KV cache of one sequence: per layer, its keys and its values, (len, nkv, hd)
+/// each in one growing buffer (decode kernels read them as plain slices).
+#[derive(Clone, Debug)]
+pub struct ContiguousKv {
+    pub k: Vec<Buf>,
+    pub v: Vec<Buf>,
+    kv_dim: usize,
+}
+
 impl Backend for Cpu {
     type Buf = Vec<f32>;
     type Packed = PackedMatrix;
+    type Kv = ContiguousKv;
+    type KvStep = ();
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -41,12 +52,42 @@ impl Backend for Cpu {
         Some(host.clone())
     }
 
-    fn append(&self, dst: &mut Buf, src: &Buf, range: Range<usize>) {
-        dst.extend_from_slice(&src[range]);
+    fn kv_new(&self, layers: usize, kv_dim: usize) -> ContiguousKv {
+        ContiguousKv {
+            k: vec![Vec::new(); layers],
+            v: vec![Vec::new(); layers],
+            kv_dim,
+        }
     }
 
-    fn truncate(&self, buf: &mut Buf, len: usize) {
-        buf.truncate(len);
+    fn kv_truncate(&self, kv: &mut ContiguousKv, len: usize) {
+        let keep = len * kv.kv_dim;
+        for (k, v) in kv.k.iter_mut().zip(&mut kv.v) {
+            k.truncate(keep);
+            v.truncate(keep);
+        }
+    }
+
+    fn kv_prepare(&self, _seqs: &mut [KvRows<'_, ContiguousKv>]) {}
+
+    fn kv_write(
+        &self,
+        layer: usize,
+        _step: &(),
+        seqs: &mut [KvRows<'_, ContiguousKv>],
+        k: &Buf,
+        v: &Buf,
+    ) {
+        for s in seqs {
+            let kv_dim = s.kv.kv_dim;
+            debug_assert_eq!(
+                s.kv.k[layer].len(),
+                s.start * kv_dim,
+                "writes follow the cache"
+            );
+            s.kv.k[layer].extend_from_slice(&k[rows_of(&s.rows, kv_dim)]);
+            s.kv.v[layer].extend_from_slice(&v[rows_of(&s.rows, kv_dim)]);
+        }
     }
 
     fn gather_rows(&self, out: &mut Buf, x: &Buf, rows: &[usize], c: usize) {
@@ -252,36 +293,13 @@ impl Backend for Cpu {
         }
     }
 
-    fn attention_cached(
+    fn kv_attention(
         &self,
+        layer: usize,
+        _step: &(),
         out: &mut Buf,
         q: &Buf,
-        rows: Range<usize>,
-        k: &Buf,
-        v: &Buf,
-        start: usize,
-        heads: usize,
-        kv_heads: usize,
-        hd: usize,
-    ) {
-        let c = heads * hd;
-        super::attention_cached(
-            &mut out[rows_of(&rows, c)],
-            &q[rows_of(&rows, c)],
-            k,
-            v,
-            start,
-            heads,
-            kv_heads,
-            hd,
-        );
-    }
-
-    fn attention_cached_batch(
-        &self,
-        out: &mut Buf,
-        q: &Buf,
-        seqs: &[CachedSeq<'_, Buf>],
+        seqs: &[KvRows<'_, ContiguousKv>],
         heads: usize,
         kv_heads: usize,
         hd: usize,
@@ -298,13 +316,13 @@ impl Backend for Cpu {
             })
             .all(|ok| ok);
         if !contiguous {
+            let c = heads * hd;
             for s in seqs {
-                self.attention_cached(
-                    out,
-                    q,
-                    s.rows.clone(),
-                    s.k,
-                    s.v,
+                super::attention_cached(
+                    &mut out[rows_of(&s.rows, c)],
+                    &q[rows_of(&s.rows, c)],
+                    &s.kv.k[layer],
+                    &s.kv.v[layer],
                     s.start,
                     heads,
                     kv_heads,
@@ -313,9 +331,9 @@ impl Backend for Cpu {
             }
             return;
         }
-        let rows: Vec<(&CachedSeq<'_, Buf>, usize)> = seqs
+        let rows: Vec<(&ContiguousKv, usize)> = seqs
             .iter()
-            .flat_map(|s| (0..s.rows.len()).map(move |i| (s, s.start + i + 1)))
+            .flat_map(|s| (0..s.rows.len()).map(move |i| (&*s.kv, s.start + i + 1)))
             .collect();
         // One task per (row, kv head): the heads sharing a kv head read its rows once.
         let group = heads / kv_heads;
@@ -325,9 +343,10 @@ impl Backend for Cpu {
             .with_min_len(2)
             .for_each_init(Vec::new, |scores, (task, o)| {
                 let (row, kv_head) = (task / kv_heads, task % kv_heads);
-                let (seq, visible) = rows[row];
+                let (kv, visible) = rows[row];
+                let (k, v) = (&kv.k[layer], &kv.v[layer]);
                 let qi = &q[((first + row) * kv_heads + kv_head) * group * hd..][..group * hd];
-                super::attend_group(o, qi, seq.k, seq.v, visible, kv_head, kv_heads, hd, scores);
+                super::attend_group(o, qi, k, v, visible, kv_head, kv_heads, hd, scores);
             });
     }
 

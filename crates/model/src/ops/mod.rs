@@ -13,7 +13,7 @@ mod memory;
 mod packed;
 mod thin;
 
-pub use cpu::Cpu;
+pub use cpu::{ContiguousKv, Cpu};
 pub use gemm::{matmul_backward, matmul_forward};
 pub use memory::{
     heap_in_use_bytes, prepare_process, retain_freed_memory, size_thread_pool, zeroed,

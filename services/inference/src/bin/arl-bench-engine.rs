@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use arl_inference::device::{Device, DeviceKind};
+use arl_inference::device::{Device, DeviceKind, GpuMemory};
 use arl_inference::engine::{
     EngineConfig, EngineHandle, Event, Request, SamplingParams, ServedModel,
 };
@@ -216,12 +216,63 @@ fn torch_rows(args: &Args, python: &PathBuf) -> Result<Vec<serde_json::Value>> {
         .collect()
 }
 
+/// With ARL_CUDA_PROFILE=1 on a GPU: (kernel or product, calls, seconds) since the last
+/// call; empty otherwise.
+fn take_profile(device: &Device) -> Vec<(&'static str, u64, f64)> {
+    match device {
+        Device::Cuda { gpu, .. } => gpu.take_profile(),
+        Device::Cpu => Vec::new(),
+    }
+}
+
+/// Where a decode step's device time went (each kernel drained and timed alone, so the
+/// run itself is slower than the table's figures).
+fn print_profile(rows: &[(&'static str, u64, f64)], batch: usize, steps: usize) {
+    if rows.is_empty() {
+        return;
+    }
+    let total: f64 = rows.iter().map(|r| r.2).sum();
+    println!(
+        "\nbatch {batch}, per decode step, ARL_CUDA_PROFILE=1 (each kernel drained and timed alone; {:.2} ms in all):",
+        total * 1e3 / steps as f64
+    );
+    for (name, calls, seconds) in rows.iter().take(16) {
+        println!(
+            "  {name:<24} {:>6} calls {:>8.3} ms {:>5.1}%",
+            calls / steps as u64,
+            seconds * 1e3 / steps as f64,
+            100.0 * seconds / total
+        );
+    }
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     arl_model::ops::retain_freed_memory();
-    let device = Device::open(args.device, args.gpu).map_err(|e| format!("--device: {e}"))?;
     let started = Instant::now();
     let loaded = load(&args.model)?;
+    let widest = args
+        .batches
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(1)
+        .max(args.prefill_prompts);
+    // Every batch's prompts in one step: decode is what is measured.
+    let prefill_chunk = (widest * args.prompt_len).max(args.prefill_prompts * args.prefill_len);
+    // A KV cache for the widest batch (with room to spare), not most of the GPU: HF
+    // generate() runs on the same GPU while this process still holds it.
+    let config = &loaded.model.config;
+    let per_token = config.num_hidden_layers * 2 * config.kv_dim() * size_of::<f32>();
+    let longest = args.prefill_len.max(args.prompt_len + args.new_tokens) + 16;
+    let memory = GpuMemory {
+        kv_cache_bytes: Some(2 * widest * longest * per_token),
+        max_batch: widest,
+        prefill_chunk,
+        ..GpuMemory::default()
+    };
+    let device =
+        Device::open(args.device, args.gpu, memory).map_err(|e| format!("--device: {e}"))?;
     let vocab = loaded.model.config.vocab_size;
     let served = ServedModel::new(None, 0, loaded, &device).map_err(|e| e.to_string())?;
     eprintln!(
@@ -230,19 +281,11 @@ fn main() -> Result<()> {
         device.name(),
         started.elapsed().as_secs_f64()
     );
-    let widest = args
-        .batches
-        .iter()
-        .copied()
-        .max()
-        .unwrap_or(1)
-        .max(args.prefill_prompts);
     let engine = EngineHandle::start(
         EngineConfig {
             max_batch: widest,
             queue_limit: widest,
-            // A whole batch's prompts in one step: decode is what is measured.
-            prefill_chunk: widest * args.prompt_len.max(args.prefill_len),
+            prefill_chunk,
             max_model_len: args.prefill_len.max(args.prompt_len + args.new_tokens) + 1,
             prefix_cache_tokens: 0,
             device: device.clone(),
@@ -262,7 +305,9 @@ fn main() -> Result<()> {
     let mut rows = Vec::new();
     for (i, &batch) in args.batches.iter().enumerate() {
         let prompts = random_prompts(batch, args.prompt_len, vocab, 10 + i as u64);
+        take_profile(&device);
         let mut measured = run(&engine, &prompts, args.new_tokens)?;
+        print_profile(&take_profile(&device), batch, args.new_tokens);
         let p50 = percentile(&mut measured.per_token, 0.5) * 1e3;
         let p99 = percentile(&mut measured.per_token, 0.99) * 1e3;
         rows.push((batch, measured.decode_tok_s, p50, p99));

@@ -1,0 +1,435 @@
+//! The paged KV cache: every sequence's keys and values live in fixed-size blocks of one
+//! pool per model shape, so hundreds of sequences share GPU memory without each growing
+//! (and copying) a buffer of its own, and a fork (a GRPO group's choices, a cached prompt
+//! prefix) shares its parent's blocks instead of copying them.
+//!
+//! A block holds [`BLOCK_TOKENS`] positions of every layer: `[layer][keys, values][position]
+//! [kv_dim]`, so copying one (copy-on-write) is one device copy. Blocks are counted: a
+//! sequence writing into a block another one still holds gets its own copy first
+//! ([`Cuda::kv_prepare_paged`]), and a block goes back to the pool when its last holder
+//! drops it. Each forward pass uploads one table — every new row's slot, every row's block
+//! list and visible length — that every layer's write and attention launches read.
+
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+
+use cudarc::driver::{CudaSlice, LaunchConfig};
+
+use super::{Arg, BLOCK, Cuda, CudaError, GpuBuf, args, device};
+use crate::backend::KvRows;
+
+/// Positions a block holds (a power of two: the attention kernel shifts by its log).
+pub const BLOCK_TOKENS: usize = 16;
+const BLOCK_SHIFT: i32 = BLOCK_TOKENS.trailing_zeros() as i32;
+/// Bytes a pool allocates at once when it grows on demand.
+const CHUNK_BYTES: usize = 64 << 20;
+
+/// The blocks of every KV cache of one model shape on one GPU.
+#[derive(Debug)]
+pub struct KvPool {
+    cuda: Cuda,
+    layers: usize,
+    kv_dim: usize,
+    state: Mutex<PoolState>,
+}
+
+#[derive(Debug, Default)]
+struct PoolState {
+    /// The pool's allocations; blocks are slices of them.
+    chunks: Vec<GpuBuf>,
+    /// Each block's device address.
+    addr: Vec<u64>,
+    /// Each block's holders (0: free).
+    refs: Vec<u32>,
+    free: Vec<u32>,
+    /// The most blocks the pool may hold; None grows until the GPU runs out of memory.
+    limit: Option<usize>,
+}
+
+impl KvPool {
+    /// Floats one block holds.
+    fn block_floats(&self) -> usize {
+        self.layers * 2 * BLOCK_TOKENS * self.kv_dim
+    }
+
+    /// Bytes one block holds: KV memory per position is this / [`BLOCK_TOKENS`].
+    pub fn block_bytes(&self) -> usize {
+        self.block_floats() * size_of::<f32>()
+    }
+
+    /// Positions a block holds.
+    pub fn block_tokens(&self) -> usize {
+        BLOCK_TOKENS
+    }
+
+    /// Allocates the pool's blocks now, `blocks` in all, and caps it there: a serving engine
+    /// sizes its KV memory once and admits requests to what it holds. The error is the
+    /// allocation's (too little free memory).
+    pub fn reserve(&self, blocks: usize) -> Result<(), CudaError> {
+        let mut state = self.lock();
+        state.limit = Some(blocks.max(state.addr.len()));
+        while state.addr.len() < blocks {
+            if !self.grow(&mut state) {
+                // Too little memory: the pool keeps what it got, the caller hears why.
+                state.limit = Some(state.addr.len());
+                break;
+            }
+        }
+        drop(state);
+        self.cuda.synchronize()
+    }
+
+    /// Blocks not held by any cache (including those the pool may still allocate).
+    pub fn free_blocks(&self) -> usize {
+        let state = self.lock();
+        state.free.len()
+            + state
+                .limit
+                .map_or(0, |l| l.saturating_sub(state.addr.len()))
+    }
+
+    /// Blocks the pool holds or may allocate (None: no cap).
+    pub fn capacity_blocks(&self) -> Option<usize> {
+        self.lock().limit
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// One more allocation of blocks (up to the limit); false when none can be made.
+    fn grow(&self, state: &mut PoolState) -> bool {
+        let per_chunk = (CHUNK_BYTES / self.block_bytes()).max(1);
+        let room = state
+            .limit
+            .map_or(per_chunk, |l| l.saturating_sub(state.addr.len()));
+        let blocks = per_chunk.min(room);
+        if blocks == 0 {
+            return false;
+        }
+        let chunk = self
+            .cuda
+            .alloc(blocks * self.block_floats(), "KV cache blocks");
+        if chunk.slice.is_none() {
+            return false;
+        }
+        for b in 0..blocks {
+            let id = state.addr.len() as u32;
+            state.addr.push(chunk.ptr(b * self.block_floats()));
+            state.refs.push(0);
+            state.free.push(id);
+        }
+        // Lowest ids first, so a fresh pool hands out its blocks in address order.
+        state.free.sort_unstable_by(|a, b| b.cmp(a));
+        state.chunks.push(chunk);
+        true
+    }
+
+    /// A free block, held once; None when the pool is full (or the GPU is out of memory).
+    fn take(&self, state: &mut PoolState) -> Option<u32> {
+        if state.free.is_empty() && !self.grow(state) {
+            return None;
+        }
+        let id = state.free.pop()?;
+        state.refs[id as usize] = 1;
+        Some(id)
+    }
+
+    fn release(&self, state: &mut PoolState, id: u32) {
+        let refs = &mut state.refs[id as usize];
+        *refs -= 1;
+        if *refs == 0 {
+            state.free.push(id);
+        }
+    }
+}
+
+/// One sequence's KV cache: its blocks, in position order (block i holds positions
+/// i·BLOCK_TOKENS..). The length lives with the caller ([`crate::model::KvCache`]).
+#[derive(Debug)]
+pub struct PagedKv {
+    pool: Arc<KvPool>,
+    blocks: Vec<u32>,
+}
+
+impl PagedKv {
+    /// The pool its blocks come from.
+    pub fn pool(&self) -> &Arc<KvPool> {
+        &self.pool
+    }
+
+    /// Blocks writing positions start..start + count would take from the pool: new ones,
+    /// and a copy of a shared block it would write into.
+    pub fn blocks_to_write(&self, start: usize, count: usize) -> usize {
+        if count == 0 {
+            return 0;
+        }
+        let fresh = (start + count).div_ceil(BLOCK_TOKENS)
+            - self.blocks.len().min(start.div_ceil(BLOCK_TOKENS));
+        let state = self.pool.lock();
+        let copied = start % BLOCK_TOKENS != 0
+            && self
+                .blocks
+                .get(start / BLOCK_TOKENS)
+                .is_some_and(|&b| state.refs[b as usize] > 1);
+        fresh + usize::from(copied)
+    }
+}
+
+impl Clone for PagedKv {
+    /// A fork: the same blocks, held once more.
+    fn clone(&self) -> Self {
+        let mut state = self.pool.lock();
+        for &b in &self.blocks {
+            state.refs[b as usize] += 1;
+        }
+        Self {
+            pool: self.pool.clone(),
+            blocks: self.blocks.clone(),
+        }
+    }
+}
+
+impl Drop for PagedKv {
+    fn drop(&mut self) {
+        let mut state = self.pool.lock();
+        for &b in &self.blocks {
+            self.pool.release(&mut state, b);
+        }
+    }
+}
+
+/// A forward pass's table on the device (see the module doc): new row e's slot at e, its
+/// entry (row of the step's q, k, v and out; where its sequence's block addresses start;
+/// positions it sees) at `entries + 3e`, block addresses from `blocks`.
+#[derive(Debug)]
+pub struct PagedStep {
+    table: Option<CudaSlice<i64>>,
+    rows: usize,
+    entries: usize,
+    blocks: usize,
+}
+
+impl PagedStep {
+    fn at(&self, offset: usize) -> u64 {
+        self.table.as_ref().map_or(0, |t| {
+            use cudarc::driver::DevicePtr;
+            t.device_ptr(t.stream()).0 + (offset * size_of::<i64>()) as u64
+        })
+    }
+}
+
+impl Cuda {
+    /// The block pool of KV caches for models of `layers` layers and `kv_dim` (nkv·hd)
+    /// keys a position, made on first use. Every cache of that shape on this GPU takes its
+    /// blocks from it.
+    pub fn kv_pool(&self, layers: usize, kv_dim: usize) -> Arc<KvPool> {
+        let mut pools = self
+            .device
+            .kv_pools
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        pools.retain(|p| p.strong_count() > 0);
+        if let Some(pool) = pools
+            .iter()
+            .filter_map(Weak::upgrade)
+            .find(|p| p.layers == layers && p.kv_dim == kv_dim)
+        {
+            return pool;
+        }
+        let pool = Arc::new(KvPool {
+            cuda: self.clone(),
+            layers,
+            kv_dim,
+            state: Mutex::new(PoolState::default()),
+        });
+        pools.push(Arc::downgrade(&pool));
+        pool
+    }
+
+    pub(super) fn kv_new_paged(&self, layers: usize, kv_dim: usize) -> PagedKv {
+        PagedKv {
+            pool: self.kv_pool(layers, kv_dim),
+            blocks: Vec::new(),
+        }
+    }
+
+    pub(super) fn kv_truncate_paged(&self, kv: &mut PagedKv, len: usize) {
+        let keep = len.div_ceil(BLOCK_TOKENS);
+        if kv.blocks.len() > keep {
+            let mut state = kv.pool.lock();
+            for b in kv.blocks.drain(keep..) {
+                kv.pool.release(&mut state, b);
+            }
+        }
+    }
+
+    /// Room for every sequence's new positions (a copy of a shared block it writes into,
+    /// new blocks past its end), then the pass's table, uploaded once.
+    pub(super) fn kv_prepare_paged(&self, seqs: &mut [KvRows<'_, PagedKv>]) -> PagedStep {
+        let rows: usize = seqs.iter().map(|s| s.rows.len()).sum();
+        let mut slots = Vec::with_capacity(rows);
+        let mut entries = Vec::with_capacity(3 * rows);
+        let mut blocks: Vec<i64> = Vec::new();
+        for s in seqs.iter_mut() {
+            if s.rows.is_empty() {
+                continue;
+            }
+            if !self.kv_make_room(s.kv, s.start, s.rows.len()) {
+                self.fail(CudaError::OutOfMemory {
+                    what: "KV cache blocks",
+                    bytes: s.kv.pool.block_bytes(),
+                });
+                break;
+            }
+            let kv = &*s.kv;
+            let state = kv.pool.lock();
+            let first_block = blocks.len() as i64;
+            blocks.extend(kv.blocks.iter().map(|&b| state.addr[b as usize] as i64));
+            for (i, row) in s.rows.clone().enumerate() {
+                let p = s.start + i;
+                let base = state.addr[kv.blocks[p / BLOCK_TOKENS] as usize];
+                let within = (p % BLOCK_TOKENS) * kv.pool.kv_dim * size_of::<f32>();
+                slots.push((base + within as u64) as i64);
+                entries.extend([row as i64, first_block, (p + 1) as i64]);
+            }
+        }
+        let n = slots.len();
+        let mut table = slots;
+        table.extend(entries);
+        table.extend(blocks);
+        PagedStep {
+            table: self.upload_any(&table),
+            rows: n,
+            entries: n,
+            blocks: 4 * n,
+        }
+    }
+
+    /// Gives `kv` its own copy of a shared block that positions start.. would write into,
+    /// and blocks up to position start + count; false when the pool has none left.
+    fn kv_make_room(&self, kv: &mut PagedKv, start: usize, count: usize) -> bool {
+        let pool = kv.pool.clone();
+        let mut state = pool.lock();
+        // A cache holds exactly its first `start` positions (truncated before reuse).
+        let held = start.div_ceil(BLOCK_TOKENS);
+        for b in kv.blocks.drain(held.min(kv.blocks.len())..) {
+            pool.release(&mut state, b);
+        }
+        if start % BLOCK_TOKENS != 0 {
+            let i = start / BLOCK_TOKENS;
+            let shared = kv.blocks[i];
+            if state.refs[shared as usize] > 1 {
+                let Some(own) = pool.take(&mut state) else {
+                    return false;
+                };
+                let (from, to) = (state.addr[shared as usize], state.addr[own as usize]);
+                self.copy_raw(to, from, pool.block_bytes(), "copying a shared KV block");
+                pool.release(&mut state, shared);
+                kv.blocks[i] = own;
+            }
+        }
+        while kv.blocks.len() < (start + count).div_ceil(BLOCK_TOKENS) {
+            let Some(b) = pool.take(&mut state) else {
+                return false;
+            };
+            kv.blocks.push(b);
+        }
+        true
+    }
+
+    pub(super) fn kv_write_paged(
+        &self,
+        layer: usize,
+        step: &PagedStep,
+        pool: &KvPool,
+        k: &GpuBuf,
+        v: &GpuBuf,
+    ) {
+        let (layer_offset, v_offset) = offsets(pool, layer);
+        let (kp, vp, slots, entries, kv_dim) = (
+            k.ptr(0),
+            v.ptr(0),
+            step.at(0),
+            step.at(step.entries),
+            pool.kv_dim as i32,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (step.rows as u32, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "kv_write",
+            cfg,
+            args![kp, vp, slots, entries, layer_offset, v_offset, kv_dim],
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn kv_attention_paged(
+        &self,
+        layer: usize,
+        step: &PagedStep,
+        pool: &KvPool,
+        out: &mut GpuBuf,
+        q: &GpuBuf,
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    ) {
+        let (layer_offset, v_offset) = offsets(pool, layer);
+        let (o, qp, entries, blocks) = (
+            out.ptr(0),
+            q.ptr(0),
+            step.at(step.entries),
+            step.at(step.blocks),
+        );
+        let (h, kvh, hd32, shift) = (heads as i32, kv_heads as i32, hd as i32, BLOCK_SHIFT);
+        self.launch(
+            "attention_paged",
+            super::per_row_head(step.rows, heads),
+            args![
+                o,
+                qp,
+                entries,
+                blocks,
+                layer_offset,
+                v_offset,
+                h,
+                kvh,
+                hd32,
+                shift
+            ],
+        );
+    }
+
+    /// A device copy between raw addresses (blocks of a pool), ordered on the stream.
+    fn copy_raw(&self, to: u64, from: u64, bytes: usize, what: &'static str) {
+        if !self.ok() {
+            return;
+        }
+        // SAFETY: both addresses are the starts of blocks of `bytes` bytes inside live
+        // pool allocations (the pool outlives every block it hands out), and the copy is
+        // ordered on the stream every read and write of those blocks is ordered on.
+        let copied = unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                to,
+                from,
+                bytes,
+                self.device.stream.cu_stream(),
+            )
+        };
+        if let Err(e) = copied {
+            self.fail(device::driver(what)(e));
+        }
+    }
+}
+
+/// Floats from a block's start to layer `layer`'s keys, and from a key to its value.
+fn offsets(pool: &KvPool, layer: usize) -> (i64, i64) {
+    let per_layer = 2 * BLOCK_TOKENS * pool.kv_dim;
+    (
+        (layer * per_layer) as i64,
+        (BLOCK_TOKENS * pool.kv_dim) as i64,
+    )
+}
