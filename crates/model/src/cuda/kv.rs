@@ -166,7 +166,7 @@ impl PagedKv {
         let fresh = (start + count).div_ceil(BLOCK_TOKENS)
             - self.blocks.len().min(start.div_ceil(BLOCK_TOKENS));
         let state = self.pool.lock();
-        let copied = start % BLOCK_TOKENS != 0
+        let copied = !start.is_multiple_of(BLOCK_TOKENS)
             && self
                 .blocks
                 .get(start / BLOCK_TOKENS)
@@ -315,7 +315,7 @@ impl Cuda {
         for b in kv.blocks.drain(held.min(kv.blocks.len())..) {
             pool.release(&mut state, b);
         }
-        if start % BLOCK_TOKENS != 0 {
+        if !start.is_multiple_of(BLOCK_TOKENS) {
             let i = start / BLOCK_TOKENS;
             let shared = kv.blocks[i];
             if state.refs[shared as usize] > 1 {
