@@ -14,7 +14,7 @@
 //! version that fills it.
 
 use arl_model::backend::{Backend, BackendError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use arl_model::backend::BackendErrorKind;
 use arl_model::config::ModelConfig;
@@ -57,7 +57,7 @@ impl Default for GpuMemory {
     }
 }
 
-/// An opened device (cheap to clone).
+/// An opened device (cheap to clone; clones share the KV pool).
 #[derive(Clone, Debug, Default)]
 pub enum Device {
     #[default]
@@ -65,6 +65,8 @@ pub enum Device {
     Cuda {
         gpu: Cuda,
         memory: GpuMemory,
+        /// The engine's KV pool, made and sized when the first version is prepared.
+        pool: Arc<Mutex<Option<Arc<KvPool>>>>,
     },
 }
 
@@ -74,7 +76,16 @@ impl Device {
     pub fn open(kind: DeviceKind, gpu: usize, memory: GpuMemory) -> Result<Self, CudaError> {
         match kind {
             DeviceKind::Cpu => Ok(Device::Cpu),
-            DeviceKind::Cuda => Cuda::new(gpu).map(|gpu| Device::Cuda { gpu, memory }),
+            DeviceKind::Cuda => Cuda::new(gpu).map(|gpu| Device::cuda(gpu, memory)),
+        }
+    }
+
+    /// An opened GPU whose memory is shared out as `memory` says.
+    pub fn cuda(gpu: Cuda, memory: GpuMemory) -> Self {
+        Device::Cuda {
+            gpu,
+            memory,
+            pool: Arc::default(),
         }
     }
 
@@ -91,17 +102,26 @@ impl Device {
     pub fn prepare(&self, loaded: &LoadedModel) -> Result<Runner, BackendError> {
         match self {
             Device::Cpu => Ok(Runner::Cpu),
-            Device::Cuda { gpu, memory } => {
+            Device::Cuda { gpu, memory, pool } => {
                 let free_before = free_memory(gpu)?;
                 let mut model = loaded.model.to_backend(gpu.clone());
                 model.freeze();
                 model.backend.check()?;
                 let version_bytes = free_before.saturating_sub(free_memory(gpu)?);
-                let config = &model.config;
-                let pool = gpu.kv_pool(config.num_hidden_layers, config.kv_dim());
-                if pool.capacity_blocks().is_none() {
-                    size_pool(gpu, &pool, memory, config, version_bytes)?;
-                }
+                let (layers, kv_dim) = (model.config.num_hidden_layers, model.config.kv_dim());
+                let mut slot = pool.lock().unwrap_or_else(PoisonError::into_inner);
+                let pool = match &*slot {
+                    Some(pool) if pool.fits(layers, kv_dim) => pool.clone(),
+                    _ => {
+                        // The first version (or one of another shape) sizes the pool.
+                        let pool = gpu.new_kv_pool(layers, kv_dim);
+                        size_pool(gpu, &pool, memory, &model.config, version_bytes)?;
+                        *slot = Some(pool.clone());
+                        pool
+                    }
+                };
+                drop(slot);
+                model.backend = gpu.with_kv_pool(pool.clone());
                 Ok(Runner::Cuda {
                     model: Box::new(model),
                     pool,

@@ -109,10 +109,13 @@ fn the_gpu_engine_continues_as_the_cpu_engine_does() {
     let on_cpu = continue_greedily(&engine(&Device::Cpu, 8), &prompts, tokens);
     let on_gpu = continue_greedily(
         &engine(
-            &Device::Cuda {
+            &Device::cuda(
                 gpu,
-                memory: GpuMemory::default(),
-            },
+                GpuMemory {
+                    kv_cache_bytes: Some(1 << 30),
+                    ..GpuMemory::default()
+                },
+            ),
             8,
         ),
         &prompts,
@@ -198,13 +201,13 @@ fn the_gpu_engine_queues_requests_on_kv_memory() {
     let loaded = LoadedModel::open(&smollm2()).expect("SmolLM2: run `make models`");
     let config = &loaded.model.config;
     let block_bytes = config.num_hidden_layers * 2 * 16 * config.kv_dim() * 4;
-    let device = Device::Cuda {
+    let device = Device::cuda(
         gpu,
-        memory: GpuMemory {
+        GpuMemory {
             kv_cache_bytes: Some(10 * block_bytes),
             ..GpuMemory::default()
         },
-    };
+    );
     let served = ServedModel::new(None, 0, loaded, &device).unwrap();
     let engine = EngineHandle::start(
         EngineConfig {

@@ -299,12 +299,16 @@ __device__ float score(const float* qi, const float* kj, int hd, float scale) {
 // Where one (sequence, kv head)'s keys and values lie. Dense (training): row j at
 // k + j·stride. Paged (the decode cache): position j in block blocks[j >> shift] at row
 // j & (2^shift − 1); a block holds every layer's keys, then values, for 2^shift positions.
+// Both say how far rows stay evenly spaced from j (`run_end`, below `end`) and how far apart
+// (`step`), so the P·V loop walks a run of values with a pointer, not a lookup per row.
 struct DenseKv {
     const float* k;
     const float* v;
     int stride;
     __device__ const float* key(int j) const { return k + (long long)j * stride; }
     __device__ const float* value(int j) const { return v + (long long)j * stride; }
+    __device__ int run_end(int j, int end) const { return end; }
+    __device__ int step() const { return stride; }
 };
 
 struct PagedKv {
@@ -317,6 +321,8 @@ struct PagedKv {
         return (const float*)blocks[j >> shift] + offset + (long long)(j & ((1 << shift) - 1)) * kv_dim;
     }
     __device__ const float* value(int j) const { return key(j) + v_offset; }
+    __device__ int run_end(int j, int end) const { return min(end, ((j >> shift) + 1) << shift); }
+    __device__ int step() const { return kv_dim; }
 };
 
 // One (row, head): out_i = Σ_j p_j v_j over the first `visible` keys and values, p_j =
@@ -346,7 +352,10 @@ __device__ float attend_row(float* oi, const float* qi, const Kv& kv, int visibl
         __syncthreads();
         for (int d = threadIdx.x; d < hd; d += blockDim.x) {
             float acc = 0.f;
-            for (int j = j0; j < j1; j++) acc += pc[j - j0] * kv.value(j)[d];
+            for (int j = j0; j < j1;) {
+                const float* vj = kv.value(j) + d;
+                for (int end = kv.run_end(j, j1); j < end; j++, vj += kv.step()) acc += pc[j - j0] * *vj;
+            }
             oi[d] += acc;
         }
     }

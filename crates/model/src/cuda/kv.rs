@@ -78,6 +78,11 @@ impl KvPool {
         self.cuda.synchronize()
     }
 
+    /// Whether caches of models of this shape can take blocks from it.
+    pub fn fits(&self, layers: usize, kv_dim: usize) -> bool {
+        self.layers == layers && self.kv_dim == kv_dim
+    }
+
     /// Blocks not held by any cache (including those the pool may still allocate).
     pub fn free_blocks(&self) -> usize {
         let state = self.lock();
@@ -219,10 +224,38 @@ impl PagedStep {
 }
 
 impl Cuda {
-    /// The block pool of KV caches for models of `layers` layers and `kv_dim` (nkv·hd)
-    /// keys a position, made on first use. Every cache of that shape on this GPU takes its
-    /// blocks from it.
+    /// A pool of its own for caches of `layers` layers and `kv_dim` (nkv·hd) keys a
+    /// position (an engine's, sized with [`KvPool::reserve`]); give it to a model's backend
+    /// with [`Self::with_kv_pool`].
+    pub fn new_kv_pool(&self, layers: usize, kv_dim: usize) -> Arc<KvPool> {
+        Arc::new(KvPool {
+            cuda: Cuda {
+                device: self.device.clone(),
+                kv: None,
+            },
+            layers,
+            kv_dim,
+            state: Mutex::new(PoolState::default()),
+        })
+    }
+
+    /// This handle, with caches of `pool`'s shape taking their blocks from `pool`.
+    pub fn with_kv_pool(&self, pool: Arc<KvPool>) -> Cuda {
+        Cuda {
+            device: self.device.clone(),
+            kv: Some(pool),
+        }
+    }
+
+    /// The pool caches of this shape take blocks from: this handle's own (see
+    /// [`Self::with_kv_pool`]), else the GPU's shared pool for the shape, made on first use.
     pub fn kv_pool(&self, layers: usize, kv_dim: usize) -> Arc<KvPool> {
+        if let Some(pool) = &self.kv
+            && pool.layers == layers
+            && pool.kv_dim == kv_dim
+        {
+            return pool.clone();
+        }
         let mut pools = self
             .device
             .kv_pools
@@ -236,12 +269,7 @@ impl Cuda {
         {
             return pool;
         }
-        let pool = Arc::new(KvPool {
-            cuda: self.clone(),
-            layers,
-            kv_dim,
-            state: Mutex::new(PoolState::default()),
-        });
+        let pool = self.new_kv_pool(layers, kv_dim);
         pools.push(Arc::downgrade(&pool));
         pool
     }
@@ -315,18 +343,18 @@ impl Cuda {
         for b in kv.blocks.drain(held.min(kv.blocks.len())..) {
             pool.release(&mut state, b);
         }
-        if !start.is_multiple_of(BLOCK_TOKENS) {
-            let i = start / BLOCK_TOKENS;
-            let shared = kv.blocks[i];
-            if state.refs[shared as usize] > 1 {
-                let Some(own) = pool.take(&mut state) else {
-                    return false;
-                };
-                let (from, to) = (state.addr[shared as usize], state.addr[own as usize]);
-                self.copy_raw(to, from, pool.block_bytes(), "copying a shared KV block");
-                pool.release(&mut state, shared);
-                kv.blocks[i] = own;
-            }
+        let i = start / BLOCK_TOKENS;
+        if !start.is_multiple_of(BLOCK_TOKENS)
+            && let Some(&shared) = kv.blocks.get(i)
+            && state.refs[shared as usize] > 1
+        {
+            let Some(own) = pool.take(&mut state) else {
+                return false;
+            };
+            let (from, to) = (state.addr[shared as usize], state.addr[own as usize]);
+            self.copy_raw(to, from, pool.block_bytes(), "copying a shared KV block");
+            pool.release(&mut state, shared);
+            kv.blocks[i] = own;
         }
         while kv.blocks.len() < (start + count).div_ceil(BLOCK_TOKENS) {
             let Some(b) = pool.take(&mut state) else {

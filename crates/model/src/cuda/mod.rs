@@ -42,6 +42,9 @@ const HEAD_CHUNK_BYTES: usize = 256 << 20;
 #[derive(Clone, Debug)]
 pub struct Cuda {
     device: Arc<Device>,
+    /// The KV pool this handle's caches take blocks from (an engine's own, sized by its
+    /// flags: [`Cuda::with_kv_pool`]); without one, the GPU's shared pool for the shape.
+    kv: Option<Arc<KvPool>>,
 }
 
 /// A linear layer's weights as bf16, converted once for a version being served
@@ -84,6 +87,7 @@ impl Clone for GpuBuf {
     fn clone(&self) -> Self {
         let cuda = Cuda {
             device: self.device.clone(),
+            kv: None,
         };
         let mut copy = cuda.alloc(self.len, "copying a buffer");
         cuda.copy_within(&mut copy, 0, self, 0, self.len);
@@ -110,6 +114,7 @@ impl Cuda {
     pub fn new(ordinal: usize) -> Result<Self, CudaError> {
         Ok(Self {
             device: Arc::new(Device::open(ordinal)?),
+            kv: None,
         })
     }
 
