@@ -347,7 +347,7 @@ impl Collector for LiveState {
             ),
             (
                 "vllm:kv_cache_usage_perc",
-                "KV-cache usage, 0 to 1: tokens cached by running sequences over max_batch × max_model_len",
+                "KV-cache usage, 0 to 1: tokens cached by running sequences over the KV capacity (a GPU engine's block pool; on the CPU, max_batch × max_model_len)",
                 stats.kv_tokens.load(Ordering::SeqCst) as f64 / capacity as f64,
             ),
         ];
