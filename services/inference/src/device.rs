@@ -132,18 +132,9 @@ impl Device {
 }
 
 fn free_memory(gpu: &Cuda) -> Result<usize, BackendError> {
-    gpu.memory().map(|(free, _)| free).map_err(device_error)
-}
-
-fn device_error(e: CudaError) -> BackendError {
-    let kind = match e {
-        CudaError::OutOfMemory { .. } => BackendErrorKind::OutOfMemory,
-        _ => BackendErrorKind::Device,
-    };
-    BackendError {
-        kind,
-        message: e.to_string(),
-    }
+    gpu.memory()
+        .map(|(free, _)| free)
+        .map_err(BackendError::from)
 }
 
 /// Allocates the KV pool's blocks: `--kv-cache-memory`, or what `--gpu-memory-utilization`
@@ -155,7 +146,7 @@ fn size_pool(
     config: &ModelConfig,
     version_bytes: usize,
 ) -> Result<(), BackendError> {
-    let (free, total) = gpu.memory().map_err(device_error)?;
+    let (free, total) = gpu.memory().map_err(BackendError::from)?;
     let workspace = workspace_bytes(config, memory);
     let bytes = match memory.kv_cache_bytes {
         Some(bytes) => bytes,
@@ -182,7 +173,7 @@ fn size_pool(
             ),
         });
     }
-    pool.reserve(blocks).map_err(device_error)?;
+    pool.reserve(blocks).map_err(BackendError::from)?;
     tracing::info!(
         kv_cache_mib = (blocks * pool.block_bytes()) >> 20,
         kv_cache_tokens = tokens,

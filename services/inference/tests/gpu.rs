@@ -45,20 +45,7 @@ fn continue_greedily(
 ) -> Vec<Vec<Sampled>> {
     let receivers: Vec<_> = prompts
         .iter()
-        .map(|prompt| {
-            let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
-            engine
-                .submit(Request {
-                    prompt: prompt.clone(),
-                    n: 1,
-                    params: SamplingParams::greedy(tokens, 2),
-                    session: None,
-                    events,
-                    cancel: vec![Arc::new(AtomicBool::new(false))],
-                })
-                .unwrap();
-            receiver
-        })
+        .map(|prompt| submit_greedy(engine, prompt, tokens, 2).unwrap())
         .collect();
     receivers
         .into_iter()
@@ -159,16 +146,18 @@ fn the_gpu_engine_continues_as_the_cpu_engine_does() {
     );
 }
 
+/// Submits one greedy choice of `tokens` tokens, each with `top_logprobs` alternatives.
 fn submit_greedy(
     engine: &EngineHandle,
     prompt: &[u32],
     tokens: usize,
+    top_logprobs: usize,
 ) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, SubmitError> {
     let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
     engine.submit(Request {
         prompt: prompt.to_vec(),
         n: 1,
-        params: SamplingParams::greedy(tokens, 0),
+        params: SamplingParams::greedy(tokens, top_logprobs),
         session: None,
         events,
         cancel: vec![Arc::new(AtomicBool::new(false))],
@@ -228,12 +217,12 @@ fn the_gpu_engine_queues_requests_on_kv_memory() {
     // Each alone, then all at once: the same tokens, never more than two in flight.
     let alone: Vec<Vec<u32>> = prompts
         .iter()
-        .map(|p| tokens_of(submit_greedy(&engine, p, new_tokens).unwrap()))
+        .map(|p| tokens_of(submit_greedy(&engine, p, new_tokens, 0).unwrap()))
         .collect();
     for _ in 0..rounds {
         let receivers: Vec<_> = prompts
             .iter()
-            .map(|p| submit_greedy(&engine, p, new_tokens).unwrap())
+            .map(|p| submit_greedy(&engine, p, new_tokens, 0).unwrap())
             .collect();
         let readers: Vec<_> = receivers
             .into_iter()
@@ -260,7 +249,7 @@ fn the_gpu_engine_queues_requests_on_kv_memory() {
 
     // One that could never fit is refused, saying why.
     let long: Vec<u32> = (0..100).map(|i| 100 + i).collect();
-    match submit_greedy(&engine, &long, 100) {
+    match submit_greedy(&engine, &long, 100, 0) {
         Err(SubmitError::KvCapacity { need, capacity }) => {
             assert_eq!((need, capacity), (208, 160));
         }

@@ -170,13 +170,20 @@ impl PagedKv {
         }
         let fresh = (start + count).div_ceil(BLOCK_TOKENS)
             - self.blocks.len().min(start.div_ceil(BLOCK_TOKENS));
-        let state = self.pool.lock();
-        let copied = !start.is_multiple_of(BLOCK_TOKENS)
+        let copied = self.shared_block_at(&self.pool.lock(), start).is_some();
+        fresh + usize::from(copied)
+    }
+
+    /// The index (in `blocks`) of the block that position `start` falls in, when it is
+    /// partly filled and another cache holds it too: writing there needs a copy first.
+    fn shared_block_at(&self, state: &PoolState, start: usize) -> Option<usize> {
+        let i = start / BLOCK_TOKENS;
+        let shared = !start.is_multiple_of(BLOCK_TOKENS)
             && self
                 .blocks
-                .get(start / BLOCK_TOKENS)
+                .get(i)
                 .is_some_and(|&b| state.refs[b as usize] > 1);
-        fresh + usize::from(copied)
+        shared.then_some(i)
     }
 }
 
@@ -336,18 +343,12 @@ impl Cuda {
     /// Gives `kv` its own copy of a shared block that positions start.. would write into,
     /// and blocks up to position start + count; false when the pool has none left.
     fn kv_make_room(&self, kv: &mut PagedKv, start: usize, count: usize) -> bool {
+        // A cache holds exactly its first `start` positions (truncated before reuse).
+        self.kv_truncate_paged(kv, start);
         let pool = kv.pool.clone();
         let mut state = pool.lock();
-        // A cache holds exactly its first `start` positions (truncated before reuse).
-        let held = start.div_ceil(BLOCK_TOKENS);
-        for b in kv.blocks.drain(held.min(kv.blocks.len())..) {
-            pool.release(&mut state, b);
-        }
-        let i = start / BLOCK_TOKENS;
-        if !start.is_multiple_of(BLOCK_TOKENS)
-            && let Some(&shared) = kv.blocks.get(i)
-            && state.refs[shared as usize] > 1
-        {
+        if let Some(i) = kv.shared_block_at(&state, start) {
+            let shared = kv.blocks[i];
             let Some(own) = pool.take(&mut state) else {
                 return false;
             };

@@ -109,6 +109,21 @@ impl GpuBuf {
     }
 }
 
+impl From<CudaError> for crate::backend::BackendError {
+    /// The failure as the backend reports it: out of memory, or a device failure.
+    fn from(e: CudaError) -> Self {
+        use crate::backend::BackendErrorKind;
+        let kind = match e {
+            CudaError::OutOfMemory { .. } => BackendErrorKind::OutOfMemory,
+            _ => BackendErrorKind::Device,
+        };
+        Self {
+            kind,
+            message: e.to_string(),
+        }
+    }
+}
+
 impl Cuda {
     /// Opens GPU `ordinal` (see [`Device::open`] for what is checked).
     pub fn new(ordinal: usize) -> Result<Self, CudaError> {
@@ -508,14 +523,7 @@ impl Backend for Cuda {
     }
 
     fn check(&self) -> Result<(), crate::backend::BackendError> {
-        use crate::backend::{BackendError, BackendErrorKind};
-        self.synchronize().map_err(|e| BackendError {
-            kind: match e {
-                CudaError::OutOfMemory { .. } => BackendErrorKind::OutOfMemory,
-                _ => BackendErrorKind::Device,
-            },
-            message: e.to_string(),
-        })
+        self.synchronize().map_err(Into::into)
     }
 
     fn zeros(&self, len: usize) -> GpuBuf {
