@@ -54,7 +54,7 @@ def main():
         elif "Used" in line and "registers" in line:
             print(f"{kernel}: {line.split(':', 1)[1].strip()}")
         elif "spill" in line and " 0 bytes spill stores, 0 bytes spill loads" not in line:
-            print(f"{kernel}: SPILLS {line.split(':', 1)[1].strip()}")
+            print(f"{kernel}: SPILLS {line.replace('ptxas', '').strip(' .')}")
     print("kernels compile for sm_90")
 
 

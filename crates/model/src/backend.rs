@@ -338,7 +338,8 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
     );
     /// Every new row of q (N, nh, hd) attends over its sequence's layer-`layer` cache up to
     /// and including its own position (written by [`Self::kv_write`]); writes the same rows
-    /// of out.
+    /// of out. k and v are the rows that write took: a backend may attend over them
+    /// directly where a sequence's cache started empty this pass (a fresh prompt).
     #[allow(clippy::too_many_arguments)]
     fn kv_attention(
         &self,
@@ -346,6 +347,8 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         step: &Self::KvStep,
         out: &mut Self::Buf,
         q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
         seqs: &[KvRows<'_, Self::Kv>],
         heads: usize,
         kv_heads: usize,

@@ -271,10 +271,23 @@ impl<B: Backend> Model<B> {
     /// returns the logits (V) after each sequence's last new token. Prefill (many tokens of
     /// one sequence) and batched decode (one token of many) are the same call.
     pub fn forward(&self, inputs: &mut [SeqInput<'_, B>]) -> Vec<Vec<f32>> {
+        let logits = self.backend.download(&self.forward_logits(inputs));
+        if logits.is_empty() {
+            return vec![Vec::new(); inputs.len()];
+        }
+        logits
+            .chunks(self.config.vocab_size)
+            .map(<[f32]>::to_vec)
+            .collect()
+    }
+
+    /// [`Model::forward`] with the logits left where the backend computed them: (M, V), a
+    /// row per sequence (on a GPU, for sampling there; nothing when no token is fed).
+    pub fn forward_logits(&self, inputs: &mut [SeqInput<'_, B>]) -> B::Buf {
         self.backend.scope(|| self.forward_in_scope(inputs))
     }
 
-    fn forward_in_scope(&self, inputs: &mut [SeqInput<'_, B>]) -> Vec<Vec<f32>> {
+    fn forward_in_scope(&self, inputs: &mut [SeqInput<'_, B>]) -> B::Buf {
         let (cfg, be) = (&self.config, &self.backend);
         let (c, qd, kv, hd, i_dim) = (
             cfg.hidden_size,
@@ -287,7 +300,7 @@ impl<B: Backend> Model<B> {
         let rope_factor = cfg.rope_attention_factor() as f32;
         let n: usize = inputs.iter().map(|s| s.tokens.len()).sum();
         if n == 0 {
-            return vec![Vec::new(); inputs.len()];
+            return be.zeros(0);
         }
         let positions: Vec<usize> = inputs
             .iter()
@@ -378,7 +391,18 @@ impl<B: Backend> Model<B> {
 
             // Into each sequence's cache, then attend over it.
             be.kv_write(l, &kv_step, &mut kv_rows, &k, &v);
-            be.kv_attention(l, &kv_step, &mut att_out, &q, &kv_rows, heads, kv_heads, hd);
+            be.kv_attention(
+                l,
+                &kv_step,
+                &mut att_out,
+                &q,
+                &k,
+                &v,
+                &kv_rows,
+                heads,
+                kv_heads,
+                hd,
+            );
             self.linear(&mut proj, &att_out, &w.wo, p.wo.as_ref(), None, n);
             be.add_assign(&mut x, &proj);
 
@@ -430,9 +454,6 @@ impl<B: Backend> Model<B> {
             None,
             m,
         );
-        be.download(&logits)
-            .chunks(vocab)
-            .map(<[f32]>::to_vec)
-            .collect()
+        logits
     }
 }

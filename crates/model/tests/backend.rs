@@ -195,12 +195,25 @@ impl Backend for Device {
         _: &(),
         out: &mut B,
         q: &B,
+        k: &B,
+        v: &B,
         seqs: &[KvRows<'_, ContiguousKv>],
         heads: usize,
         kv_heads: usize,
         hd: usize,
     ) {
-        Cpu.kv_attention(layer, &(), &mut out.0, &q.0, seqs, heads, kv_heads, hd);
+        Cpu.kv_attention(
+            layer,
+            &(),
+            &mut out.0,
+            &q.0,
+            &k.0,
+            &v.0,
+            seqs,
+            heads,
+            kv_heads,
+            hd,
+        );
     }
     fn head_forward(
         &self,

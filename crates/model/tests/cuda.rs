@@ -216,7 +216,7 @@ fn cached_attention<B: Backend>(
     }];
     let step = be.kv_prepare(&mut rows);
     be.kv_write(0, &step, &mut rows, k, v);
-    be.kv_attention(0, &step, &mut out, q, &rows, heads, kv_heads, hd);
+    be.kv_attention(0, &step, &mut out, q, k, v, &rows, heads, kv_heads, hd);
     be.download(&out)
 }
 
@@ -376,6 +376,26 @@ fn rope_and_attention_match_the_cpu() {
             1e-4,
         );
         assert_close("cached = full", &cached[r.clone()], &out[r], 1e-5, 1e-4);
+        // The whole sequence as a fresh prompt into an empty cache: on the GPU it attends
+        // over its own new rows with the dense kernels, as training does.
+        let g_fresh = cached_attention(
+            &g,
+            &gq,
+            &gk_host,
+            &gv_host,
+            start,
+            0,
+            t,
+            (heads, kv_heads, hd),
+        );
+        let r = start * c..(start + t) * c;
+        assert_close(
+            &format!("attention of a fresh prompt ({what})"),
+            &g_fresh[r.clone()],
+            &out[r],
+            atol,
+            rtol,
+        );
     }
     g.check().unwrap();
 }
@@ -901,4 +921,102 @@ fn paged_caches_share_blocks_copy_on_write_and_give_them_back() {
     drop((parent, fork));
     assert_eq!(pool.free_blocks(), 64, "every block back in the pool");
     g.check().unwrap();
+}
+
+/// The host's answer to a pick: the sampler's draw (the same uniform, from a generator in
+/// the same state), the raw log-probability, and the top n by value (ties to the smaller id).
+fn host_pick(
+    row: &[f32],
+    pick: &arl_model::cuda::Pick,
+    rng: &arl_model::generate::Rng,
+) -> arl_model::cuda::Picked {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row.iter().map(|&z| f64::from((z - max).exp())).sum();
+    let lse = max + sum.ln() as f32;
+    let sampling = arl_model::generate::Sampling {
+        temperature: pick.temperature,
+        ..Default::default()
+    };
+    let (id, _) = arl_model::generate::sample(row, &sampling, &mut rng.clone());
+    let mut order: Vec<u32> = (0..row.len() as u32).collect();
+    order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+    arl_model::cuda::Picked {
+        id,
+        logprob: row[id as usize] - lse,
+        top: order[..pick.top_n]
+            .iter()
+            .map(|&t| (t, row[t as usize] - lse))
+            .collect(),
+    }
+}
+
+#[test]
+fn draws_on_the_device_are_the_hosts() {
+    use arl_model::cuda::{Pick, TOP_MAX};
+    use arl_model::generate::Rng;
+    let Some(gpu) = gpu("draws_on_the_device_are_the_hosts") else {
+        return;
+    };
+    // Qwen2.5's vocabulary: rows of random logits, one with a spike, one of many ties.
+    let vocab = 151_936;
+    let mut rows = random(3 * vocab, 41, 8.0);
+    rows[vocab + 70_001] = 40.0;
+    for (j, z) in rows[2 * vocab..].iter_mut().enumerate() {
+        *z = ((j * 7919) % 13) as f32 * 0.5;
+    }
+    let logits = gpu.upload(&rows);
+    let row = |r: usize| &rows[r * vocab..(r + 1) * vocab];
+
+    let mut picks = Vec::new();
+    let mut generators = Vec::new();
+    for r in 0..3 {
+        for (temperature, top_n) in [(0.0, 0), (0.0, TOP_MAX), (1.0, 3), (0.7, 0), (1.3, 1)] {
+            for seed in 0..4u64 {
+                let rng = Rng::new(seed * 10 + r as u64);
+                let uniform = rng.clone().next_f32();
+                picks.push(Pick {
+                    row: r,
+                    temperature,
+                    uniform,
+                    top_n,
+                });
+                generators.push(rng);
+            }
+        }
+    }
+    let drawn = gpu.sample_rows(&logits, vocab, &picks).unwrap();
+    let mut distinct = std::collections::HashSet::new();
+    for ((pick, rng), got) in picks.iter().zip(&generators).zip(&drawn) {
+        let want = host_pick(row(pick.row), pick, rng);
+        assert_eq!(got.id, want.id, "{pick:?}: token");
+        assert!(
+            (got.logprob - want.logprob).abs() < 1e-5,
+            "{pick:?}: {got:?} vs {want:?}"
+        );
+        assert_eq!(got.top.len(), want.top.len(), "{pick:?}: alternatives");
+        for ((gi, gl), (wi, wl)) in got.top.iter().zip(&want.top) {
+            assert_eq!(gi, wi, "{pick:?}: alternative ids");
+            assert!((gl - wl).abs() < 1e-5, "{pick:?}: {got:?} vs {want:?}");
+        }
+        if pick.temperature > 0.0 && pick.row == 0 {
+            distinct.insert(got.id);
+        }
+    }
+    // Tempered draws of a flat row land on different tokens; the spike takes its row.
+    assert!(
+        distinct.len() >= 4,
+        "only {} distinct draws",
+        distinct.len()
+    );
+    assert!(drawn[20..40].iter().all(|d| d.id == 70_001));
+
+    // A pick outside what the kernel does is an error, not a read past the buffer.
+    let past = Pick {
+        row: 3,
+        temperature: 0.0,
+        uniform: 0.0,
+        top_n: 0,
+    };
+    assert!(gpu.sample_rows(&logits, vocab, &[past]).is_err());
+    assert_eq!(gpu.download_row(&logits, vocab, 1).unwrap(), row(1));
 }

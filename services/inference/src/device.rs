@@ -1,7 +1,7 @@
 //! Where the engine runs a policy's weights: on the CPU (the model core's block-format
 //! decode kernels) or on a GPU (the CUDA backend: weights uploaded once per version and
 //! frozen as bf16 for its products, every sequence's KV cache in blocks of one pool in
-//! device memory, logits brought back for sampling).
+//! device memory, each step's next tokens drawn there: [`Logits`]).
 //!
 //! GPU memory is split once, when the first version is loaded: that version's weights,
 //! room for one more version (a hot swap loads the new weights while requests finish on
@@ -14,11 +14,12 @@
 //! version that fills it.
 
 use arl_model::backend::{Backend, BackendError};
+use std::borrow::Cow;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use arl_model::backend::BackendErrorKind;
 use arl_model::config::ModelConfig;
-use arl_model::cuda::{Cuda, CudaError, KvPool};
+use arl_model::cuda::{Cuda, CudaError, GpuBuf, KvPool, Pick, Picked};
 use arl_model::load::LoadedModel;
 use arl_model::model::{KvCache, Model, SeqInput};
 use arl_model::ops::Cpu;
@@ -277,36 +278,82 @@ impl Runner {
     }
 
     /// One forward pass over a batch of sequences (new tokens and their caches): the
-    /// logits after each one's last new token. A device failure (out of memory, a driver
-    /// error) is the error; the caches it touched are then not to be used again.
+    /// logits after each one's last new token, a row per sequence in the batch's order. A
+    /// device failure (out of memory, a driver error) is the error; the caches it touched
+    /// are then not to be used again.
     pub fn forward(
         &self,
         host: &Model,
         batch: Vec<(&[u32], &mut Cache)>,
-    ) -> Result<Vec<Vec<f32>>, BackendError> {
+    ) -> Result<Logits, BackendError> {
         match self {
             Runner::Cpu => {
-                let inputs = inputs(batch, |cache| match cache {
+                let mut inputs = inputs(batch, |cache| match cache {
                     Cache::Cpu(cache) => Some(cache),
                     Cache::Cuda(_) => None,
                 })?;
-                Ok(run(host, inputs))
+                Ok(Logits::Host(host.forward(&mut inputs)))
             }
             Runner::Cuda { model, .. } => {
-                let inputs = inputs(batch, |cache| match cache {
+                let mut inputs = inputs(batch, |cache| match cache {
                     Cache::Cuda(cache) => Some(cache),
                     Cache::Cpu(_) => None,
                 })?;
-                let logits = run(model, inputs);
+                let rows = model.forward_logits(&mut inputs);
                 model.backend.check()?;
-                Ok(logits)
+                Ok(Logits::Cuda {
+                    backend: model.backend.clone(),
+                    rows,
+                    vocab: model.config.vocab_size,
+                })
             }
         }
     }
 }
 
-fn run<B: Backend>(model: &Model<B>, mut inputs: Vec<SeqInput<'_, B>>) -> Vec<Vec<f32>> {
-    model.forward(&mut inputs)
+/// A forward pass's logits, a row per sequence: on the host, or left on the GPU, where the
+/// engine's draws are made and only what they drew comes back.
+pub enum Logits {
+    Host(Vec<Vec<f32>>),
+    Cuda {
+        backend: Cuda,
+        rows: GpuBuf,
+        vocab: usize,
+    },
+}
+
+impl Logits {
+    /// Whether draws from these rows can be made where they are ([`Logits::draw`]).
+    pub fn on_device(&self) -> bool {
+        matches!(self, Logits::Cuda { .. })
+    }
+
+    /// Makes `picks` on the device (only for [`Logits::on_device`] rows).
+    pub fn draw(&self, picks: &[Pick]) -> Result<Vec<Picked>, BackendError> {
+        match self {
+            Logits::Cuda {
+                backend,
+                rows,
+                vocab,
+            } => Ok(backend.sample_rows(rows, *vocab, picks)?),
+            Logits::Host(_) => Err(BackendError {
+                kind: BackendErrorKind::Device,
+                message: "host logits were sent to the device for sampling (a bug)".into(),
+            }),
+        }
+    }
+
+    /// Row `row` on the host (copied from the GPU when it is there).
+    pub fn row(&self, row: usize) -> Result<Cow<'_, [f32]>, BackendError> {
+        match self {
+            Logits::Host(rows) => Ok(Cow::Borrowed(&rows[row])),
+            Logits::Cuda {
+                backend,
+                rows,
+                vocab,
+            } => Ok(Cow::Owned(backend.download_row(rows, *vocab, row)?)),
+        }
+    }
 }
 
 /// The batch as the model takes it, every cache on `B`'s device.

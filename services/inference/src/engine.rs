@@ -11,6 +11,7 @@
 //! temperature or truncation), as vLLM returns them: they are what the trainer's
 //! importance ratios compare against.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
@@ -18,12 +19,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use arl_model::backend::BackendError;
+use arl_model::cuda::{Pick, TOP_MAX};
 use arl_model::generate::{Rng, Sampling, sample};
 use arl_model::load::LoadedModel;
 use rayon::prelude::*;
 use tokio::sync::mpsc;
 
-use crate::device::{Cache, Device, KvRoom, Runner};
+use crate::device::{Cache, Device, KvRoom, Logits, Runner};
 
 /// A loaded policy version, ready on the engine's device.
 #[derive(Debug)]
@@ -581,9 +583,10 @@ impl Engine {
         });
     }
 
-    /// Frees the KV blocks cached prefixes and sessions hold when the pool has too few
-    /// left for this step's writes: those of running sequences fit in what admission set
-    /// aside for them, so after this they always do.
+    /// Frees KV blocks cached prefixes and sessions hold when the pool has too few left for
+    /// this step's writes: the least recently used first (prefixes, then sessions), only
+    /// until the step fits. Running sequences' writes fit in what admission set aside for
+    /// them, so after this they always do.
     fn make_kv_room(&mut self, model: &ServedModel, indices: &[usize], feed_to: &[Option<usize>]) {
         let Some(free) = model.runner.kv_free_blocks() else {
             return;
@@ -596,15 +599,32 @@ impl Engine {
                 Runner::blocks_to_feed(&seq.cache, count)
             })
             .sum();
-        if wanted > free {
-            tracing::debug!(
-                wanted,
-                free,
-                "KV pool full: dropping cached prefixes and sessions"
-            );
-            self.prefixes.clear();
-            self.sessions.clear();
+        if wanted <= free {
+            return;
         }
+        let (mut prefixes, mut sessions) = (0, 0);
+        // An entry may share its blocks with a running sequence: dropping it then frees
+        // nothing, so the pool is asked again after each one.
+        while model
+            .runner
+            .kv_free_blocks()
+            .is_some_and(|free| free < wanted)
+        {
+            if self.prefixes.evict_oldest() {
+                prefixes += 1;
+            } else if self.sessions.evict_oldest() {
+                sessions += 1;
+            } else {
+                break;
+            }
+        }
+        tracing::debug!(
+            wanted,
+            free,
+            prefixes,
+            sessions,
+            "KV pool short: dropped cached prefixes and sessions"
+        );
     }
 
     /// One forward pass per policy version over every sequence with tokens to feed.
@@ -625,7 +645,10 @@ impl Engine {
                 feed_to.push(None);
             }
         }
-        let mut logits: Vec<Option<Vec<f32>>> = vec![None; self.active.len()];
+        // Per sequence: the forward pass (an index into `outputs`) and the row of its logits
+        // that its next token is drawn from.
+        let mut draw_from: Vec<Option<(usize, usize)>> = vec![None; self.active.len()];
+        let mut outputs: Vec<Logits> = Vec::new();
         // One forward per policy: two runs' version 1 are different weights.
         let mut policies: Vec<Policy> = Vec::new();
         for seq in &self.active {
@@ -651,14 +674,14 @@ impl Engine {
                     batch.push((&tokens[*fed..end], cache));
                 }
             }
-            let outputs = match model.runner.forward(&model.loaded.model, batch) {
-                Ok(outputs) => outputs,
+            let logits = match model.runner.forward(&model.loaded.model, batch) {
+                Ok(logits) => logits,
                 Err(error) => {
                     self.abort_failed(&indices, &error);
                     continue;
                 }
             };
-            for (i, out) in indices.into_iter().zip(outputs) {
+            for (row, i) in indices.into_iter().enumerate() {
                 let end = feed_to[i].unwrap_or(0);
                 let seq = &mut self.active[i];
                 let prefilled =
@@ -672,9 +695,10 @@ impl Engine {
                     );
                 }
                 if end == seq.tokens.len() {
-                    logits[i] = Some(out);
+                    draw_from[i] = Some((outputs.len(), row));
                 }
             }
+            outputs.push(logits);
         }
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
 
@@ -682,7 +706,7 @@ impl Engine {
         let mut forked = Vec::new();
         for (i, seq) in self.active.iter_mut().enumerate() {
             if seq.forks > 0
-                && let Some(l) = &logits[i]
+                && let Some(from) = draw_from[i]
             {
                 let per_choice = seq.kv_reserved / (seq.forks + 1);
                 for choice in 1..=seq.forks {
@@ -702,33 +726,19 @@ impl Engine {
                             failed: false,
                             kv_reserved: per_choice,
                         },
-                        l.clone(),
+                        from,
                     ));
                 }
                 seq.forks = 0;
             }
         }
-        for (seq, l) in forked {
+        for (seq, from) in forked {
             self.active.push(seq);
-            logits.push(Some(l));
+            draw_from.push(Some(from));
         }
 
-        // The batch's next tokens, sampled at once: each sequence reads its own logits (a
-        // pass or two over the vocabulary) with its own generator, so the result does not
-        // depend on the batch.
-        let mut sampled: Vec<Option<Sampled>> = self
-            .active
-            .par_iter_mut()
-            .zip(logits.par_iter())
-            .with_min_len(2)
-            .map(|(seq, l)| {
-                let cancelled = seq.request.cancel[seq.choice].load(Ordering::SeqCst);
-                l.as_ref()
-                    .filter(|_| !cancelled)
-                    .map(|l| sample_token(l, &seq.request.params, &mut seq.rng))
-            })
-            .collect();
-        drop(logits);
+        let mut sampled = self.draw(&outputs, &draw_from);
+        drop(outputs);
 
         let mut done = vec![false; self.active.len()];
         // Finish events go out after the batch shrinks, so a client that saw its request end
@@ -808,6 +818,87 @@ impl Engine {
 }
 
 impl Engine {
+    /// The batch's next tokens. Each sequence draws from its own row of logits with its own
+    /// generator, so the result does not depend on the batch. Rows left on a GPU are drawn
+    /// there and only the picks come back; draws that sort (top-k, top-p) and more
+    /// alternatives than the device reports read their row back and draw on the host, as
+    /// every CPU row does. A device failure aborts the sequences of that pass.
+    fn draw(
+        &mut self,
+        outputs: &[Logits],
+        draw_from: &[Option<(usize, usize)>],
+    ) -> Vec<Option<Sampled>> {
+        let n = self.active.len();
+        let mut drawn: Vec<Option<Drawn<'_>>> = (0..n).map(|_| None).collect();
+        for (output, logits) in outputs.iter().enumerate() {
+            let members: Vec<usize> = (0..n)
+                .filter(|&i| {
+                    let seq = &self.active[i];
+                    draw_from[i].is_some_and(|(o, _)| o == output)
+                        && !seq.request.cancel[seq.choice].load(Ordering::SeqCst)
+                })
+                .collect();
+            if let Err(error) = self.draw_pass(logits, &members, draw_from, &mut drawn) {
+                self.abort_failed(&members, &error);
+                members.iter().for_each(|&i| drawn[i] = None);
+            }
+        }
+        self.active
+            .par_iter_mut()
+            .zip(drawn.into_par_iter())
+            .with_min_len(2)
+            .map(|(seq, drawn)| match drawn? {
+                Drawn::Picked(sampled) => Some(sampled),
+                Drawn::OnHost(row) => Some(sample_token(&row, &seq.request.params, &mut seq.rng)),
+            })
+            .collect()
+    }
+
+    /// One forward pass's draws: `members` (indices into the batch) from `logits`.
+    fn draw_pass<'a>(
+        &mut self,
+        logits: &'a Logits,
+        members: &[usize],
+        draw_from: &[Option<(usize, usize)>],
+        drawn: &mut [Option<Drawn<'a>>],
+    ) -> Result<(), BackendError> {
+        let mut picks = Vec::new();
+        let mut picked_by = Vec::new();
+        for &i in members {
+            let Some((_, row)) = draw_from[i] else {
+                continue;
+            };
+            let seq = &mut self.active[i];
+            let params = &seq.request.params;
+            if logits.on_device() && drawn_on_device(params) {
+                let uniform = if params.temperature > 0.0 {
+                    seq.rng.next_f32()
+                } else {
+                    0.0
+                };
+                picks.push(Pick {
+                    row,
+                    temperature: params.temperature,
+                    uniform,
+                    top_n: params.top_logprobs,
+                });
+                picked_by.push(i);
+            } else {
+                drawn[i] = Some(Drawn::OnHost(logits.row(row)?));
+            }
+        }
+        if !picks.is_empty() {
+            for (i, picked) in picked_by.into_iter().zip(logits.draw(&picks)?) {
+                drawn[i] = Some(Drawn::Picked(Sampled {
+                    id: picked.id,
+                    logprob: picked.logprob,
+                    top: picked.top,
+                }));
+            }
+        }
+        Ok(())
+    }
+
     /// A forward pass failed on the device (out of memory, a driver error): the requests
     /// it ran are told why (an error the client sees, never a silent drop) and cancelled,
     /// so their sequences leave the batch at the end of this step; their caches, which the
@@ -833,6 +924,18 @@ impl Engine {
 /// Prompt + completion limit of a model under the configured cap.
 fn max_len(model: &ServedModel, cap: usize) -> usize {
     model.loaded.model.config.max_position_embeddings.min(cap)
+}
+
+/// A sequence's next token: drawn on the device, or its row of logits to draw from here.
+enum Drawn<'a> {
+    Picked(Sampled),
+    OnHost(Cow<'a, [f32]>),
+}
+
+/// Whether the GPU makes this draw itself: greedy or the whole tempered distribution (no
+/// sort), with no more alternatives than it reports.
+fn drawn_on_device(params: &SamplingParams) -> bool {
+    params.top_k == 0 && params.top_p >= 1.0 && params.top_logprobs <= TOP_MAX
 }
 
 /// KV blocks one choice of `request` can fill: its prompt and every token it may generate.
@@ -943,6 +1046,15 @@ impl PrefixCache {
         self.tokens_held = 0;
     }
 
+    /// Drops the least recently used entry; false when there is none.
+    fn evict_oldest(&mut self) -> bool {
+        let Some(oldest) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].used) else {
+            return false;
+        };
+        self.tokens_held -= self.entries.swap_remove(oldest).tokens.len();
+        true
+    }
+
     /// The longest prefix of `prompt` an entry of `policy` holds (0 below MIN_SHARED).
     fn longest(&self, policy: &Policy, prompt: &[u32]) -> usize {
         self.best(policy, prompt).map_or(0, |(_, shared)| shared)
@@ -985,12 +1097,7 @@ impl PrefixCache {
             entry.used = self.clock;
             return;
         }
-        while self.tokens_held + tokens.len() > self.token_budget {
-            let Some(oldest) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].used) else {
-                break;
-            };
-            self.tokens_held -= self.entries.swap_remove(oldest).tokens.len();
-        }
+        while self.tokens_held + tokens.len() > self.token_budget && self.evict_oldest() {}
         self.tokens_held += tokens.len();
         self.entries.push(PrefixEntry {
             policy,
@@ -1028,6 +1135,16 @@ impl SessionCache {
         self.entries.clear();
     }
 
+    /// Drops the least recently used session's cache; false when there is none.
+    fn evict_oldest(&mut self) -> bool {
+        let oldest = self
+            .entries
+            .iter()
+            .min_by_key(|(_, e)| e.used)
+            .map(|(k, _)| k.clone());
+        oldest.is_some_and(|k| self.entries.remove(&k).is_some())
+    }
+
     /// The session's cache cut to the prefix it shares with `prompt` (keeping at least one
     /// prompt token to feed), and that prefix's length; None when nothing is shared.
     fn take(
@@ -1060,15 +1177,8 @@ impl SessionCache {
             return;
         }
         self.clock += 1;
-        if self.entries.len() >= self.capacity
-            && !self.entries.contains_key(session)
-            && let Some(oldest) = self
-                .entries
-                .iter()
-                .min_by_key(|(_, e)| e.used)
-                .map(|(k, _)| k.clone())
-        {
-            self.entries.remove(&oldest);
+        if self.entries.len() >= self.capacity && !self.entries.contains_key(session) {
+            self.evict_oldest();
         }
         self.entries.insert(
             session.to_owned(),

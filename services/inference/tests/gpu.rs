@@ -128,6 +128,8 @@ fn the_gpu_engine_continues_as_the_cpu_engine_does() {
                 "prompt {p} token {i}: GPU {} vs CPU {}",
                 g.id, c.id
             );
+            // Greedy's token is the first of the alternatives the device reports.
+            assert_eq!(g.top[0], (g.id, g.logprob), "prompt {p} token {i}");
             let delta = (g.logprob - c.logprob).abs();
             total_delta += delta;
             worst = worst.max(delta);
@@ -255,4 +257,148 @@ fn the_gpu_engine_queues_requests_on_kv_memory() {
         }
         other => panic!("expected KvCapacity, got {:?}", other.map(|_| ())),
     }
+}
+
+/// Every choice's tokens of a request with `n` choices drawn by `params`.
+fn choices_of(
+    engine: &EngineHandle,
+    prompt: &[u32],
+    n: usize,
+    params: SamplingParams,
+) -> Vec<Vec<Sampled>> {
+    let (events, mut receiver) = tokio::sync::mpsc::unbounded_channel();
+    engine
+        .submit(Request {
+            prompt: prompt.to_vec(),
+            n,
+            params,
+            session: None,
+            events,
+            cancel: (0..n).map(|_| Arc::new(AtomicBool::new(false))).collect(),
+        })
+        .unwrap();
+    let mut choices = vec![Vec::new(); n];
+    let mut finished = 0;
+    while finished < n {
+        match receiver.blocking_recv().expect("the engine stopped") {
+            Event::Token { choice, token } => choices[choice].push(token),
+            Event::Finished { .. } => finished += 1,
+            Event::Aborted { message, .. } => panic!("aborted: {message}"),
+            Event::Started { .. } => {}
+        }
+    }
+    choices
+}
+
+#[test]
+fn the_gpu_engine_draws_seeded_samples() {
+    let Some(gpu) = arl_model::cuda::for_tests("the_gpu_engine_draws_seeded_samples").unwrap()
+    else {
+        return;
+    };
+    let device = Device::cuda(
+        gpu,
+        GpuMemory {
+            kv_cache_bytes: Some(1 << 30),
+            ..GpuMemory::default()
+        },
+    );
+    let engine = engine(&device, 8);
+    let prompt: Vec<u32> = (0..24).map(|i| 200 + i * 37).collect();
+    let tempered = SamplingParams {
+        temperature: 0.9,
+        seed: Some(7),
+        top_logprobs: 1,
+        ..SamplingParams::greedy(24, 0)
+    };
+    // Drawn on the device: a seed gives the same choices again; the choices differ.
+    let first = choices_of(&engine, &prompt, 3, tempered.clone());
+    let again = choices_of(&engine, &prompt, 3, tempered.clone());
+    assert_eq!(first, again, "the same seed drew different tokens");
+    assert!(first.iter().all(|c| c.len() == 24));
+    assert!(
+        first[0] != first[1] || first[1] != first[2],
+        "three choices drew alike"
+    );
+    for token in first.iter().flatten() {
+        assert!(
+            token.logprob <= 0.0 && token.top[0].1 >= token.logprob,
+            "{token:?}"
+        );
+    }
+    // Top-p draws read their rows back and draw on the host, seeded as well.
+    let nucleus = SamplingParams {
+        top_p: 0.8,
+        ..tempered
+    };
+    let first = choices_of(&engine, &prompt, 2, nucleus.clone());
+    assert_eq!(first, choices_of(&engine, &prompt, 2, nucleus));
+    assert!(first.iter().all(|c| c.len() == 24));
+}
+
+/// One greedy request of `tokens` tokens, run to its end: the prompt tokens it found cached.
+fn cached_tokens_of(engine: &EngineHandle, prompt: &[u32], tokens: usize) -> usize {
+    let mut receiver = submit_greedy(engine, prompt, tokens, 0).unwrap();
+    let mut cached = None;
+    loop {
+        match receiver.blocking_recv().expect("the engine stopped") {
+            Event::Started { cached_tokens, .. } => cached = Some(cached_tokens),
+            Event::Finished { .. } => return cached.expect("no Started event"),
+            Event::Aborted { message, .. } => panic!("aborted: {message}"),
+            Event::Token { .. } => {}
+        }
+    }
+}
+
+#[test]
+fn a_short_kv_pool_drops_only_the_cached_prefixes_it_needs() {
+    let Some(gpu) =
+        arl_model::cuda::for_tests("a_short_kv_pool_drops_only_the_cached_prefixes_it_needs")
+            .unwrap()
+    else {
+        return;
+    };
+    // 20 blocks of 16 positions. Prompts a, b, c (40 tokens) each leave 3 blocks in the
+    // prefix cache; d (200 tokens) needs 13 where 11 are free, so the least recently used
+    // prefix (a's) goes and b's and c's stay.
+    let loaded = LoadedModel::open(&smollm2()).expect("SmolLM2: run `make models`");
+    let config = &loaded.model.config;
+    let block_bytes = config.num_hidden_layers * 2 * 16 * config.kv_dim() * 4;
+    let device = Device::cuda(
+        gpu,
+        GpuMemory {
+            kv_cache_bytes: Some(20 * block_bytes),
+            ..GpuMemory::default()
+        },
+    );
+    let served = ServedModel::new(None, 0, loaded, &device).unwrap();
+    let engine = EngineHandle::start(
+        EngineConfig {
+            max_batch: 8,
+            device,
+            ..EngineConfig::default()
+        },
+        Some(served),
+    )
+    .unwrap();
+    let prompt = |first: u32, len: u32| -> Vec<u32> { (0..len).map(|i| first + i * 3).collect() };
+    let (a, b, c, d) = (
+        prompt(1000, 40),
+        prompt(2000, 40),
+        prompt(3000, 40),
+        prompt(5000, 200),
+    );
+    for p in [&a, &b, &c, &d] {
+        assert_eq!(cached_tokens_of(&engine, p, 8), 0);
+    }
+    assert_eq!(
+        cached_tokens_of(&engine, &c, 8),
+        39,
+        "c's prefix was dropped too"
+    );
+    assert_eq!(
+        cached_tokens_of(&engine, &a, 8),
+        0,
+        "a's prefix should have gone"
+    );
 }

@@ -45,6 +45,7 @@ const KERNEL_NAMES: &[&str] = &[
     "kv_write",
     "head_stats",
     "head_dlogits",
+    "sample_rows",
     "adamw",
 ];
 

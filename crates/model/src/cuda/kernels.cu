@@ -957,3 +957,142 @@ extern "C" __global__ void adamw(float* param, const float* grad, float* m, floa
     float update = (mi / correction1) / (sqrtf(vi / correction2) + eps);
     param[i] -= lr * (update + weight_decay * param[i]);
 }
+
+// ---- the engine's next tokens, drawn from rows of logits on the device ----
+
+#define SAMPLE_THREADS 512
+// Alternatives reported per pick at most (the API's top_logprobs cap).
+#define TOP_MAX 20
+
+// (value, index) with the larger value, the smaller index on a tie: the host's argmax keeps
+// the first of equal logits.
+__device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
+    if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+}
+
+// The block's best (value, index) of every thread's candidate; every thread gets it.
+__device__ void block_best(float& v, int& i, float* shared_v, int* shared_i) {
+    for (int o = 16; o > 0; o >>= 1) better(v, i, __shfl_xor_sync(0xffffffff, v, o), __shfl_xor_sync(0xffffffff, i, o));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) { shared_v[warp] = v; shared_i[warp] = i; }
+    __syncthreads();
+    v = NEG_INF;
+    i = 0x7fffffff;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) better(v, i, shared_v[w], shared_i[w]);
+}
+
+__device__ double block_sum_f64(double v, double* shared) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    double total = 0.0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += shared[w];
+    return total;
+}
+
+// One block (SAMPLE_THREADS) per pick. A pick is 4 floats: the logits row it reads, its
+// temperature (≤ 0: greedy), the uniform in [0, 1) the host drew from the sequence's
+// generator, and how many alternatives to report. As the host's sampling does:
+//   - log-sum-exp over the raw logits, summed in f64, for the raw log-probabilities;
+//   - greedy: the first index of the largest logit;
+//   - otherwise the inverse CDF of softmax(z / T) at u·Σ: each warp sums a contiguous
+//     slice of the vocabulary, the slice holding the target is walked 32 logits at a time
+//     (a prefix sum across the warp), and the first index whose running sum passes the
+//     target is the token (the last index if rounding leaves none, as on the host);
+//   - the top n by value, best first, ties to the smaller index.
+// out per pick: [token id bits, logprob, TOP_MAX ids bits, TOP_MAX logprobs].
+extern "C" __global__ void sample_rows(float* out, const float* logits, const float* picks, int vocab) {
+    __shared__ float shared_v[32];
+    __shared__ int shared_i[32];
+    __shared__ double shared_d[32];
+    __shared__ double slice_sum[32];
+    __shared__ int chosen_top[TOP_MAX];
+    __shared__ int chosen;
+    const float* pick = picks + 4 * blockIdx.x;
+    const float* z = logits + (long long)(int)pick[0] * vocab;
+    float temperature = pick[1], uniform = pick[2];
+    int top_n = min((int)pick[3], TOP_MAX);
+    float* o = out + (long long)blockIdx.x * (2 + 2 * TOP_MAX);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    float best = NEG_INF;
+    int best_i = 0x7fffffff;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) better(best, best_i, z[j], j);
+    block_best(best, best_i, shared_v, shared_i);
+    float row_max = best;
+    double sum = 0.0;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) sum += (double)expf(z[j] - row_max);
+    float lse = row_max + (float)log(block_sum_f64(sum, shared_d));
+
+    if (threadIdx.x == 0) chosen = best_i;
+    if (temperature > 0.f) {
+        int slice = (vocab + 31) / 32, from = warp * slice, to = min(vocab, from + slice);
+        double part = 0.0;
+        for (int j = from + lane; j < to; j += 32) part += (double)expf((z[j] - row_max) / temperature);
+        for (int s = 16; s > 0; s >>= 1) part += __shfl_xor_sync(0xffffffff, part, s);
+        if (lane == 0) slice_sum[warp] = part;
+        __syncthreads();
+        // Every thread finds the slice holding the target (the same answer in each).
+        double total = 0.0;
+        for (int w = 0; w < 32; w++) total += slice_sum[w];
+        double target = (double)uniform * total, before = 0.0;
+        int holder = -1;
+        for (int w = 0; w < 32; w++) {
+            if (target < before + slice_sum[w]) { holder = w; break; }
+            before += slice_sum[w];
+        }
+        __syncthreads();
+        if (warp == holder) {
+            double running = before;
+            int last = -1;
+            bool found = false;
+            for (int base = from; base < to && !found; base += 32) {
+                int j = base + lane;
+                double e = j < to ? (double)expf((z[j] - row_max) / temperature) : 0.0;
+                double scan = e;
+                for (int s = 1; s < 32; s <<= 1) {
+                    double up = __shfl_up_sync(0xffffffff, scan, s);
+                    if (lane >= s) scan += up;
+                }
+                unsigned passed = __ballot_sync(0xffffffff, j < to && target < running + scan);
+                unsigned weighty = __ballot_sync(0xffffffff, e > 0.0);
+                if (passed) {
+                    if (lane == 0) chosen = base + __ffs(passed) - 1;
+                    found = true;
+                } else if (weighty) {
+                    last = base + 31 - __clz(weighty);
+                }
+                running += __shfl_sync(0xffffffff, scan, 31);
+            }
+            // The slice's own sum ran a little below the block's: its last token with any
+            // weight is the one the target fell behind.
+            if (!found && lane == 0 && last >= 0) chosen = last;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        o[0] = __int_as_float(chosen);
+        o[1] = z[chosen] - lse;
+    }
+
+    // The top n: n passes, each the best of what earlier passes have not taken.
+    for (int t = 0; t < top_n; t++) {
+        float v = NEG_INF;
+        int vi = 0x7fffffff;
+        for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+            bool taken = false;
+            for (int s = 0; s < t; s++) taken |= chosen_top[s] == j;
+            if (!taken) better(v, vi, z[j], j);
+        }
+        block_best(v, vi, shared_v, shared_i);
+        if (threadIdx.x == 0) {
+            chosen_top[t] = vi;
+            o[2 + t] = __int_as_float(vi);
+            o[2 + TOP_MAX + t] = v - lse;
+        }
+        __syncthreads();
+    }
+}

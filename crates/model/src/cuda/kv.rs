@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Arg, BLOCK, Cuda, CudaError, GpuBuf, args, device};
-use crate::backend::KvRows;
+use crate::backend::{Backend, KvRows, Span};
 
 /// Positions a block holds (a power of two: the attention kernel shifts by its log).
 pub const BLOCK_TOKENS: usize = 16;
@@ -212,13 +212,22 @@ impl Drop for PagedKv {
 
 /// A forward pass's table on the device (see the module doc): new row e's slot at e, its
 /// entry (row of the step's q, k, v and out; where its sequence's block addresses start;
-/// positions it sees) at `entries + 3e`, block addresses from `blocks`.
+/// positions it sees) at `entries + 3e`, block addresses from `blocks`, and from `attended`
+/// the entries of the rows that attend over the paged cache.
+///
+/// A fresh prompt (a sequence whose cache starts empty this pass, with more than one new
+/// row) attends over its own new keys instead, with the dense causal kernels training uses
+/// (`fresh`, spans of the step's rows): tensor cores tile its keys across the block, where
+/// the paged kernel walks them one row of queries at a time.
 #[derive(Debug)]
 pub struct PagedStep {
     table: Option<CudaSlice<i64>>,
     rows: usize,
     entries: usize,
     blocks: usize,
+    attended: usize,
+    attended_rows: usize,
+    fresh: Vec<Span>,
 }
 
 impl PagedStep {
@@ -305,6 +314,8 @@ impl Cuda {
         let mut slots = Vec::with_capacity(rows);
         let mut entries = Vec::with_capacity(3 * rows);
         let mut blocks: Vec<i64> = Vec::new();
+        let mut attended = Vec::with_capacity(3 * rows);
+        let mut fresh = Vec::new();
         for s in seqs.iter_mut() {
             if s.rows.is_empty() {
                 continue;
@@ -320,23 +331,37 @@ impl Cuda {
             let state = kv.pool.lock();
             let first_block = blocks.len() as i64;
             blocks.extend(kv.blocks.iter().map(|&b| state.addr[b as usize] as i64));
+            let is_fresh = s.start == 0 && s.rows.len() > 1;
+            if is_fresh {
+                fresh.push((s.rows.start, s.rows.len()));
+            }
             for (i, row) in s.rows.clone().enumerate() {
                 let p = s.start + i;
                 let base = state.addr[kv.blocks[p / BLOCK_TOKENS] as usize];
                 let within = (p % BLOCK_TOKENS) * kv.pool.kv_dim * size_of::<f32>();
                 slots.push((base + within as u64) as i64);
-                entries.extend([row as i64, first_block, (p + 1) as i64]);
+                let entry = [row as i64, first_block, (p + 1) as i64];
+                entries.extend(entry);
+                if !is_fresh {
+                    attended.extend(entry);
+                }
             }
         }
         let n = slots.len();
+        let attended_rows = attended.len() / 3;
         let mut table = slots;
         table.extend(entries);
         table.extend(blocks);
+        let attended_at = table.len();
+        table.extend(attended);
         PagedStep {
             table: self.upload_any(&table),
             rows: n,
             entries: n,
             blocks: 4 * n,
+            attended: attended_at,
+            attended_rows,
+            fresh,
         }
     }
 
@@ -401,22 +426,27 @@ impl Cuda {
         step: &PagedStep,
         pool: &KvPool,
         out: &mut GpuBuf,
-        q: &GpuBuf,
+        (q, k, v): (&GpuBuf, &GpuBuf, &GpuBuf),
         heads: usize,
         kv_heads: usize,
         hd: usize,
     ) {
+        if !step.fresh.is_empty() {
+            // (N, nh) row statistics the dense kernels write; decoding needs none.
+            let mut lse = self.alloc(q.len / hd.max(1), "attention statistics");
+            self.attention_forward(out, &mut lse, q, k, v, &step.fresh, heads, kv_heads, hd);
+        }
         let (layer_offset, v_offset) = offsets(pool, layer);
         let (o, qp, entries, blocks) = (
             out.ptr(0),
             q.ptr(0),
-            step.at(step.entries),
+            step.at(step.attended),
             step.at(step.blocks),
         );
         let (h, kvh, hd32, shift) = (heads as i32, kv_heads as i32, hd as i32, BLOCK_SHIFT);
         self.launch(
             "attention_paged",
-            super::per_row_head(step.rows, heads),
+            super::per_row_head(step.attended_rows, heads),
             args![
                 o,
                 qp,

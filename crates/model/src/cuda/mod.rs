@@ -21,6 +21,7 @@
 mod device;
 mod gemm;
 mod kv;
+mod sample;
 
 use std::sync::Arc;
 
@@ -28,6 +29,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 pub use device::{CudaError, Device, DeviceInfo, MIN_COMPUTE_CAPABILITY, devices};
 pub use kv::{BLOCK_TOKENS, KvPool, PagedKv, PagedStep};
+pub use sample::{Pick, Picked, TOP_MAX};
 
 use crate::backend::{AdamStep, Backend, KvRows, PackedProduct, Product, ProductGrad, Span};
 use crate::ops::PackedMatrix;
@@ -1017,6 +1019,8 @@ impl Backend for Cuda {
         step: &PagedStep,
         out: &mut GpuBuf,
         q: &GpuBuf,
+        k: &GpuBuf,
+        v: &GpuBuf,
         seqs: &[KvRows<'_, PagedKv>],
         heads: usize,
         kv_heads: usize,
@@ -1024,7 +1028,7 @@ impl Backend for Cuda {
     ) {
         if let Some(s) = seqs.first() {
             let pool = s.kv.pool();
-            self.kv_attention_paged(layer, step, pool, out, q, heads, kv_heads, hd);
+            self.kv_attention_paged(layer, step, pool, out, (q, k, v), heads, kv_heads, hd);
         }
     }
 

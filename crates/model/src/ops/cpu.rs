@@ -299,6 +299,8 @@ impl Backend for Cpu {
         _step: &(),
         out: &mut Buf,
         q: &Buf,
+        _k: &Buf,
+        _v: &Buf,
         seqs: &[KvRows<'_, ContiguousKv>],
         heads: usize,
         kv_heads: usize,
