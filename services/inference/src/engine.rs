@@ -352,7 +352,7 @@ impl EngineHandle {
         if let Some(model) = self.current()
             && let Some(room) = model.kv_room()
         {
-            let need = kv_blocks(room, &request, max) * request.n.max(1);
+            let need = KvReservation::of(room, &request, max).total();
             if need > room.blocks {
                 return Err(SubmitError::KvCapacity {
                     need: need * room.block_tokens,
@@ -400,8 +400,15 @@ struct Sequence {
     failed: bool,
     /// KV blocks set aside for it (and for the choices still to fork from it): it never
     /// runs out mid-way, however long it decodes. 0 on the CPU.
-    kv_reserved: usize,
+    kv_own: usize,
+    /// The prompt's full blocks its request's choices share (set aside once for them all,
+    /// for as long as one of them runs).
+    kv_shared: Option<Arc<SharedBlocks>>,
 }
+
+/// A count of KV blocks held in common by a request's choices.
+#[derive(Debug)]
+struct SharedBlocks(usize);
 
 struct RequestShared {
     params: SamplingParams,
@@ -495,20 +502,21 @@ impl Engine {
         let mut deferred = VecDeque::new();
         let room = model.kv_room();
         let max = max_len(&model, self.config.max_model_len);
-        let mut reserved: usize = self.active.iter().map(|seq| seq.kv_reserved).sum();
+        let mut reserved = self.kv_reserved();
         while let Some(request) = self.waiting.front() {
             let slots = request.n.max(1);
             if !self.active.is_empty() && self.active.len() + slots > self.config.max_batch {
                 break;
             }
             // On a GPU, a request starts once the KV pool can hold all of it.
-            let need = room.map_or(0, |room| kv_blocks(room, request, max) * slots);
+            let need = room.map(|room| KvReservation::of(room, request, max));
+            let blocks = need.map_or(0, KvReservation::total);
             if let Some(room) = room
-                && reserved + need > room.blocks
+                && reserved + blocks > room.blocks
             {
                 break;
             }
-            reserved += need;
+            reserved += blocks;
             let Some(request) = self.waiting.pop_front() else {
                 break;
             };
@@ -538,7 +546,7 @@ impl Engine {
 
     /// Starts a request: its cache from its session or a shared prefix, one sequence (whose
     /// other choices fork once its prompt is in).
-    fn start(&mut self, model: &Arc<ServedModel>, request: Request, kv_reserved: usize) {
+    fn start(&mut self, model: &Arc<ServedModel>, request: Request, kv: Option<KvReservation>) {
         let slots = request.n.max(1);
         self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
         self.seed_counter += 1;
@@ -579,8 +587,28 @@ impl Engine {
             rng: Rng::new(base_seed),
             forks: slots - 1,
             failed: false,
-            kv_reserved,
+            kv_own: kv.map_or(0, |kv| kv.per_choice * slots),
+            kv_shared: kv
+                .filter(|kv| kv.shared > 0)
+                .map(|kv| Arc::new(SharedBlocks(kv.shared))),
         });
+    }
+
+    /// KV blocks set aside for the running sequences: each one's own, and once each the
+    /// prompt blocks a request's choices share.
+    fn kv_reserved(&self) -> usize {
+        let mut shared: Vec<&Arc<SharedBlocks>> = Vec::new();
+        let mut total = 0;
+        for seq in &self.active {
+            total += seq.kv_own;
+            if let Some(blocks) = &seq.kv_shared
+                && !shared.iter().any(|s| Arc::ptr_eq(s, blocks))
+            {
+                total += blocks.0;
+                shared.push(blocks);
+            }
+        }
+        total
     }
 
     /// Frees KV blocks cached prefixes and sessions hold when the pool has too few left for
@@ -708,9 +736,9 @@ impl Engine {
             if seq.forks > 0
                 && let Some(from) = draw_from[i]
             {
-                let per_choice = seq.kv_reserved / (seq.forks + 1);
+                let per_choice = seq.kv_own / (seq.forks + 1);
                 for choice in 1..=seq.forks {
-                    seq.kv_reserved -= per_choice;
+                    seq.kv_own -= per_choice;
                     forked.push((
                         Sequence {
                             request: seq.request.clone(),
@@ -724,7 +752,8 @@ impl Engine {
                             rng: Rng::new(seq.request.base_seed.wrapping_add(choice as u64)),
                             forks: 0,
                             failed: false,
-                            kv_reserved: per_choice,
+                            kv_own: per_choice,
+                            kv_shared: seq.kv_shared.clone(),
                         },
                         from,
                     ));
@@ -938,9 +967,37 @@ fn drawn_on_device(params: &SamplingParams) -> bool {
     params.top_k == 0 && params.top_p >= 1.0 && params.top_logprobs <= TOP_MAX
 }
 
-/// KV blocks one choice of `request` can fill: its prompt and every token it may generate.
-fn kv_blocks(room: KvRoom, request: &Request, max_len: usize) -> usize {
-    room.blocks_for((request.prompt.len() + request.params.max_tokens).min(max_len))
+/// The KV blocks a request can fill: its prompt and every token each choice may generate.
+/// Its choices fork from one cache after the prompt, so the prompt's full blocks are
+/// shared (never written again); the block the prompt ends in and those after it are each
+/// choice's own (a write into a shared block copies it first).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct KvReservation {
+    shared: usize,
+    per_choice: usize,
+    choices: usize,
+}
+
+impl KvReservation {
+    fn of(room: KvRoom, request: &Request, max_len: usize) -> Self {
+        let choices = request.n.max(1);
+        let whole =
+            room.blocks_for((request.prompt.len() + request.params.max_tokens).min(max_len));
+        let shared = if choices > 1 {
+            (request.prompt.len() / room.block_tokens).min(whole)
+        } else {
+            0
+        };
+        Self {
+            shared,
+            per_choice: whole - shared,
+            choices,
+        }
+    }
+
+    fn total(self) -> usize {
+        self.shared + self.per_choice * self.choices
+    }
 }
 
 /// Samples with the request's settings; reports the model's raw log-probabilities.
@@ -1189,5 +1246,42 @@ impl SessionCache {
                 used: self.clock,
             },
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(prompt: usize, n: usize, max_tokens: usize) -> Request {
+        Request {
+            prompt: vec![1; prompt],
+            n,
+            params: SamplingParams::greedy(max_tokens, 0),
+            session: None,
+            events: mpsc::unbounded_channel().0,
+            cancel: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn choices_set_aside_their_shared_prompt_blocks_once() {
+        let room = KvRoom {
+            block_tokens: 16,
+            blocks: 1000,
+        };
+        let of =
+            |prompt, n, max_tokens| KvReservation::of(room, &request(prompt, n, max_tokens), 4096);
+        // One choice: all of prompt + completion, as before.
+        assert_eq!(of(40, 1, 24).total(), 4);
+        // 8 choices of a 1,000-token prompt (62 full blocks, the 63rd partly filled) and 200
+        // new tokens (75 blocks in all): 62 once, then 13 each, not 8 × 75.
+        let group = of(1000, 8, 200);
+        assert_eq!((group.shared, group.per_choice), (62, 13));
+        assert_eq!(group.total(), 62 + 8 * 13);
+        // A prompt ending on a block boundary leaves nothing partly filled to copy.
+        assert_eq!(of(32, 4, 16).total(), 2 + 4);
+        // The model's length caps what a choice can fill.
+        assert_eq!(of(4000, 2, 500).total(), 250 + 2 * 6);
     }
 }

@@ -249,6 +249,12 @@ fn the_gpu_engine_queues_requests_on_kv_memory() {
         );
     }
 
+    // A request's choices share its prompt's full blocks: 4 choices of a 32-token prompt
+    // and 16 new tokens set aside 2 + 4 × 1 blocks (not 4 × 3, over the pool's 10).
+    let prompt: Vec<u32> = (0..32).map(|i| 300 + i * 5).collect();
+    let choices = choices_of(&engine, &prompt, 4, SamplingParams::greedy(16, 0));
+    assert!(choices.iter().all(|c| c.len() == 16 && c == &choices[0]));
+
     // One that could never fit is refused, saying why.
     let long: Vec<u32> = (0..100).map(|i| 100 + i).collect();
     match submit_greedy(&engine, &long, 100, 0) {
