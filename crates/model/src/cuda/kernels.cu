@@ -284,7 +284,8 @@ extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
-// ---- the generic path: per row, span[2·row] = first row of its sequence, span[2·row+1] = T ----
+// ---- the generic path: block b's row = span[3b+2], the first row of its sequence span[3b], its
+// length span[3b+1] (the spans need not cover every row: a step's fresh prompts) ----
 
 // q_i · k_j · scale
 __device__ float score(const float* qi, const float* kj, int hd, float scale) {
@@ -368,8 +369,8 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
                                              const int* span, int heads, int kv_heads, int hd) {
     __shared__ float shared[32];
     __shared__ float pc[TILE];
-    int row = blockIdx.x, h = blockIdx.y;
-    long long start = span[2 * row];
+    int row = span[3 * blockIdx.x + 2], h = blockIdx.y;
+    long long start = span[3 * blockIdx.x];
     int kvh = h / (heads / kv_heads);
     long long pair = (long long)row * heads + h;
     long long first = (start * kv_heads + kvh) * hd;
@@ -398,8 +399,8 @@ extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, c
                                                  const float* k, const float* v, const float* dot,
                                                  const int* span, int heads, int kv_heads, int hd) {
     __shared__ float ds[TILE];  // this row's dS over one tile of keys
-    int row = blockIdx.x, h = blockIdx.y;
-    long long start = span[2 * row];
+    int row = span[3 * blockIdx.x + 2], h = blockIdx.y;
+    long long start = span[3 * blockIdx.x];
     int i = (int)(row - start);
     int kvh = h / (heads / kv_heads);
     float scale = 1.0f / sqrtf((float)hd);
@@ -435,8 +436,8 @@ extern "C" __global__ void attention_backward_dkv(float* dk, float* dv, const fl
                                                   const int* span, int heads, int kv_heads, int hd) {
     __shared__ float pc[TILE];   // P_ij over one tile of query rows
     __shared__ float dsc[TILE];  // dS_ij over the same tile
-    int row = blockIdx.x, g = blockIdx.y;
-    long long start = span[2 * row], t = span[2 * row + 1];
+    int row = span[3 * blockIdx.x + 2], g = blockIdx.y;
+    long long start = span[3 * blockIdx.x], t = span[3 * blockIdx.x + 1];
     int j = (int)(row - start);
     int group = heads / kv_heads;
     float scale = 1.0f / sqrtf((float)hd);
@@ -1029,7 +1030,8 @@ extern "C" __global__ void sample_rows(float* out, const float* logits, const fl
 
     if (threadIdx.x == 0) chosen = best_i;
     if (temperature > 0.f) {
-        int slice = (vocab + 31) / 32, from = warp * slice, to = min(vocab, from + slice);
+        int warps = blockDim.x >> 5, slice = (vocab + warps - 1) / warps;
+        int from = warp * slice, to = min(vocab, from + slice);
         double part = 0.0;
         for (int j = from + lane; j < to; j += 32) part += (double)expf((z[j] - row_max) / temperature);
         for (int s = 16; s > 0; s >>= 1) part += __shfl_xor_sync(0xffffffff, part, s);
@@ -1037,10 +1039,10 @@ extern "C" __global__ void sample_rows(float* out, const float* logits, const fl
         __syncthreads();
         // Every thread finds the slice holding the target (the same answer in each).
         double total = 0.0;
-        for (int w = 0; w < 32; w++) total += slice_sum[w];
+        for (int w = 0; w < warps; w++) total += slice_sum[w];
         double target = (double)uniform * total, before = 0.0;
         int holder = -1;
-        for (int w = 0; w < 32; w++) {
+        for (int w = 0; w < warps; w++) {
             if (target < before + slice_sum[w]) { holder = w; break; }
             before += slice_sum[w];
         }

@@ -440,13 +440,13 @@ fn columns(n: usize, c: usize) -> LaunchConfig {
     }
 }
 
-/// Per row of a packed batch: (first row of its sequence, its length), as the generic
-/// attention kernels read it.
+/// Per row of the spans: (first row of its sequence, its length, the row), as the generic
+/// attention kernels read it (a block per entry).
 fn span_table(spans: &[Span]) -> Vec<u32> {
     let mut table = Vec::new();
     for &(start, t) in spans {
-        for _ in 0..t {
-            table.extend([start as u32, t as u32]);
+        for row in start..start + t {
+            table.extend([start as u32, t as u32, row as u32]);
         }
     }
     table
@@ -1185,7 +1185,9 @@ mod tests {
     #[test]
     fn the_span_table_gives_every_row_its_sequence() {
         let table = span_table(&[(0, 2), (2, 3)]);
-        assert_eq!(table, vec![0, 2, 0, 2, 2, 3, 2, 3, 2, 3]);
+        assert_eq!(table, vec![0, 2, 0, 0, 2, 1, 2, 3, 2, 2, 3, 3, 2, 3, 4]);
+        // Spans that skip rows (a step's fresh prompts among decoding rows) name theirs.
+        assert_eq!(span_table(&[(5, 2)]), vec![5, 2, 5, 5, 2, 6]);
     }
 
     #[test]
