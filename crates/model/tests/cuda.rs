@@ -979,6 +979,8 @@ fn draws_on_the_device_are_the_hosts() {
                     temperature,
                     uniform,
                     top_n,
+                    top_k: 0,
+                    top_p: 1.0,
                 });
                 generators.push(rng);
             }
@@ -1016,7 +1018,113 @@ fn draws_on_the_device_are_the_hosts() {
         temperature: 0.0,
         uniform: 0.0,
         top_n: 0,
+        top_k: 0,
+        top_p: 1.0,
     };
     assert!(gpu.sample_rows(&logits, vocab, &[past]).is_err());
     assert_eq!(gpu.download_row(&logits, vocab, 1).unwrap(), row(1));
+}
+
+/// The tokens top-k then top-p keep of a row (the logits at or above the threshold) and
+/// the one the inverse CDF names at `uniform`, walking them in vocabulary order.
+fn kept_and_drawn(row: &[f32], pick: &arl_model::cuda::Pick, top_p: f32) -> (Vec<bool>, u32) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let weight = |z: f32| f64::from(((z - max) / pick.temperature).exp());
+    let mut order: Vec<usize> = (0..row.len()).collect();
+    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+    let mut floor = f32::NEG_INFINITY;
+    if pick.top_k > 0 && pick.top_k < row.len() {
+        floor = row[order[pick.top_k - 1]];
+    }
+    if top_p < 1.0 {
+        let whole: f64 = row
+            .iter()
+            .filter(|&&z| z >= floor)
+            .map(|&z| weight(z))
+            .sum();
+        let mut running = 0.0;
+        for &j in &order {
+            running += weight(row[j]);
+            if running >= f64::from(top_p) * whole {
+                floor = floor.max(row[j]);
+                break;
+            }
+        }
+    }
+    let kept: Vec<bool> = row.iter().map(|&z| z >= floor).collect();
+    let total: f64 = (0..row.len())
+        .filter(|&j| kept[j])
+        .map(|j| weight(row[j]))
+        .sum();
+    let target = f64::from(pick.uniform) * total;
+    let mut running = 0.0;
+    let mut drawn = 0;
+    for j in (0..row.len()).filter(|&j| kept[j]) {
+        running += weight(row[j]);
+        drawn = j as u32;
+        if target < running {
+            break;
+        }
+    }
+    (kept, drawn)
+}
+
+#[test]
+fn top_k_and_top_p_keep_the_hosts_tokens_on_the_device() {
+    use arl_model::cuda::Pick;
+    use arl_model::generate::Rng;
+    let Some(gpu) = gpu("top_k_and_top_p_keep_the_hosts_tokens_on_the_device") else {
+        return;
+    };
+    let vocab = 151_936;
+    let rows = random(2 * vocab, 43, 6.0);
+    let logits = gpu.upload(&rows);
+    let mut picks = Vec::new();
+    let mut rng = Rng::new(5);
+    for row in 0..2 {
+        for (temperature, top_k, top_p) in [
+            (1.0, 1, 1.0),
+            (1.0, 50, 1.0),
+            (0.7, 0, 0.9),
+            (1.0, 0, 0.5),
+            (1.2, 40, 0.8),
+            (1.0, 1000, 0.95),
+        ] {
+            for _ in 0..4 {
+                picks.push(Pick {
+                    row,
+                    temperature,
+                    uniform: rng.next_f32(),
+                    top_n: 2,
+                    top_k,
+                    top_p,
+                });
+            }
+        }
+    }
+    let drawn = gpu.sample_rows(&logits, vocab, &picks).unwrap();
+    let mut exact = 0;
+    for (pick, got) in picks.iter().zip(&drawn) {
+        let row = &rows[pick.row * vocab..(pick.row + 1) * vocab];
+        // The device's sums are f32: a nucleus within rounding of p may keep one more or
+        // one fewer token, so the draw is held to the looser set, and to the exact token
+        // where a slightly smaller and a slightly larger p keep the same.
+        let (looser, _) = kept_and_drawn(row, pick, (pick.top_p + 1e-4).min(1.0));
+        let (stricter, want) =
+            kept_and_drawn(row, pick, pick.top_p - 1e-4 * f32::from(pick.top_p < 1.0));
+        assert!(
+            looser[got.id as usize],
+            "{pick:?}: token {} was not kept",
+            got.id
+        );
+        if looser == stricter {
+            assert_eq!(got.id, want, "{pick:?}");
+            exact += 1;
+        }
+        if pick.top_k == 1 {
+            assert_eq!(got.id, got.top[0].0, "{pick:?}: top-1 is greedy");
+        }
+    }
+    assert!(exact >= picks.len() * 3 / 4, "only {exact} exact draws");
+    gpu.check().unwrap();
 }

@@ -849,9 +849,9 @@ impl Engine {
 impl Engine {
     /// The batch's next tokens. Each sequence draws from its own row of logits with its own
     /// generator, so the result does not depend on the batch. Rows left on a GPU are drawn
-    /// there and only the picks come back; draws that sort (top-k, top-p) and more
-    /// alternatives than the device reports read their row back and draw on the host, as
-    /// every CPU row does. A device failure aborts the sequences of that pass.
+    /// there and only the picks come back (a draw asking for more alternatives than the
+    /// device reports reads its row back and draws on the host, as every CPU row does). A
+    /// device failure aborts the sequences of that pass.
     fn draw(
         &mut self,
         outputs: &[Logits],
@@ -910,6 +910,8 @@ impl Engine {
                     temperature: params.temperature,
                     uniform,
                     top_n: params.top_logprobs,
+                    top_k: params.top_k,
+                    top_p: params.top_p,
                 });
                 picked_by.push(i);
             } else {
@@ -961,10 +963,10 @@ enum Drawn<'a> {
     OnHost(Cow<'a, [f32]>),
 }
 
-/// Whether the GPU makes this draw itself: greedy or the whole tempered distribution (no
-/// sort), with no more alternatives than it reports.
+/// Whether the GPU makes this draw itself: any but one asking for more alternatives than
+/// it reports.
 fn drawn_on_device(params: &SamplingParams) -> bool {
-    params.top_k == 0 && params.top_p >= 1.0 && params.top_logprobs <= TOP_MAX
+    params.top_logprobs <= TOP_MAX
 }
 
 /// The KV blocks a request can fill: its prompt and every token each choice may generate.

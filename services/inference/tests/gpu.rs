@@ -332,7 +332,7 @@ fn the_gpu_engine_draws_seeded_samples() {
             "{token:?}"
         );
     }
-    // Top-p draws read their rows back and draw on the host, seeded as well.
+    // Top-p draws, seeded as well.
     let nucleus = SamplingParams {
         top_p: 0.8,
         ..tempered

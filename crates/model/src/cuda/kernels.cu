@@ -994,12 +994,77 @@ __device__ double block_sum_f64(double v, double* shared) {
     return total;
 }
 
-// One block (SAMPLE_THREADS) per pick. A pick is 4 floats: the logits row it reads, its
+// A float's bits as an unsigned key in the same order (larger float, larger key).
+__device__ __forceinline__ unsigned order_key(float z) {
+    unsigned b = __float_as_uint(z);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Radix select over a row's keys ≥ floor, a byte at a time from the top: the largest key τ
+// whose keys ≥ τ weigh at least `target` — counting each key as 1 (`counting`: the k-th
+// largest logit, target k) or as e^((z − max)/T) with target a fraction of the kept keys'
+// whole weight (the nucleus: the logit where the running mass of the best tokens first
+// reaches top_p). Four histogram passes of 256 bins, a histogram per warp (logits crowd a
+// few top bytes: one shared histogram would serialize the whole block on them); every
+// thread gets τ. At most SAMPLE_THREADS / 32 warps.
+__device__ unsigned radix_threshold(const float* z, int vocab, unsigned floor, bool counting, float target,
+                                    float row_max, float temperature) {
+    __shared__ float hist[SAMPLE_THREADS / 32 * 256];
+    __shared__ unsigned prefix_s;
+    __shared__ float above_s, target_s;
+    unsigned prefix = 0, mask = 0;
+    float above = 0.f;
+    int warps = blockDim.x >> 5;
+    float* mine = hist + (threadIdx.x >> 5) * 256;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < warps * 256; b += blockDim.x) hist[b] = 0.f;
+        __syncthreads();
+        for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+            unsigned key = order_key(z[j]);
+            if (key < floor || (key & mask) != prefix) continue;
+            atomicAdd(&mine[(key >> shift) & 255], counting ? 1.f : expf((z[j] - row_max) / temperature));
+        }
+        __syncthreads();
+        for (int b = threadIdx.x; b < 256; b += blockDim.x)
+            for (int w = 1; w < warps; w++) hist[b] += hist[w * 256 + b];
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float goal = target;
+            if (shift == 24 && !counting) {
+                float whole = 0.f;
+                for (int b = 0; b < 256; b++) whole += hist[b];
+                goal = target * whole;
+                target_s = goal;
+            } else if (!counting) {
+                goal = target_s;
+            }
+            int b = 255;
+            float cum = above;
+            for (; b > 0 && cum + hist[b] < goal; b--) cum += hist[b];
+            prefix_s = prefix | ((unsigned)b << shift);
+            above_s = cum;
+        }
+        __syncthreads();
+        prefix = prefix_s;
+        above = above_s;
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    return prefix;
+}
+
+// One block (SAMPLE_THREADS) per pick. A pick is 6 floats: the logits row it reads, its
 // temperature (≤ 0: greedy), the uniform in [0, 1) the host drew from the sequence's
-// generator, and how many alternatives to report. As the host's sampling does:
+// generator, how many alternatives to report, top-k (0: off) and top-p (1: off). As the
+// host's sampling does:
 //   - log-sum-exp over the raw logits, summed in f64, for the raw log-probabilities;
 //   - greedy: the first index of the largest logit;
-//   - otherwise the inverse CDF of softmax(z / T) at u·Σ: each warp sums a contiguous
+//   - top-k, then top-p, keep the logits at or above a threshold (radix_threshold: the
+//     k-th largest; then the one where the best tokens' tempered mass first reaches p), so
+//     ties at the threshold all stay;
+//   - otherwise the inverse CDF of softmax(z / T) over what is kept, at u·Σ, in
+//     vocabulary order (the host walks its sorted candidates: the same distribution, but a
+//     uniform may name another token of it): each warp sums a contiguous
 //     slice of the vocabulary, the slice holding the target is walked 32 logits at a time
 //     (a prefix sum across the warp), and the first index whose running sum passes the
 //     target is the token (the last index if rounding leaves none, as on the host);
@@ -1012,7 +1077,7 @@ extern "C" __global__ void sample_rows(float* out, const float* logits, const fl
     __shared__ double slice_sum[32];
     __shared__ int chosen_top[TOP_MAX];
     __shared__ int chosen;
-    const float* pick = picks + 4 * blockIdx.x;
+    const float* pick = picks + 6 * blockIdx.x;
     const float* z = logits + (long long)(int)pick[0] * vocab;
     float temperature = pick[1], uniform = pick[2];
     int top_n = min((int)pick[3], TOP_MAX);
@@ -1030,10 +1095,16 @@ extern "C" __global__ void sample_rows(float* out, const float* logits, const fl
 
     if (threadIdx.x == 0) chosen = best_i;
     if (temperature > 0.f) {
+        int top_k = (int)pick[4];
+        float top_p = pick[5];
+        unsigned floor = 0;
+        if (top_k > 0 && top_k < vocab) floor = radix_threshold(z, vocab, 0, true, (float)top_k, row_max, temperature);
+        if (top_p < 1.f) floor = radix_threshold(z, vocab, floor, false, top_p, row_max, temperature);
         int warps = blockDim.x >> 5, slice = (vocab + warps - 1) / warps;
         int from = warp * slice, to = min(vocab, from + slice);
         double part = 0.0;
-        for (int j = from + lane; j < to; j += 32) part += (double)expf((z[j] - row_max) / temperature);
+        for (int j = from + lane; j < to; j += 32)
+            if (order_key(z[j]) >= floor) part += (double)expf((z[j] - row_max) / temperature);
         for (int s = 16; s > 0; s >>= 1) part += __shfl_xor_sync(0xffffffff, part, s);
         if (lane == 0) slice_sum[warp] = part;
         __syncthreads();
@@ -1053,7 +1124,7 @@ extern "C" __global__ void sample_rows(float* out, const float* logits, const fl
             bool found = false;
             for (int base = from; base < to && !found; base += 32) {
                 int j = base + lane;
-                double e = j < to ? (double)expf((z[j] - row_max) / temperature) : 0.0;
+                double e = j < to && order_key(z[j]) >= floor ? (double)expf((z[j] - row_max) / temperature) : 0.0;
                 double scan = e;
                 for (int s = 1; s < 32; s <<= 1) {
                     double up = __shfl_up_sync(0xffffffff, scan, s);

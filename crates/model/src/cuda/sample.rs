@@ -2,10 +2,13 @@
 //! kernels.cu): only each pick's token, its raw log-probability and its top alternatives
 //! come back, never the vocabulary-wide rows (151,936 floats a row for Qwen2.5).
 //!
-//! The draw is the host's (`generate::sample` with neither top-k nor top-p): the same
-//! uniform from the sequence's generator, the same inverse CDF of softmax(z / T), summed in
-//! f64. Only the order of the sums differs, so a uniform within rounding of a boundary
-//! between two tokens may pick the neighbour.
+//! The draw is the host's (`generate::sample`): the same uniform from the sequence's
+//! generator, the inverse CDF of softmax(z / T) summed in f64. Without top-k and top-p it
+//! is the host's token (only the order of the sums differs, so a uniform within rounding of
+//! a boundary between two tokens may pick the neighbour). With them, the kept tokens are
+//! the host's (those at or above a threshold logit, found by radix select: ties at the
+//! threshold all stay), but they are walked in vocabulary order where the host walks them
+//! best first: the same distribution, another token for a given uniform.
 
 use cudarc::driver::LaunchConfig;
 
@@ -30,6 +33,10 @@ pub struct Pick {
     pub uniform: f32,
     /// Alternatives to report, at most [`TOP_MAX`].
     pub top_n: usize,
+    /// Only the `top_k` likeliest tokens (0: all).
+    pub top_k: usize,
+    /// Only the likeliest tokens whose tempered probabilities first sum to `top_p` (1: all).
+    pub top_p: f32,
 }
 
 /// What a pick drew: the token, its log-probability under the raw logits (log-softmax
@@ -66,7 +73,16 @@ impl Cuda {
         }
         let table: Vec<f32> = picks
             .iter()
-            .flat_map(|p| [p.row as f32, p.temperature, p.uniform, p.top_n as f32])
+            .flat_map(|p| {
+                [
+                    p.row as f32,
+                    p.temperature,
+                    p.uniform,
+                    p.top_n as f32,
+                    p.top_k.min(1 << 24) as f32,
+                    p.top_p,
+                ]
+            })
             .collect();
         let out = self.alloc(picks.len() * PICKED_FLOATS, "sampling on the device");
         if let Some(table) = self.upload_any(&table) {
