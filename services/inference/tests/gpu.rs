@@ -309,7 +309,21 @@ fn the_gpu_engine_draws_seeded_samples() {
             ..GpuMemory::default()
         },
     );
-    let engine = engine(&device, 8);
+    // No prefix cache: a second request then runs exactly as the first (a cached prompt
+    // would end on the paged kernel, not the fresh prompt's dense one, and move the
+    // logits in their last bits).
+    let loaded = LoadedModel::open(&smollm2()).expect("SmolLM2: run `make models`");
+    let served = ServedModel::new(None, 0, loaded, &device).unwrap();
+    let engine = EngineHandle::start(
+        EngineConfig {
+            max_batch: 8,
+            prefix_cache_tokens: 0,
+            device,
+            ..EngineConfig::default()
+        },
+        Some(served),
+    )
+    .unwrap();
     let prompt: Vec<u32> = (0..24).map(|i| 200 + i * 37).collect();
     let tempered = SamplingParams {
         temperature: 0.9,
