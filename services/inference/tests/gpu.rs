@@ -14,6 +14,8 @@ use arl_inference::device::{Device, GpuMemory};
 use arl_inference::engine::{
     EngineConfig, EngineHandle, Event, Request, Sampled, SamplingParams, ServedModel, SubmitError,
 };
+use arl_model::config::ModelConfig;
+use arl_model::cuda::Cuda;
 use arl_model::load::LoadedModel;
 
 fn smollm2() -> PathBuf {
@@ -25,15 +27,45 @@ fn smollm2() -> PathBuf {
         .join("SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
-fn engine(device: &Device, max_batch: usize) -> EngineHandle {
+/// SmolLM2 on the CPU, at most 8 sequences at once.
+fn cpu_engine() -> EngineHandle {
     let loaded = LoadedModel::open(&smollm2()).expect("SmolLM2: run `make models`");
-    let served = ServedModel::new(None, 0, loaded, device).unwrap();
+    let served = ServedModel::new(None, 0, loaded, &Device::Cpu).unwrap();
     let config = EngineConfig {
-        max_batch,
-        device: device.clone(),
+        max_batch: 8,
         ..EngineConfig::default()
     };
     EngineHandle::start(config, Some(served)).unwrap()
+}
+
+/// SmolLM2 on `gpu` with a KV pool of `kv_bytes(config)` bytes, at most 8 sequences at
+/// once, `prefix_cache_tokens` of cached prompts (0: none).
+fn gpu_engine(
+    gpu: Cuda,
+    kv_bytes: impl FnOnce(&ModelConfig) -> usize,
+    prefix_cache_tokens: usize,
+) -> EngineHandle {
+    let loaded = LoadedModel::open(&smollm2()).expect("SmolLM2: run `make models`");
+    let device = Device::cuda(
+        gpu,
+        GpuMemory {
+            kv_cache_bytes: Some(kv_bytes(&loaded.model.config)),
+            ..GpuMemory::default()
+        },
+    );
+    let served = ServedModel::new(None, 0, loaded, &device).unwrap();
+    let config = EngineConfig {
+        max_batch: 8,
+        prefix_cache_tokens,
+        device,
+        ..EngineConfig::default()
+    };
+    EngineHandle::start(config, Some(served)).unwrap()
+}
+
+/// A pool of `blocks` KV blocks: 16 positions of every layer's f32 keys and values each.
+fn kv_blocks(blocks: usize) -> impl FnOnce(&ModelConfig) -> usize {
+    move |config| blocks * config.num_hidden_layers * 2 * 16 * config.kv_dim() * 4
 }
 
 /// Greedy continuations of every prompt, submitted at once (they decode as one batch),
@@ -93,18 +125,10 @@ fn the_gpu_engine_continues_as_the_cpu_engine_does() {
     })
     .collect();
     let tokens = 40;
-    let on_cpu = continue_greedily(&engine(&Device::Cpu, 8), &prompts, tokens);
+    let on_cpu = continue_greedily(&cpu_engine(), &prompts, tokens);
+    let prefix_cache = EngineConfig::default().prefix_cache_tokens;
     let on_gpu = continue_greedily(
-        &engine(
-            &Device::cuda(
-                gpu,
-                GpuMemory {
-                    kv_cache_bytes: Some(1 << 30),
-                    ..GpuMemory::default()
-                },
-            ),
-            8,
-        ),
+        &gpu_engine(gpu, |_| 1 << 30, prefix_cache),
         &prompts,
         tokens,
     );
@@ -189,27 +213,7 @@ fn the_gpu_engine_queues_requests_on_kv_memory() {
     };
     // A KV pool of 10 blocks (16 positions each); a request of a 30-token prompt and 24
     // new tokens sets aside 4, so two run at once and the others wait their turn.
-    let loaded = LoadedModel::open(&smollm2()).expect("SmolLM2: run `make models`");
-    let config = &loaded.model.config;
-    let block_bytes = config.num_hidden_layers * 2 * 16 * config.kv_dim() * 4;
-    let device = Device::cuda(
-        gpu,
-        GpuMemory {
-            kv_cache_bytes: Some(10 * block_bytes),
-            ..GpuMemory::default()
-        },
-    );
-    let served = ServedModel::new(None, 0, loaded, &device).unwrap();
-    let engine = EngineHandle::start(
-        EngineConfig {
-            max_batch: 8,
-            prefix_cache_tokens: 0,
-            device,
-            ..EngineConfig::default()
-        },
-        Some(served),
-    )
-    .unwrap();
+    let engine = gpu_engine(gpu, kv_blocks(10), 0);
     assert_eq!(engine.kv_capacity_tokens(), 160);
     let prompts: Vec<Vec<u32>> = (0..6u32)
         .map(|p| (0..30).map(|i| 100 + (p * 31 + i * 17) % 4000).collect())
@@ -302,28 +306,10 @@ fn the_gpu_engine_draws_seeded_samples() {
     else {
         return;
     };
-    let device = Device::cuda(
-        gpu,
-        GpuMemory {
-            kv_cache_bytes: Some(1 << 30),
-            ..GpuMemory::default()
-        },
-    );
     // No prefix cache: a second request then runs exactly as the first (a cached prompt
     // would end on the paged kernel, not the fresh prompt's dense one, and move the
     // logits in their last bits).
-    let loaded = LoadedModel::open(&smollm2()).expect("SmolLM2: run `make models`");
-    let served = ServedModel::new(None, 0, loaded, &device).unwrap();
-    let engine = EngineHandle::start(
-        EngineConfig {
-            max_batch: 8,
-            prefix_cache_tokens: 0,
-            device,
-            ..EngineConfig::default()
-        },
-        Some(served),
-    )
-    .unwrap();
+    let engine = gpu_engine(gpu, |_| 1 << 30, 0);
     let prompt: Vec<u32> = (0..24).map(|i| 200 + i * 37).collect();
     let tempered = SamplingParams {
         temperature: 0.9,
@@ -381,26 +367,11 @@ fn a_short_kv_pool_drops_only_the_cached_prefixes_it_needs() {
     // 20 blocks of 16 positions. Prompts a, b, c (40 tokens) each leave 3 blocks in the
     // prefix cache; d (200 tokens) needs 13 where 11 are free, so the least recently used
     // prefix (a's) goes and b's and c's stay.
-    let loaded = LoadedModel::open(&smollm2()).expect("SmolLM2: run `make models`");
-    let config = &loaded.model.config;
-    let block_bytes = config.num_hidden_layers * 2 * 16 * config.kv_dim() * 4;
-    let device = Device::cuda(
+    let engine = gpu_engine(
         gpu,
-        GpuMemory {
-            kv_cache_bytes: Some(20 * block_bytes),
-            ..GpuMemory::default()
-        },
+        kv_blocks(20),
+        EngineConfig::default().prefix_cache_tokens,
     );
-    let served = ServedModel::new(None, 0, loaded, &device).unwrap();
-    let engine = EngineHandle::start(
-        EngineConfig {
-            max_batch: 8,
-            device,
-            ..EngineConfig::default()
-        },
-        Some(served),
-    )
-    .unwrap();
     let prompt = |first: u32, len: u32| -> Vec<u32> { (0..len).map(|i| first + i * 3).collect() };
     let (a, b, c, d) = (
         prompt(1000, 40),

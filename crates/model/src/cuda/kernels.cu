@@ -15,13 +15,15 @@ typedef unsigned short bf16_bits;
 
 // ---- reductions within one block (blockDim.x == BLOCK) ----
 
-__device__ float block_sum(float v, float* shared) {
+// The block's sum, in T (float, or double where the host sums in f64); every thread gets it.
+template <typename T>
+__device__ T block_sum(T v, T* shared) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads();
     if (lane == 0) shared[warp] = v;
     __syncthreads();
-    float total = 0.f;
+    T total = 0;
     for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += shared[w];
     return total;
 }
@@ -983,17 +985,6 @@ __device__ void block_best(float& v, int& i, float* shared_v, int* shared_i) {
     for (int w = 0; w < (int)(blockDim.x >> 5); w++) better(v, i, shared_v[w], shared_i[w]);
 }
 
-__device__ double block_sum_f64(double v, double* shared) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) shared[warp] = v;
-    __syncthreads();
-    double total = 0.0;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += shared[w];
-    return total;
-}
-
 // A float's bits as an unsigned key in the same order (larger float, larger key).
 __device__ __forceinline__ unsigned order_key(float z) {
     unsigned b = __float_as_uint(z);
@@ -1091,7 +1082,7 @@ extern "C" __global__ void sample_rows(float* out, const float* logits, const fl
     float row_max = best;
     double sum = 0.0;
     for (int j = threadIdx.x; j < vocab; j += blockDim.x) sum += (double)expf(z[j] - row_max);
-    float lse = row_max + (float)log(block_sum_f64(sum, shared_d));
+    float lse = row_max + (float)log(block_sum(sum, shared_d));
 
     if (threadIdx.x == 0) chosen = best_i;
     if (temperature > 0.f) {
