@@ -284,7 +284,20 @@ impl<B: Backend> Model<B> {
     /// [`Model::forward`] with the logits left where the backend computed them: (M, V), a
     /// row per sequence (on a GPU, for sampling there; nothing when no token is fed).
     pub fn forward_logits(&self, inputs: &mut [SeqInput<'_, B>]) -> B::Buf {
-        self.backend.scope(|| self.forward_in_scope(inputs))
+        let decoding = !inputs.is_empty() && inputs.iter().all(|s| s.tokens.len() == 1);
+        if !decoding {
+            return self.backend.scope(|| self.forward_in_scope(inputs));
+        }
+        // A decode step repeats: the backend may replay it (a CUDA graph per model and
+        // batch size). Each run starts from the caches' lengths before the step.
+        let starts: Vec<usize> = inputs.iter().map(|s| s.cache.len).collect();
+        let key = (std::ptr::from_ref(self) as u64).rotate_left(16) ^ inputs.len() as u64;
+        self.backend.graphed(key, &mut || {
+            for (seq, &start) in inputs.iter_mut().zip(&starts) {
+                seq.cache.len = start;
+            }
+            self.backend.scope(|| self.forward_in_scope(inputs))
+        })
     }
 
     fn forward_in_scope(&self, inputs: &mut [SeqInput<'_, B>]) -> B::Buf {

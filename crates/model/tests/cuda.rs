@@ -1128,3 +1128,89 @@ fn top_k_and_top_p_keep_the_hosts_tokens_on_the_device() {
     assert!(exact >= picks.len() * 3 / 4, "only {exact} exact draws");
     gpu.check().unwrap();
 }
+
+/// Decode steps replayed from CUDA graphs give the logits eager steps give: as sequences
+/// leave and join the batch, as caches cross block boundaries, and when a fork's first
+/// write copies the partly filled block it shares (the step's plan makes that copy).
+#[test]
+fn graphed_decode_steps_equal_eager_ones() {
+    let Some(g) = gpu("graphed_decode_steps_equal_eager_ones") else {
+        return;
+    };
+    let config = tiny(Architecture::Qwen2, 16);
+    let mut model =
+        Model::new(config.clone(), Weights::random(&config, 11, 0.3)).to_backend(g.clone());
+    model.freeze();
+    let vocab = config.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = [5u32, 13, 20]
+        .iter()
+        .map(|&len| (0..len).map(|i| (i * 11 + len) % vocab).collect())
+        .collect();
+    // Every step's logits, a row per live sequence (in cache order).
+    let decode = |graphs: bool| -> Vec<Vec<Vec<f32>>> {
+        g.set_graphs(graphs);
+        let mut caches: Vec<KvCache<Cuda>> = prompts.iter().map(|_| KvCache::new(&model)).collect();
+        let mut inputs: Vec<SeqInput<'_, Cuda>> = prompts
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(tokens, cache)| SeqInput { tokens, cache })
+            .collect();
+        model.forward(&mut inputs);
+        drop(inputs);
+        let mut live = vec![true, true, true];
+        let mut steps = Vec::new();
+        for step in 0..30u32 {
+            match step {
+                8 => live[1] = false,
+                14 => {
+                    // Sequence 0 is at 19 positions: the fork shares its second block.
+                    caches.push(caches[0].clone());
+                    live.push(true);
+                }
+                20 => live[1] = true,
+                _ => {}
+            }
+            let tokens: Vec<[u32; 1]> = (0..caches.len())
+                .map(|s| [(step * 7 + s as u32 * 3 + 1) % vocab])
+                .collect();
+            let mut inputs: Vec<SeqInput<'_, Cuda>> = caches
+                .iter_mut()
+                .zip(&tokens)
+                .zip(&live)
+                .filter(|(_, live)| **live)
+                .map(|((cache, tokens), _)| SeqInput { tokens, cache })
+                .collect();
+            steps.push(model.forward(&mut inputs));
+        }
+        g.check().unwrap();
+        steps
+    };
+    let eager = decode(false);
+    assert_eq!(
+        g.graph_stats(),
+        Default::default(),
+        "no graphs while they are off"
+    );
+    let graphed = decode(true);
+    for (step, (got, want)) in graphed.iter().zip(&eager).enumerate() {
+        assert_eq!(got.len(), want.len());
+        for (row, (got, want)) in got.iter().zip(want).enumerate() {
+            assert_close(&format!("step {step} row {row}"), got, want, 1e-5, 0.0);
+        }
+    }
+    let stats = g.graph_stats();
+    eprintln!(
+        "graphed decode: {stats:?}, last failure {:?}",
+        g.graph_failure()
+    );
+    assert_eq!(stats.failed, 0, "{:?}", g.graph_failure());
+    assert!(
+        stats.captured >= 3,
+        "batches of 3, 2 and 4 were captured: {stats:?}"
+    );
+    assert!(stats.replayed >= 15, "most steps were replayed: {stats:?}");
+    assert!(
+        stats.eager <= 8,
+        "a batch size's first step runs eagerly, and few others: {stats:?}"
+    );
+}

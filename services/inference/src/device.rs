@@ -193,7 +193,13 @@ fn workspace_bytes(config: &ModelConfig, memory: &GpuMemory) -> usize {
     let (c, i) = (config.hidden_size, config.intermediate_size);
     let per_row = 5 * c + 3 * config.q_dim() + 4 * config.kv_dim() + 4 * i;
     let logits = memory.max_batch * config.vocab_size;
-    2 * (rows * per_row + logits) * size_of::<f32>() + (256 << 20)
+    // A graphed decode step's arena keeps every layer's bf16 product inputs (nothing in
+    // it is freed during the step).
+    let graph_arena = config.num_hidden_layers
+        * memory.max_batch
+        * (2 * c + config.q_dim() + i)
+        * size_of::<u16>();
+    2 * (rows * per_row + logits) * size_of::<f32>() + graph_arena + (256 << 20)
 }
 
 /// One version's weights where the engine runs them.

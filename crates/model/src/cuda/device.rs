@@ -4,6 +4,7 @@
 //! [`CudaError`] that names the cause and what to do.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
@@ -116,6 +117,23 @@ pub struct Device {
     /// The paged KV caches' block pools, one per model shape (weak: a pool lives while a
     /// cache or its owner holds it).
     pub(crate) kv_pools: Mutex<Vec<std::sync::Weak<super::kv::KvPool>>>,
+    /// Decode steps' graphs, their arena and staging area (`graph.rs`).
+    pub(super) graphs: Mutex<super::graph::Graphs>,
+    pub(super) graphs_on: AtomicBool,
+    /// Whether a thread is recording a step now (the fast path of every operation reads
+    /// only this), and its recording.
+    pub(super) recording: AtomicBool,
+    pub(super) recording_slot: Mutex<Option<super::graph::Recording>>,
+    /// Held by a graphed step from its plan to its launch: one recording at a time.
+    pub(super) step_lock: Mutex<()>,
+    /// Where steps are captured, with a cuBLAS handle of its own: a stream nothing else
+    /// uses, so work that other threads queue meanwhile never lands in a graph. Graphs are
+    /// launched on `stream`, in order with everything else.
+    pub(super) capture_stream: Arc<CudaStream>,
+    pub(super) capture_blas: Mutex<CudaBlas>,
+    /// cuBLAS's workspace, given to both handles so that neither allocates inside a
+    /// capture (shared: all their work runs on `stream`, one product at a time).
+    pub(super) _blas_workspace: CudaSlice<u8>,
 }
 
 /// A host table's values and its copy on the device.
@@ -221,7 +239,8 @@ impl Device {
         unsafe {
             ctx.disable_event_tracking();
         }
-        let stream = ctx.default_stream();
+        // A stream of our own: the legacy default stream cannot be captured into a graph.
+        let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
         let arch = ptx_arch(major, minor);
         let ptx = compile_ptx_with_opts(
             KERNELS,
@@ -256,6 +275,13 @@ impl Device {
             what: "creating the handle",
             reason: e.to_string(),
         })?;
+        let capture_stream = ctx.new_stream().map_err(driver("creating a stream"))?;
+        let capture_blas =
+            CudaBlas::new(capture_stream.clone()).map_err(|e| CudaError::Cublas {
+                what: "creating the capture handle",
+                reason: e.to_string(),
+            })?;
+        let blas_workspace = blas_workspace(&stream, &[&blas, &capture_blas])?;
         Ok(Self {
             info,
             stream,
@@ -267,7 +293,31 @@ impl Device {
             profile: std::env::var_os("ARL_CUDA_PROFILE")
                 .is_some_and(|v| v == "1")
                 .then(|| Mutex::new(BTreeMap::new())),
+            graphs: Mutex::default(),
+            graphs_on: AtomicBool::new(
+                std::env::var_os("ARL_CUDA_GRAPHS").is_none_or(|v| v != "0"),
+            ),
+            recording: AtomicBool::new(false),
+            recording_slot: Mutex::new(None),
+            step_lock: Mutex::new(()),
+            capture_stream,
+            capture_blas: Mutex::new(capture_blas),
+            _blas_workspace: blas_workspace,
         })
+    }
+
+    /// The stream an operation of this pass goes to.
+    pub(super) fn stream_for(&self, pass: super::graph::Pass) -> &Arc<CudaStream> {
+        match pass {
+            super::graph::Pass::Capture => &self.capture_stream,
+            _ => &self.stream,
+        }
+    }
+
+    /// Whether decode steps run as graphs: on unless `ARL_CUDA_GRAPHS=0`, or profiling
+    /// (which times each kernel alone).
+    pub(crate) fn graphs_enabled(&self) -> bool {
+        self.graphs_on.load(std::sync::atomic::Ordering::Relaxed) && self.profile.is_none()
     }
 
     /// The first failure since the last call, if any; clears it. Failed operations were
@@ -288,6 +338,42 @@ impl Device {
     pub(crate) fn faulted(&self) -> bool {
         self.fault.lock().map_or(true, |f| f.is_some())
     }
+}
+
+/// Bytes of cuBLAS's workspace (what NVIDIA suggests for Hopper).
+const BLAS_WORKSPACE: usize = 32 << 20;
+
+/// A workspace of our own for cuBLAS: without one it may allocate in a product, which a
+/// graph capture cannot hold.
+fn blas_workspace(
+    stream: &Arc<CudaStream>,
+    handles: &[&CudaBlas],
+) -> Result<CudaSlice<u8>, CudaError> {
+    use cudarc::driver::DevicePtr;
+    // SAFETY: cuBLAS only uses the workspace as scratch; nothing reads it uninitialised.
+    #[allow(unsafe_code)]
+    let workspace = unsafe { stream.alloc::<u8>(BLAS_WORKSPACE) }
+        .map_err(driver("allocating cuBLAS's workspace"))?;
+    let ptr = workspace.device_ptr(stream).0;
+    for blas in handles {
+        // SAFETY: the handle is live, and the workspace outlives it (both belong to the
+        // Device, the workspace declared after the handles, so dropped after them).
+        #[allow(unsafe_code)]
+        let status = unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                ptr as *mut std::ffi::c_void,
+                BLAS_WORKSPACE,
+            )
+        };
+        if status != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(CudaError::Cublas {
+                what: "setting the workspace",
+                reason: format!("{status:?}"),
+            });
+        }
+    }
+    Ok(workspace)
 }
 
 /// The PTX target for a compute capability: the device's own where NVRTC knows it, else

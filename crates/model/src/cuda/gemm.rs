@@ -13,16 +13,18 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::{Arg, Cuda, CudaError, GpuBuf, args};
 
-/// A bf16 copy of (part of) a buffer, for one product.
+/// A bf16 copy of (part of) a buffer, for one product: its own allocation, or a view of a
+/// graphed step's arena (`view`, its address).
 pub(super) struct Bf16 {
     slice: Option<CudaSlice<u16>>,
+    view: u64,
 }
 
 impl Bf16 {
     pub(super) fn ptr(&self, cuda: &Cuda) -> u64 {
         self.slice
             .as_ref()
-            .map_or(0, |s| s.device_ptr(&cuda.device.stream).0)
+            .map_or(self.view, |s| s.device_ptr(&cuda.device.stream).0)
     }
 }
 
@@ -30,8 +32,8 @@ impl Cuda {
     /// bf16 of x[offset..offset + len].
     pub(super) fn bf16(&self, x: &GpuBuf, offset: usize, len: usize) -> Bf16 {
         let copy = self.bf16_alloc(len);
-        if let Some(slice) = &copy.slice {
-            let out = slice.device_ptr(&self.device.stream).0;
+        let out = copy.ptr(self);
+        if out != 0 {
             let (xp, len64) = (x.ptr(offset), len as i64);
             let cfg = super::elementwise(len.div_ceil(4));
             self.launch("to_bf16", cfg, args![out, xp, len64]);
@@ -41,13 +43,23 @@ impl Cuda {
 
     /// Room for `len` bf16 values (written by the caller's kernel before any read).
     pub(super) fn bf16_alloc(&self, len: usize) -> Bf16 {
+        let none = Bf16 {
+            slice: None,
+            view: 0,
+        };
         if len == 0 || !self.ok() {
-            return Bf16 { slice: None };
+            return none;
+        }
+        if let Some(view) = self.arena_alloc(len * 2, false) {
+            return Bf16 { slice: None, view };
         }
         // SAFETY: every caller launches a kernel that writes all `len` elements before any
         // product reads them.
         match unsafe { self.device.stream.alloc::<u16>(len) } {
-            Ok(slice) => Bf16 { slice: Some(slice) },
+            Ok(slice) => Bf16 {
+                slice: Some(slice),
+                view: 0,
+            },
             Err(e) => {
                 self.fail(match super::device::driver("a bf16 copy")(e) {
                     CudaError::OutOfMemory { what, .. } => CudaError::OutOfMemory {
@@ -56,7 +68,7 @@ impl Cuda {
                     },
                     other => other,
                 });
-                Bf16 { slice: None }
+                none
             }
         }
     }
@@ -65,13 +77,10 @@ impl Cuda {
     /// whose rounding would compound (gradients flowing back through the layers).
     pub(super) fn bf16_split(&self, x: &GpuBuf, offset: usize, len: usize) -> (Bf16, Bf16) {
         let (hi, lo) = (self.bf16_alloc(len), self.bf16_alloc(len));
-        let (Some(h), Some(l)) = (&hi.slice, &lo.slice) else {
+        let (hp, lp) = (hi.ptr(self), lo.ptr(self));
+        if hp == 0 || lp == 0 {
             return (hi, lo);
-        };
-        let (hp, lp) = (
-            h.device_ptr(&self.device.stream).0,
-            l.device_ptr(&self.device.stream).0,
-        );
+        }
         let (xp, len64) = (x.ptr(offset), len as i64);
         self.launch(
             "to_bf16_split",
@@ -169,8 +178,32 @@ impl Cuda {
             return;
         }
         let dims = [m, n, k, lda, ldb, ldc].map(|d| i32::try_from(d).unwrap_or(i32::MAX));
+        let signature = [
+            4,
+            op_a as u64,
+            op_b as u64,
+            m as u64,
+            n as u64,
+            k as u64,
+            a,
+            lda as u64,
+            b,
+            ldb as u64,
+            c,
+            ldc as u64,
+            u64::from(beta.to_bits()),
+        ];
+        let pass = self.note(&signature);
+        if pass == super::graph::Pass::Skip {
+            return;
+        }
         let alpha = 1.0f32;
-        let Ok(blas) = self.device.blas.lock() else {
+        let handle = if pass == super::graph::Pass::Capture {
+            &self.device.capture_blas
+        } else {
+            &self.device.blas
+        };
+        let Ok(blas) = handle.lock() else {
             self.fail(CudaError::Cublas {
                 what,
                 reason: "the cuBLAS handle's lock was poisoned".into(),

@@ -12,9 +12,9 @@
 
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::LaunchConfig;
 
-use super::{Arg, BLOCK, Cuda, CudaError, GpuBuf, args, device};
+use super::{Arg, BLOCK, Cuda, CudaError, GpuBuf, Table, args, device};
 use crate::backend::{Backend, KvRows, Span};
 
 /// Positions a block holds (a power of two: the attention kernel shifts by its log).
@@ -113,7 +113,7 @@ impl KvPool {
         }
         let chunk = self
             .cuda
-            .alloc(blocks * self.block_floats(), "KV cache blocks");
+            .alloc_kept(blocks * self.block_floats(), "KV cache blocks");
         if chunk.slice.is_none() {
             return false;
         }
@@ -221,7 +221,7 @@ impl Drop for PagedKv {
 /// the paged kernel walks them one row of queries at a time.
 #[derive(Debug)]
 pub struct PagedStep {
-    table: Option<CudaSlice<i64>>,
+    table: Option<Table<i64>>,
     rows: usize,
     entries: usize,
     blocks: usize,
@@ -232,10 +232,9 @@ pub struct PagedStep {
 
 impl PagedStep {
     fn at(&self, offset: usize) -> u64 {
-        self.table.as_ref().map_or(0, |t| {
-            use cudarc::driver::DevicePtr;
-            t.device_ptr(t.stream()).0 + (offset * size_of::<i64>()) as u64
-        })
+        self.table
+            .as_ref()
+            .map_or(0, |t| t.ptr() + (offset * size_of::<i64>()) as u64)
     }
 }
 
@@ -349,16 +348,19 @@ impl Cuda {
         }
         let n = slots.len();
         let attended_rows = attended.len() / 3;
+        // The block list last: every other part's offset depends only on the rows, so a
+        // graphed decode step's kernel arguments hold still as caches grow.
         let mut table = slots;
         table.extend(entries);
-        table.extend(blocks);
         let attended_at = table.len();
         table.extend(attended);
+        let blocks_at = table.len();
+        table.extend(blocks);
         PagedStep {
             table: self.upload_any(&table),
             rows: n,
             entries: n,
-            blocks: 4 * n,
+            blocks: blocks_at,
             attended: attended_at,
             attended_rows,
             fresh,
@@ -464,7 +466,10 @@ impl Cuda {
 
     /// A device copy between raw addresses (blocks of a pool), ordered on the stream.
     fn copy_raw(&self, to: u64, from: u64, bytes: usize, what: &'static str) {
-        if !self.ok() {
+        // A step's plan copies for real (nothing is capturing the stream, and the copy is
+        // the step's own, before its launch); a capture cannot hold it.
+        let capturing = self.with_recording(|r| r.capturing()).unwrap_or(false);
+        if !self.ok() || (capturing && self.spoil(format!("{what} while capturing a step"))) {
             return;
         }
         // SAFETY: both addresses are the starts of blocks of `bytes` bytes inside live

@@ -20,6 +20,7 @@
 
 mod device;
 mod gemm;
+mod graph;
 mod kv;
 mod sample;
 
@@ -28,6 +29,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 pub use device::{CudaError, Device, DeviceInfo, MIN_COMPUTE_CAPABILITY, devices};
+pub use graph::GraphStats;
 pub use kv::{BLOCK_TOKENS, KvPool, PagedKv, PagedStep};
 pub use sample::{Pick, Picked, TOP_MAX};
 
@@ -71,9 +73,11 @@ impl std::fmt::Debug for Bf16Matrix {
 
 /// An f32 buffer on the GPU. `len` is its logical length; the allocation may be larger (KV
 /// caches grow by doubling). A buffer whose allocation failed has none and is never read:
-/// the device holds the fault.
+/// the device holds the fault. A graphed step's buffers are views of its arena (`view`,
+/// their address) that own nothing.
 pub struct GpuBuf {
     slice: Option<CudaSlice<f32>>,
+    view: u64,
     len: usize,
     device: Arc<Device>,
 }
@@ -101,14 +105,53 @@ impl GpuBuf {
     /// The device address of element `offset` (0 when there is no allocation, which only a
     /// faulted device or an empty buffer has; neither launches anything).
     fn ptr(&self, offset: usize) -> u64 {
-        match &self.slice {
-            Some(slice) => {
-                let (base, _sync) = slice.device_ptr(&self.device.stream);
-                base + (offset * size_of::<f32>()) as u64
-            }
-            None => 0,
+        let base = match &self.slice {
+            Some(slice) => slice.device_ptr(&self.device.stream).0,
+            None => self.view,
+        };
+        if base == 0 {
+            return 0;
+        }
+        base + (offset * size_of::<f32>()) as u64
+    }
+}
+
+/// A small table of launch arguments on the device: an allocation of its own, or (while a
+/// step is recorded for a graph) a slot of the staging area.
+enum Table<T> {
+    Owned(Arc<CudaSlice<T>>),
+    Staged(u64),
+}
+
+impl<T> Table<T> {
+    fn ptr(&self) -> u64 {
+        match self {
+            Table::Owned(slice) => slice.device_ptr(slice.stream()).0,
+            Table::Staged(ptr) => *ptr,
         }
     }
+}
+
+impl<T> std::fmt::Debug for Table<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Table({:#x})", self.ptr())
+    }
+}
+
+impl<T> Clone for Table<T> {
+    fn clone(&self) -> Self {
+        match self {
+            Table::Owned(slice) => Table::Owned(slice.clone()),
+            Table::Staged(ptr) => Table::Staged(*ptr),
+        }
+    }
+}
+
+/// The bytes of a slice of plain device values (i32, u32, i64, f32).
+fn bytes_of<T: cudarc::driver::DeviceRepr>(values: &[T]) -> &[u8] {
+    // SAFETY: DeviceRepr types are plain data without padding or invalid bit patterns as
+    // bytes; the view covers exactly the slice's memory and borrows it.
+    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), size_of_val(values)) }
 }
 
 impl From<CudaError> for crate::backend::BackendError {
@@ -234,16 +277,41 @@ impl Cuda {
         result
     }
 
+    /// Records a failure: the device's, or only the recorded run's while a step is planned
+    /// or captured (its eager run meets a real failure again and records it).
     fn fail(&self, error: CudaError) {
-        self.device.record(error);
+        if !self.spoil(error.to_string()) {
+            self.device.record(error);
+        }
     }
 
     fn ok(&self) -> bool {
         !self.device.faulted()
     }
 
+    /// A zeroed buffer: in a recorded step, a view of the arena; else its own allocation.
     fn alloc(&self, len: usize, what: &'static str) -> GpuBuf {
-        let slice = if len == 0 || !self.ok() {
+        if len > 0
+            && let Some(view) = self.arena_alloc(len * size_of::<f32>(), true)
+        {
+            return GpuBuf {
+                slice: None,
+                view,
+                len,
+                device: self.device.clone(),
+            };
+        }
+        self.alloc_kept(len, what)
+    }
+
+    /// A zeroed buffer of its own, never an arena view (KV pool chunks outlive every step).
+    /// While a step is captured nothing may be allocated: the capture is spoiled instead.
+    fn alloc_kept(&self, len: usize, what: &'static str) -> GpuBuf {
+        let capturing = self.with_recording(|r| r.capturing()).unwrap_or(false);
+        let slice = if len == 0 || !self.ok() || capturing {
+            if capturing {
+                self.spoil(format!("{what} while capturing a step"));
+            }
             None
         } else {
             match self.device.stream.alloc_zeros::<f32>(len) {
@@ -262,18 +330,22 @@ impl Cuda {
         };
         GpuBuf {
             slice,
+            view: 0,
             len,
             device: self.device.clone(),
         }
     }
 
     /// A device copy of host values (indices, positions, targets) for one launch.
-    fn upload_any<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Option<CudaSlice<T>> {
+    fn upload_any<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Option<Table<T>> {
         if host.is_empty() || !self.ok() {
             return None;
         }
+        if let Some(ptr) = self.stage_table(bytes_of(host), None) {
+            return Some(Table::Staged(ptr));
+        }
         match self.device.stream.clone_htod(host) {
-            Ok(slice) => Some(slice),
+            Ok(slice) => Some(Table::Owned(Arc::new(slice))),
             Err(e) => {
                 self.fail(device::driver("uploading launch arguments")(e));
                 None
@@ -283,27 +355,60 @@ impl Cuda {
 
     /// A device copy of a small table, shared with the last callers that uploaded the same
     /// values (32-bit words: i32 indices as they are, f32 as their bits).
-    fn upload_table(&self, host: &[u32]) -> Option<Arc<CudaSlice<u32>>> {
+    fn upload_table(&self, host: &[u32]) -> Option<Table<u32>> {
         const KEPT: usize = 16;
+        if !host.is_empty()
+            && let Some(ptr) = self.stage_table(bytes_of(host), Some(host))
+        {
+            return Some(Table::Staged(ptr));
+        }
         let mut tables = self.device.tables.lock().ok()?;
         if let Some(at) = tables.iter().position(|(values, _)| values == host) {
             let hit = tables.remove(at);
             let slice = hit.1.clone();
             tables.insert(0, hit);
-            return Some(slice);
+            return Some(Table::Owned(slice));
         }
-        let slice = Arc::new(self.upload_any(host)?);
+        let Table::Owned(slice) = self.upload_any(host)? else {
+            return None;
+        };
         tables.insert(0, (host.to_vec(), slice.clone()));
         tables.truncate(KEPT);
-        Some(slice)
+        Some(Table::Owned(slice))
     }
 
     /// dst[at..at+len] = src[from..from+len] (device to device).
-    fn copy_within(&self, dst: &mut GpuBuf, at: usize, src: &GpuBuf, from: usize, len: usize) {
-        if len == 0 || !self.ok() || dst.slice.is_none() || src.slice.is_none() {
+    /// host = buf[offset..offset + host.len()], once the work queued before has run.
+    fn read(&self, buf: &GpuBuf, offset: usize, host: &mut [f32], what: &'static str) {
+        if host.is_empty() || !self.ok() || buf.ptr(0) == 0 || self.spoil("a read in a step") {
             return;
         }
+        assert!(
+            offset + host.len() <= buf.len,
+            "a read past the end of a buffer"
+        );
         let stream = &self.device.stream;
+        // SAFETY: the range lies inside the buffer (asserted), whose memory lives while it
+        // is borrowed; a copy to pageable host memory returns once it is done, and the
+        // synchronisation below makes sure of it before `host` is read.
+        let copied = unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(host, buf.ptr(offset), stream.cu_stream())
+        };
+        if let Err(e) = copied.and_then(|()| stream.synchronize()) {
+            self.fail(device::driver(what)(e));
+        }
+    }
+
+    fn copy_within(&self, dst: &mut GpuBuf, at: usize, src: &GpuBuf, from: usize, len: usize) {
+        if len == 0 || !self.ok() || dst.ptr(0) == 0 || src.ptr(0) == 0 {
+            return;
+        }
+        let bytes = len * size_of::<f32>();
+        let pass = self.note(&[3, dst.ptr(at), src.ptr(from), bytes as u64]);
+        if pass == graph::Pass::Skip {
+            return;
+        }
+        let stream = self.device.stream_for(pass);
         // SAFETY: both ranges lie inside their allocations (at + len ≤ dst capacity and
         // from + len ≤ src.len, checked by the callers), and the copy is ordered on the
         // stream every other use of these buffers is ordered on.
@@ -311,7 +416,7 @@ impl Cuda {
             cudarc::driver::result::memcpy_dtod_async(
                 dst.ptr(at),
                 src.ptr(from),
-                len * size_of::<f32>(),
+                bytes,
                 stream.cu_stream(),
             )
         };
@@ -326,6 +431,10 @@ impl Cuda {
         if !self.ok() || cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 {
             return;
         }
+        let pass = self.note_launch(name, &cfg, args);
+        if pass == graph::Pass::Skip {
+            return;
+        }
         let Some(function) = self.device.kernels.get(name) else {
             self.fail(CudaError::Driver {
                 what: "launching a kernel",
@@ -333,7 +442,7 @@ impl Cuda {
             });
             return;
         };
-        let mut builder = self.device.stream.launch_builder(function);
+        let mut builder = self.device.stream_for(pass).launch_builder(function);
         for arg in args {
             match arg {
                 Arg::Ptr(v) | Arg::U64(v) => builder.arg(v),
@@ -369,6 +478,18 @@ enum Arg {
     F32(f32),
 }
 
+impl Arg {
+    /// The argument as a word of a step's signature (`graph.rs`).
+    fn word(&self) -> u64 {
+        match self {
+            Arg::Ptr(v) | Arg::U64(v) => *v,
+            Arg::I32(v) => u64::from(*v as u32),
+            Arg::I64(v) => *v as u64,
+            Arg::F32(v) => u64::from(v.to_bits()),
+        }
+    }
+}
+
 impl From<&u64> for Arg {
     fn from(v: &u64) -> Self {
         Arg::U64(*v)
@@ -393,9 +514,9 @@ impl From<&f32> for Arg {
     }
 }
 
-impl<T> From<&Arc<CudaSlice<T>>> for Arg {
-    fn from(slice: &Arc<CudaSlice<T>>) -> Self {
-        Arg::from(&**slice)
+impl<T> From<&Table<T>> for Arg {
+    fn from(table: &Table<T>) -> Self {
+        Arg::Ptr(table.ptr())
     }
 }
 
@@ -528,11 +649,18 @@ impl Backend for Cuda {
         self.synchronize().map_err(Into::into)
     }
 
+    fn graphed(&self, key: u64, step: &mut dyn FnMut() -> GpuBuf) -> GpuBuf {
+        Cuda::graphed(self, key, step)
+    }
+
     fn zeros(&self, len: usize) -> GpuBuf {
         self.alloc(len, "allocating a buffer")
     }
 
     fn upload(&self, host: &[f32]) -> GpuBuf {
+        if self.spoil("uploading a buffer in a step") {
+            return self.alloc(host.len(), "uploading");
+        }
         let mut buf = self.alloc(host.len(), "uploading");
         if let Some(slice) = buf.slice.as_mut()
             && let Err(e) = self.device.stream.memcpy_htod(host, slice)
@@ -544,15 +672,7 @@ impl Backend for Cuda {
 
     fn download(&self, buf: &GpuBuf) -> Vec<f32> {
         let mut host = vec![0f32; buf.len];
-        if let Some(slice) = &buf.slice
-            && self.ok()
-            && let Err(e) = self
-                .device
-                .stream
-                .memcpy_dtoh(&slice.slice(0..buf.len), &mut host)
-        {
-            self.fail(device::driver("downloading")(e));
-        }
+        self.read(buf, 0, &mut host, "downloading");
         host
     }
 
@@ -621,7 +741,7 @@ impl Backend for Cuda {
     }
 
     fn sum_squares(&self, xs: &[&GpuBuf]) -> f64 {
-        if xs.iter().all(|x| x.len == 0) || !self.ok() {
+        if xs.iter().all(|x| x.len == 0) || !self.ok() || self.spoil("a reduction in a step") {
             return 0.0;
         }
         let total = match self.device.stream.alloc_zeros::<f64>(1) {

@@ -12,7 +12,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::{Arg, Cuda, CudaError, GpuBuf, args, device};
+use super::{Arg, Cuda, CudaError, GpuBuf, args};
 
 /// Threads of one pick's block (kernels.cu's SAMPLE_THREADS).
 const SAMPLE_THREADS: u32 = 512;
@@ -124,15 +124,7 @@ impl Cuda {
                 reason: format!("row {row} is past {} rows", logits.len / vocab.max(1)),
             });
         }
-        if let Some(slice) = &logits.slice
-            && self.ok()
-            && let Err(e) = self
-                .device
-                .stream
-                .memcpy_dtoh(&slice.slice(row * vocab..(row + 1) * vocab), &mut host)
-        {
-            self.fail(device::driver("reading logits")(e));
-        }
+        self.read(logits, row * vocab, &mut host, "reading logits");
         self.synchronize()?;
         Ok(host)
     }

@@ -225,6 +225,25 @@ fn take_profile(device: &Device) -> Vec<(&'static str, u64, f64)> {
     }
 }
 
+/// Turns CUDA graphs on or off; false where there are none (the CPU).
+fn set_graphs(device: &Device, on: bool) -> bool {
+    match device {
+        Device::Cuda { gpu, .. } => {
+            gpu.set_graphs(on);
+            true
+        }
+        Device::Cpu => false,
+    }
+}
+
+/// (replayed, captured, eager) decode steps so far on a GPU.
+fn graph_stats(device: &Device) -> Option<arl_model::cuda::GraphStats> {
+    match device {
+        Device::Cuda { gpu, .. } => Some(gpu.graph_stats()),
+        Device::Cpu => None,
+    }
+}
+
 /// Where a decode step's device time went (each kernel drained and timed alone, so the
 /// run itself is slower than the table's figures).
 fn print_profile(rows: &[(&'static str, u64, f64)], batch: usize, steps: usize) {
@@ -305,12 +324,34 @@ fn main() -> Result<()> {
     let mut rows = Vec::new();
     for (i, &batch) in args.batches.iter().enumerate() {
         let prompts = random_prompts(batch, args.prompt_len, vocab, 10 + i as u64);
+        // The same decode without CUDA graphs first: what they buy, in this run.
+        let eager = if set_graphs(&device, false) {
+            let eager = run(&engine, &prompts, args.new_tokens)?;
+            set_graphs(&device, true);
+            Some(eager.decode_tok_s)
+        } else {
+            None
+        };
         take_profile(&device);
+        let before = graph_stats(&device);
         let mut measured = run(&engine, &prompts, args.new_tokens)?;
+        let graphs = graph_stats(&device).zip(before).map(|(after, before)| {
+            format!(
+                "{}/{}/{}",
+                after.replayed - before.replayed,
+                after.captured - before.captured,
+                after.eager - before.eager
+            )
+        });
         print_profile(&take_profile(&device), batch, args.new_tokens);
+        if let Device::Cuda { gpu, .. } = &device
+            && let Some(why) = gpu.graph_failure()
+        {
+            eprintln!("batch {batch}: a graph capture failed: {why}");
+        }
         let p50 = percentile(&mut measured.per_token, 0.5) * 1e3;
         let p99 = percentile(&mut measured.per_token, 0.99) * 1e3;
-        rows.push((batch, measured.decode_tok_s, p50, p99));
+        rows.push((batch, measured.decode_tok_s, p50, p99, eager, graphs));
     }
     let torch = match &args.torch_python {
         Some(python) => torch_rows(&args, python)?,
@@ -329,10 +370,16 @@ fn main() -> Result<()> {
         prefill_tok_s, args.prefill_prompts, args.prefill_len
     );
     println!(
-        "{:>6} {:>14} {:>18} {:>16} {:>8}",
-        "batch", "ARL tok/s", "ARL ms/token p50/p99", "HF generate tok/s", "ratio"
+        "{:>6} {:>14} {:>18} {:>16} {:>8} {:>18} {:>22}",
+        "batch",
+        "ARL tok/s",
+        "ARL ms/token p50/p99",
+        "HF generate tok/s",
+        "ratio",
+        "no graphs tok/s",
+        "steps replayed/captured/eager"
     );
-    for (batch, tok_s, p50, p99) in rows {
+    for (batch, tok_s, p50, p99, eager, graphs) in rows {
         let hf = torch
             .iter()
             .find(|r| r["batch"].as_u64() == Some(batch as u64))
@@ -341,8 +388,10 @@ fn main() -> Result<()> {
             Some(hf) => (format!("{hf:.0}"), format!("{:.2}x", tok_s / hf)),
             None => ("-".into(), "-".into()),
         };
+        let eager = eager.map_or("-".into(), |e| format!("{e:.0} ({:.2}x)", tok_s / e));
+        let graphs = graphs.unwrap_or_else(|| "-".into());
         println!(
-            "{batch:>6} {tok_s:>14.0} {:>10.2}/{:<7.2} {hf_text:>16} {ratio:>8}",
+            "{batch:>6} {tok_s:>14.0} {:>10.2}/{:<7.2} {hf_text:>16} {ratio:>8} {eager:>18} {graphs:>22}",
             p50, p99
         );
     }
