@@ -181,6 +181,20 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         w: &Self::Buf,
         eps: f32,
     );
+    /// x += y, then out = rmsnorm(x) as [`Self::rmsnorm_forward`]: a residual add and the
+    /// next norm, which a device backend fuses into one pass.
+    fn add_rmsnorm_forward(
+        &self,
+        x: &mut Self::Buf,
+        y: &Self::Buf,
+        out: &mut Self::Buf,
+        rstd: &mut Self::Buf,
+        w: &Self::Buf,
+        eps: f32,
+    ) {
+        self.add_assign(x, y);
+        self.rmsnorm_forward(out, rstd, x, w, eps);
+    }
     /// dx, dw += from dout. Accumulates.
     fn rmsnorm_backward(
         &self,

@@ -370,7 +370,12 @@ impl<B: Backend> Model<B> {
                 .as_ref()
                 .and_then(|p| p.layers.get(l))
                 .unwrap_or(&no_packed);
-            be.rmsnorm_forward(&mut h, &mut rstd, &x, &w.attn_norm.data, eps);
+            if l == 0 {
+                be.rmsnorm_forward(&mut h, &mut rstd, &x, &w.attn_norm.data, eps);
+            } else {
+                // The last layer's MLP residual, fused with this layer's first norm.
+                be.add_rmsnorm_forward(&mut x, &proj, &mut h, &mut rstd, &w.attn_norm.data, eps);
+            }
             let qk_pre = w.q_norm.is_some() && w.k_norm.is_some();
             {
                 // Qwen3 norms q and k per head afterwards: its products go to q_pre, k_pre.
@@ -417,9 +422,7 @@ impl<B: Backend> Model<B> {
                 hd,
             );
             self.linear(&mut proj, &att_out, &w.wo, p.wo.as_ref(), None, n);
-            be.add_assign(&mut x, &proj);
-
-            be.rmsnorm_forward(&mut h, &mut rstd, &x, &w.ffn_norm.data, eps);
+            be.add_rmsnorm_forward(&mut x, &proj, &mut h, &mut rstd, &w.ffn_norm.data, eps);
             self.linears(
                 &h,
                 n,
@@ -430,6 +433,8 @@ impl<B: Backend> Model<B> {
             );
             be.swiglu_forward(&mut act, &gate, &up);
             self.linear(&mut proj, &act, &w.w_down, p.w_down.as_ref(), None, n);
+        }
+        if !self.weights.layers.is_empty() {
             be.add_assign(&mut x, &proj);
         }
         drop(kv_rows);

@@ -410,6 +410,8 @@ fn matrix_products_and_the_head_match_the_cpu_within_bf16() {
         (7, 16, 24),
         (130, 576, 1536),
         (64, 896, 4864),
+        (1, 896, 4864),
+        (8, 4864, 896),
     ] {
         let x = random(n * i, 30, 1.0);
         let w = random(o * i, 31, 1.0);
@@ -445,6 +447,18 @@ fn matrix_products_and_the_head_match_the_cpu_within_bf16() {
             n,
             i,
             o,
+        );
+        // A served version's frozen bf16 weights: decode's few rows take one kernel
+        // (x in f32, the bias in the same pass), more rows cuBLAS.
+        let frozen = g.freeze(&gw, o, i).unwrap();
+        let mut g_packed = g.zeros(n * o);
+        g.matmul_packed(&mut g_packed, &gx, &frozen, Some(&gb), n);
+        assert_close(
+            &format!("frozen matmul ({n},{i},{o})"),
+            &g.download(&g_packed),
+            &out,
+            1e-3,
+            BF16_RTOL,
         );
         assert_close("matmul dx", &g.download(&g_dx), &dx, 1e-3, BF16_RTOL);
         assert_close("matmul dw", &g.download(&g_dw), &dw, 1e-3, BF16_RTOL);

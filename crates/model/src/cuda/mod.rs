@@ -309,7 +309,7 @@ impl Cuda {
     fn alloc_kept(&self, len: usize, what: &'static str) -> GpuBuf {
         let capturing = self.with_recording(|r| r.capturing()).unwrap_or(false);
         let slice = if len == 0 || !self.ok() || capturing {
-            if capturing {
+            if capturing && len > 0 {
                 self.spoil(format!("{what} while capturing a step"));
             }
             None
@@ -378,17 +378,61 @@ impl Cuda {
     }
 
     /// dst[at..at+len] = src[from..from+len] (device to device).
+    /// Whether `gemv` takes x (N, I) · Wᵀ: a decode step's few rows, I a multiple of 8 and
+    /// both operands 16-byte aligned (its loads); `ARL_CUDA_GEMV=0` leaves every product to
+    /// cuBLAS.
+    fn gemv_fits(&self, x: &GpuBuf, w: &Bf16Matrix, n: usize) -> bool {
+        const GEMV_ROWS: usize = 8; // as kernels.cu
+        self.device.gemv_on
+            && n > 0
+            && n <= GEMV_ROWS
+            && w.cols.is_multiple_of(8)
+            && x.ptr(0).is_multiple_of(16)
+            && w.data.ptr(self).is_multiple_of(16)
+    }
+
+    /// out (N, O) = x (N, I) · Wᵀ + bias in one kernel (`gemv_bf16`) when it fits (see
+    /// `gemv_fits`); false (nothing done) otherwise.
+    fn gemv(
+        &self,
+        out: &GpuBuf,
+        x: &GpuBuf,
+        w: &Bf16Matrix,
+        bias: Option<&GpuBuf>,
+        n: usize,
+    ) -> bool {
+        if !self.gemv_fits(x, w, n) {
+            return false;
+        }
+        let (op, wp, xp) = (out.ptr(0), w.data.ptr(self), x.ptr(0));
+        let bp = bias.map_or(0, |b| b.ptr(0));
+        let (n32, i32_, o32) = (n as i32, w.cols as i32, w.rows as i32);
+        self.launch(
+            "gemv_bf16",
+            elementwise(32 * w.rows),
+            args![op, wp, xp, bp, n32, i32_, o32],
+        );
+        true
+    }
+
     /// host = buf[offset..offset + host.len()], once the work queued before has run.
     fn read(&self, buf: &GpuBuf, offset: usize, host: &mut [f32], what: &'static str) {
         if host.is_empty() || !self.ok() || buf.ptr(0) == 0 || self.spoil("a read in a step") {
             return;
         }
-        assert!(
-            offset + host.len() <= buf.len,
-            "a read past the end of a buffer"
-        );
+        if offset + host.len() > buf.len {
+            self.fail(CudaError::Driver {
+                what,
+                reason: format!(
+                    "a read of {} past a buffer of {}",
+                    offset + host.len(),
+                    buf.len
+                ),
+            });
+            return;
+        }
         let stream = &self.device.stream;
-        // SAFETY: the range lies inside the buffer (asserted), whose memory lives while it
+        // SAFETY: the range lies inside the buffer (checked above), whose memory lives while it
         // is borrowed; a copy to pageable host memory returns once it is done, and the
         // synchronisation below makes sure of it before `host` is read.
         let copied = unsafe {
@@ -810,6 +854,24 @@ impl Backend for Cuda {
         );
     }
 
+    fn add_rmsnorm_forward(
+        &self,
+        x: &mut GpuBuf,
+        y: &GpuBuf,
+        out: &mut GpuBuf,
+        rstd: &mut GpuBuf,
+        w: &GpuBuf,
+        eps: f32,
+    ) {
+        let (n, c) = (rstd.len, w.len as i32);
+        let (xp, yp, o, r, wp) = (x.ptr(0), y.ptr(0), out.ptr(0), rstd.ptr(0), w.ptr(0));
+        self.launch(
+            "add_rmsnorm_forward",
+            per_row_head(n, 1),
+            args![xp, yp, o, r, wp, c, eps],
+        );
+    }
+
     fn rmsnorm_backward(
         &self,
         dx: &mut GpuBuf,
@@ -881,6 +943,9 @@ impl Backend for Cuda {
         bias: Option<&GpuBuf>,
         n: usize,
     ) {
+        if self.gemv(out, x, w, bias, n) {
+            return;
+        }
         // The same product as `matmul_forward`, less the weights' conversion.
         let x_bf = self.bf16(x, 0, n * w.cols);
         self.gemm_bf16_forward(out.ptr(0), &x_bf, &w.data, n, w.cols, w.rows);
@@ -900,6 +965,12 @@ impl Backend for Cuda {
         let Some(cols) = products.first().map(|p| p.w.cols) else {
             return;
         };
+        if products.iter().all(|p| self.gemv_fits(x, p.w, n)) {
+            for p in products {
+                self.gemv(p.out, x, p.w, p.bias, n);
+            }
+            return;
+        }
         let x_bf = self.bf16(x, 0, n * cols);
         for p in products {
             let w = p.w;
