@@ -159,8 +159,7 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
 
     /// Runs `step`, one decode step's forward (every sequence one new token), as this
     /// backend repeats such steps fastest: CUDA replays a graph kept under `key`. `step`
-    /// must start each call from the same state (it may run more than once); its output is
-    /// valid until the next step.
+    /// must start each call from the same state (it may run more than once).
     fn graphed(&self, _key: u64, step: &mut dyn FnMut() -> Self::Buf) -> Self::Buf {
         step()
     }

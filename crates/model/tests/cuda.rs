@@ -1228,3 +1228,66 @@ fn graphed_decode_steps_equal_eager_ones() {
         "a batch size's first step runs eagerly, and few others: {stats:?}"
     );
 }
+
+/// A graphed step's logits are the caller's own: a second model's graphed step (two runs'
+/// versions served in one engine step) leaves the first one's unchanged.
+#[test]
+fn a_graphed_steps_logits_outlive_the_next_graphed_step() {
+    let Some(g) = gpu("a_graphed_steps_logits_outlive_the_next_graphed_step") else {
+        return;
+    };
+    let config = tiny(Architecture::Qwen2, 16);
+    let models: Vec<Model<Cuda>> = [21, 22]
+        .iter()
+        .map(|&seed| {
+            let mut m = Model::new(config.clone(), Weights::random(&config, seed, 0.3))
+                .to_backend(g.clone());
+            m.freeze();
+            m
+        })
+        .collect();
+    let prompt: Vec<u32> = (0..9).collect();
+    // Per step, both models' logits, each read only after the other model's step.
+    let decode = |graphs: bool| -> Vec<[Vec<f32>; 2]> {
+        g.set_graphs(graphs);
+        let mut caches: Vec<KvCache<Cuda>> = models.iter().map(KvCache::new).collect();
+        for (model, cache) in models.iter().zip(caches.iter_mut()) {
+            model.forward(&mut [SeqInput {
+                tokens: &prompt,
+                cache,
+            }]);
+        }
+        (0..6u32)
+            .map(|step| {
+                let token = [step + 1];
+                let [a, b] = &mut caches[..] else {
+                    unreachable!()
+                };
+                let first = models[0].forward_logits(&mut [SeqInput {
+                    tokens: &token,
+                    cache: a,
+                }]);
+                let second = models[1].forward_logits(&mut [SeqInput {
+                    tokens: &token,
+                    cache: b,
+                }]);
+                [g.download(&first), g.download(&second)]
+            })
+            .collect()
+    };
+    let eager = decode(false);
+    let graphed = decode(true);
+    assert!(g.graph_stats().replayed >= 6, "{:?}", g.graph_stats());
+    for (step, (got, want)) in graphed.iter().zip(&eager).enumerate() {
+        for m in 0..2 {
+            assert_close(
+                &format!("step {step} model {m}"),
+                &got[m],
+                &want[m],
+                1e-5,
+                0.0,
+            );
+        }
+    }
+    g.check().unwrap();
+}

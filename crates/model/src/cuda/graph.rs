@@ -185,8 +185,8 @@ impl Recording {
 impl Cuda {
     /// Runs `step` (one decode step's work on this device, returning its output buffer) as
     /// a graph kept under `key` (see the module's comment). `step` must start each call
-    /// from the same state: it may run up to three times. The output is valid until the
-    /// next step on this device.
+    /// from the same state: it may run up to three times. The output is the caller's own
+    /// (a graph's is copied out of the arena).
     pub fn graphed(&self, key: u64, step: &mut dyn FnMut() -> GpuBuf) -> GpuBuf {
         if !self.device.graphs_enabled() || !self.ok() {
             return step();
@@ -198,7 +198,7 @@ impl Cuda {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let (out, plan) = self.record(false, step);
         if plan.spoiled.is_none() && self.replay(key, &plan) {
-            return out;
+            return self.detach(&out);
         }
         drop(out);
         if let Some(why) = plan.spoiled {
@@ -248,7 +248,8 @@ impl Cuda {
                     },
                 );
                 graphs.captured.truncate(KEPT);
-                return out;
+                drop(graphs);
+                return self.detach(&out);
             }
             (_, Some(why)) => why,
             (Err(e), None) => format!("ending the capture: {e}"),
@@ -258,6 +259,16 @@ impl Cuda {
         drop(out);
         self.capture_failed(why);
         step()
+    }
+
+    /// A copy of a graphed step's output (a view of the arena) in memory of its own, so
+    /// that the next graphed step — another model's in the same engine step, say — cannot
+    /// overwrite it while it is still read (a step's logits: a few MB, a copy of
+    /// microseconds).
+    fn detach(&self, out: &GpuBuf) -> GpuBuf {
+        let mut owned = self.alloc_kept(out.len, "keeping a step's output");
+        self.copy_within(&mut owned, 0, out, 0, out.len);
+        owned
     }
 
     /// Counts a failed capture (or a plan that could not be replayed); after several in a
