@@ -55,6 +55,9 @@ pub(super) struct Recording {
     signature: Vec<u64>,
     /// Why this run cannot be replayed or captured (the step then runs eagerly).
     spoiled: Option<String>,
+    /// The spoiling was a failure (out of KV blocks, say), not something a graph cannot
+    /// hold: the eager run meets it again, and it does not count against graphs.
+    faulted: bool,
 }
 
 /// What a recording thread's operation does.
@@ -130,6 +133,7 @@ impl Recording {
             tables: Vec::new(),
             signature: Vec::new(),
             spoiled: None,
+            faulted: false,
         }
     }
 
@@ -202,7 +206,11 @@ impl Cuda {
         }
         drop(out);
         if let Some(why) = plan.spoiled {
-            self.capture_failed(why);
+            if plan.faulted {
+                self.graphs().stats.eager += 1;
+            } else {
+                self.capture_failed(why);
+            }
             return step();
         }
         if !self.should_capture(key) {
@@ -257,7 +265,11 @@ impl Cuda {
         };
         // Nothing of the capture ran; the step runs as it always did.
         drop(out);
-        self.capture_failed(why);
+        if capture.faulted {
+            self.graphs().stats.eager += 1;
+        } else {
+            self.capture_failed(why);
+        }
         step()
     }
 
@@ -434,6 +446,16 @@ impl Cuda {
     /// Marks this thread's recording as not replayable; false when not recording.
     pub(super) fn spoil(&self, why: impl Into<String>) -> bool {
         self.with_recording(|r| r.spoil(why)).is_some()
+    }
+
+    /// Marks this thread's recording as failed (see `Recording::faulted`); false when not
+    /// recording.
+    pub(super) fn spoil_by_fault(&self, why: String) -> bool {
+        self.with_recording(|r| {
+            r.spoil(why);
+            r.faulted = true;
+        })
+        .is_some()
     }
 
     /// Launches the graph kept under `key` when its signature is the plan's.

@@ -280,7 +280,7 @@ impl Cuda {
     /// Records a failure: the device's, or only the recorded run's while a step is planned
     /// or captured (its eager run meets a real failure again and records it).
     fn fail(&self, error: CudaError) {
-        if !self.spoil(error.to_string()) {
+        if !self.spoil_by_fault(error.to_string()) {
             self.device.record(error);
         }
     }
