@@ -669,7 +669,9 @@ fn tiny_models_agree_in_logprobs_and_gradients() {
             );
 
             // Frozen for serving (the weights' bf16 copies made once, as the engine does):
-            // the same products, so the same logits.
+            // the same weights; a decode step's few rows are multiplied in f32 against them
+            // (`gemv_bf16`) where unfrozen products round them to bf16 first, so the two
+            // differ by that rounding.
             let mut frozen = on_gpu.clone();
             frozen.freeze();
             assert!(frozen.has_packed_weights(), "{what}: nothing frozen");
@@ -683,7 +685,7 @@ fn tiny_models_agree_in_logprobs_and_gradients() {
                 &format!("{what} frozen decode"),
                 &frozen_logits[0],
                 &logits[0],
-                1e-5,
+                0.02,
                 0.0,
             );
 
@@ -1139,7 +1141,10 @@ fn top_k_and_top_p_keep_the_hosts_tokens_on_the_device() {
             assert_eq!(got.id, got.top[0].0, "{pick:?}: top-1 is greedy");
         }
     }
-    assert!(exact >= picks.len() * 3 / 4, "only {exact} exact draws");
+    // Only nuclei that ±1e-4 of p leaves unchanged are held to the exact token: with
+    // 151,936 random logits a nucleus of p = 0.5 to 0.95 holds tens of thousands of tokens
+    // and moves with p, so those picks (half of them) are held to the kept set alone.
+    assert!(exact >= picks.len() / 2, "only {exact} exact draws");
     gpu.check().unwrap();
 }
 

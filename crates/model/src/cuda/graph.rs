@@ -116,6 +116,9 @@ pub struct GraphStats {
     pub eager: u64,
     /// Captures that failed (see [`Cuda::graph_failure`]).
     pub failed: u64,
+    /// Host time spent planning steps, and capturing and instantiating graphs (µs).
+    pub plan_us: u64,
+    pub capture_us: u64,
 }
 
 impl Recording {
@@ -200,7 +203,9 @@ impl Cuda {
             .step_lock
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let planning = std::time::Instant::now();
         let (out, plan) = self.record(false, step);
+        self.graphs().stats.plan_us += planning.elapsed().as_micros() as u64;
         if plan.spoiled.is_none() && self.replay(key, &plan) {
             return self.detach(&out);
         }
@@ -223,6 +228,7 @@ impl Cuda {
             self.graphs().stats.eager += 1;
             return step();
         }
+        let capturing = std::time::Instant::now();
         if let Err(e) = self
             .device
             .capture_stream
@@ -236,6 +242,7 @@ impl Cuda {
             .device
             .capture_stream
             .end_capture(sys::CUgraphInstantiate_flags(0));
+        self.graphs().stats.capture_us += capturing.elapsed().as_micros() as u64;
         let why = match (graph, capture.spoiled) {
             (Ok(Some(graph)), None) => {
                 let graph = KeptGraph(graph);

@@ -157,6 +157,9 @@ extern "C" __global__ void gemv_bf16(float* out, const bf16_bits* w, const float
     float acc[GEMV_ROWS];
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) acc[r] = 0.f;
+    // Unrolled so that a lane has several 16-byte loads in flight (a row is only a few of
+    // them per lane: latency, not bandwidth, bounds a lone warp).
+#pragma unroll 4
     for (int c = lane; c < in / 8; c += 32) {
         uint4 packed = wr[c];
         float wf[8] = {low_half(packed.x), high_half(packed.x), low_half(packed.y), high_half(packed.y),

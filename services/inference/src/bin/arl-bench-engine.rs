@@ -336,11 +336,14 @@ fn main() -> Result<()> {
         let before = graph_stats(&device);
         let mut measured = run(&engine, &prompts, args.new_tokens)?;
         let graphs = graph_stats(&device).zip(before).map(|(after, before)| {
+            let planned = (after.replayed + after.captured + after.eager)
+                - (before.replayed + before.captured + before.eager);
             format!(
-                "{}/{}/{}",
+                "{}/{}/{}, plan {:.0} µs",
                 after.replayed - before.replayed,
                 after.captured - before.captured,
-                after.eager - before.eager
+                after.eager - before.eager,
+                (after.plan_us - before.plan_us) as f64 / planned.max(1) as f64
             )
         });
         print_profile(&take_profile(&device), batch, args.new_tokens);
@@ -370,14 +373,14 @@ fn main() -> Result<()> {
         prefill_tok_s, args.prefill_prompts, args.prefill_len
     );
     println!(
-        "{:>6} {:>14} {:>18} {:>16} {:>8} {:>18} {:>22}",
+        "{:>6} {:>14} {:>18} {:>16} {:>8} {:>18} {:>36}",
         "batch",
         "ARL tok/s",
         "ARL ms/token p50/p99",
         "HF generate tok/s",
         "ratio",
         "no graphs tok/s",
-        "steps replayed/captured/eager"
+        "steps replayed/captured/eager, host plan per step"
     );
     for (batch, tok_s, p50, p99, eager, graphs) in rows {
         let hf = torch
@@ -391,7 +394,7 @@ fn main() -> Result<()> {
         let eager = eager.map_or("-".into(), |e| format!("{e:.0} ({:.2}x)", tok_s / e));
         let graphs = graphs.unwrap_or_else(|| "-".into());
         println!(
-            "{batch:>6} {tok_s:>14.0} {:>10.2}/{:<7.2} {hf_text:>16} {ratio:>8} {eager:>18} {graphs:>22}",
+            "{batch:>6} {tok_s:>14.0} {:>10.2}/{:<7.2} {hf_text:>16} {ratio:>8} {eager:>18} {graphs:>36}",
             p50, p99
         );
     }
