@@ -23,7 +23,6 @@ const KERNEL_NAMES: &[&str] = &[
     "sum_squares",
     "gather_rows",
     "add_bias",
-    "gemv_bf16",
     "column_sums",
     "embedding_forward",
     "embedding_backward",
@@ -122,8 +121,6 @@ pub struct Device {
     /// Decode steps' graphs, their arena and staging area (`graph.rs`).
     pub(super) graphs: Mutex<super::graph::Graphs>,
     pub(super) graphs_on: AtomicBool,
-    /// Whether frozen products of a few rows take `gemv_bf16` (`ARL_CUDA_GEMV=0`: cuBLAS).
-    pub(super) gemv_on: bool,
     /// Whether a thread is recording a step now (the fast path of every operation reads
     /// only this), and its recording.
     pub(super) recording: AtomicBool,
@@ -301,7 +298,6 @@ impl Device {
             graphs_on: AtomicBool::new(
                 std::env::var_os("ARL_CUDA_GRAPHS").is_none_or(|v| v != "0"),
             ),
-            gemv_on: std::env::var_os("ARL_CUDA_GEMV").is_none_or(|v| v != "0"),
             recording: AtomicBool::new(false),
             recording_slot: Mutex::new(None),
             step_lock: Mutex::new(()),

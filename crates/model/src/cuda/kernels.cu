@@ -141,50 +141,6 @@ extern "C" __global__ void gather_rows(float* out, const float* x, const int* ro
 }
 
 // out (N, O) += bias (O) on every row.
-// out (N, O) = x (N, I) · Wᵀ + bias, W bf16 (O, I) (a frozen version's weights), x, bias
-// and out f32, for the few rows of a decode step (N ≤ GEMV_ROWS): one warp per output
-// column reads W's row once for every row of x, in 16-byte loads, so the product runs at
-// the weights' memory bandwidth with x never rounded to bf16 and the bias in the same pass
-// (cuBLAS would need a bf16 copy of x and a bias kernel: three launches, not one).
-// Needs I % 8 == 0 and 16-byte aligned W and x; `bias` may be null. Threads: 32 · O.
-#define GEMV_ROWS 8
-extern "C" __global__ void gemv_bf16(float* out, const bf16_bits* w, const float* x, const float* bias,
-                                     int n, int in, int o) {
-    int col = (int)((blockIdx.x * (unsigned)blockDim.x + threadIdx.x) >> 5);
-    int lane = threadIdx.x & 31;
-    if (col >= o) return;
-    const uint4* wr = (const uint4*)(w + (long long)col * in);
-    float acc[GEMV_ROWS];
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = 0.f;
-    // Unrolled so that a lane has several 16-byte loads in flight (a row is only a few of
-    // them per lane: latency, not bandwidth, bounds a lone warp).
-#pragma unroll 4
-    for (int c = lane; c < in / 8; c += 32) {
-        uint4 packed = wr[c];
-        float wf[8] = {low_half(packed.x), high_half(packed.x), low_half(packed.y), high_half(packed.y),
-                       low_half(packed.z), high_half(packed.z), low_half(packed.w), high_half(packed.w)};
-#pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++) {
-            if (r < n) {
-                const float4* xr = (const float4*)(x + (long long)r * in) + 2 * c;
-                float4 a = xr[0], b = xr[1];
-                acc[r] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w
-                        + wf[4] * b.x + wf[5] * b.y + wf[6] * b.z + wf[7] * b.w;
-            }
-        }
-    }
-    float b = bias ? bias[col] : 0.f;
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
-        if (r < n) {
-            float v = acc[r];
-            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
-            if (lane == 0) out[(long long)r * o + col] = v + b;
-        }
-    }
-}
-
 extern "C" __global__ void add_bias(float* out, const float* bias, int n, int o) {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < (long long)n * o) out[i] += bias[i % o];

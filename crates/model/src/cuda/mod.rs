@@ -378,43 +378,6 @@ impl Cuda {
     }
 
     /// dst[at..at+len] = src[from..from+len] (device to device).
-    /// Whether `gemv` takes x (N, I) · Wᵀ: a decode step's few rows, I a multiple of 8 and
-    /// both operands 16-byte aligned (its loads); `ARL_CUDA_GEMV=0` leaves every product to
-    /// cuBLAS.
-    fn gemv_fits(&self, x: &GpuBuf, w: &Bf16Matrix, n: usize) -> bool {
-        const GEMV_ROWS: usize = 8; // as kernels.cu
-        self.device.gemv_on
-            && n > 0
-            && n <= GEMV_ROWS
-            && w.cols.is_multiple_of(8)
-            && x.ptr(0).is_multiple_of(16)
-            && w.data.ptr(self).is_multiple_of(16)
-    }
-
-    /// out (N, O) = x (N, I) · Wᵀ + bias in one kernel (`gemv_bf16`) when it fits (see
-    /// `gemv_fits`); false (nothing done) otherwise.
-    fn gemv(
-        &self,
-        out: &GpuBuf,
-        x: &GpuBuf,
-        w: &Bf16Matrix,
-        bias: Option<&GpuBuf>,
-        n: usize,
-    ) -> bool {
-        if !self.gemv_fits(x, w, n) {
-            return false;
-        }
-        let (op, wp, xp) = (out.ptr(0), w.data.ptr(self), x.ptr(0));
-        let bp = bias.map_or(0, |b| b.ptr(0));
-        let (n32, i32_, o32) = (n as i32, w.cols as i32, w.rows as i32);
-        self.launch(
-            "gemv_bf16",
-            elementwise(32 * w.rows),
-            args![op, wp, xp, bp, n32, i32_, o32],
-        );
-        true
-    }
-
     /// host = buf[offset..offset + host.len()], once the work queued before has run.
     fn read(&self, buf: &GpuBuf, offset: usize, host: &mut [f32], what: &'static str) {
         if host.is_empty() || !self.ok() || buf.ptr(0) == 0 || self.spoil("a read in a step") {
@@ -943,9 +906,6 @@ impl Backend for Cuda {
         bias: Option<&GpuBuf>,
         n: usize,
     ) {
-        if self.gemv(out, x, w, bias, n) {
-            return;
-        }
         // The same product as `matmul_forward`, less the weights' conversion.
         let x_bf = self.bf16(x, 0, n * w.cols);
         self.gemm_bf16_forward(out.ptr(0), &x_bf, &w.data, n, w.cols, w.rows);
@@ -965,12 +925,6 @@ impl Backend for Cuda {
         let Some(cols) = products.first().map(|p| p.w.cols) else {
             return;
         };
-        if products.iter().all(|p| self.gemv_fits(x, p.w, n)) {
-            for p in products {
-                self.gemv(p.out, x, p.w, p.bias, n);
-            }
-            return;
-        }
         let x_bf = self.bf16(x, 0, n * cols);
         for p in products {
             let w = p.w;
