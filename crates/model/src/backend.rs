@@ -123,6 +123,14 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         let _ = (w, rows, cols);
         None
     }
+    /// Linear layers that read one input (q, k and v; gate and up) frozen as one matrix,
+    /// their rows stacked in order (Σ rows, cols), so that one product gives all of them
+    /// side by side in each output row; None where the backend has no such form (the
+    /// default). `parts`: each layer's weights and rows.
+    fn freeze_stacked(&self, parts: &[(&Self::Buf, usize)], cols: usize) -> Option<Self::Packed> {
+        let _ = (parts, cols);
+        None
+    }
     /// An empty cache for `layers` layers of `kv_dim` (nkv·hd) keys and values a position.
     fn kv_new(&self, layers: usize, kv_dim: usize) -> Self::Kv;
     /// Forgets every position from `len` on (for prefix reuse).
@@ -310,6 +318,58 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         sign: f32,
     );
 
+    /// q (N, nh·hd), k and v (N, nkv·hd) from the product of stacked q, k and v weights
+    /// (`qkv`: (N, nh·hd + 2·nkv·hd)), each with its bias, q and k rotated at `positions` and
+    /// scaled by `factor`: what separate products, `rope_apply` and `scale` give. Overwrites.
+    /// By default through the host (a backend that stacks does it in one pass).
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_split_rope(
+        &self,
+        (q, k, v): (&mut Self::Buf, &mut Self::Buf, &mut Self::Buf),
+        qkv: &Self::Buf,
+        biases: [Option<&Self::Buf>; 3],
+        (heads, kv_heads, hd): (usize, usize, usize),
+        positions: &[usize],
+        inv_freq: &[f32],
+        factor: f32,
+    ) {
+        let host = self.download(qkv);
+        let widths = [heads * hd, kv_heads * hd, kv_heads * hd];
+        let mut parts = split_columns(&host, &widths).into_iter();
+        for ((out, bias), width) in [&mut *q, &mut *k, &mut *v]
+            .into_iter()
+            .zip(biases)
+            .zip(widths)
+        {
+            let mut part = parts.next().unwrap_or_default();
+            if let Some(bias) = bias {
+                let bias = self.download(bias);
+                for row in part.chunks_mut(width) {
+                    row.iter_mut().zip(&bias).for_each(|(x, b)| *x += b);
+                }
+            }
+            *out = self.upload(&part);
+        }
+        self.rope_apply(q, heads, positions, inv_freq, 1.0);
+        self.rope_apply(k, kv_heads, positions, inv_freq, 1.0);
+        if factor != 1.0 {
+            self.scale(q, factor);
+            self.scale(k, factor);
+        }
+    }
+    /// out = silu(gate) · up (N, I) from the product of stacked gate and up weights
+    /// (`gate_up`: (N, 2·I)); what `swiglu_forward` gives on separate products. Overwrites.
+    /// By default through the host (a backend that stacks does it in one pass).
+    fn swiglu_stacked(&self, out: &mut Self::Buf, gate_up: &Self::Buf, i_dim: usize) {
+        let host = self.download(gate_up);
+        let mut parts = split_columns(&host, &[i_dim, i_dim]).into_iter();
+        let (gate, up) = (
+            parts.next().unwrap_or_default(),
+            parts.next().unwrap_or_default(),
+        );
+        self.swiglu_forward(out, &self.upload(&gate), &self.upload(&up));
+    }
+
     /// out = silu(gate) · up, all (N, I). Overwrites.
     fn swiglu_forward(&self, out: &mut Self::Buf, gate: &Self::Buf, up: &Self::Buf);
     /// dgate, dup += from dout. Accumulates.
@@ -418,4 +478,95 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         v: &mut Self::Buf,
         step: AdamStep,
     );
+}
+
+/// Rows of `widths` side by side (each row of `x` is Σ widths long) as one row-major
+/// matrix per width.
+fn split_columns(x: &[f32], widths: &[usize]) -> Vec<Vec<f32>> {
+    let row: usize = widths.iter().sum();
+    let mut parts: Vec<Vec<f32>> = widths.iter().map(|_| Vec::new()).collect();
+    for r in x.chunks(row.max(1)) {
+        let mut from = 0;
+        for (part, &w) in parts.iter_mut().zip(widths) {
+            part.extend_from_slice(&r[from..from + w]);
+            from += w;
+        }
+    }
+    parts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::Cpu;
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    }
+
+    /// The stacked forms' default split (what a backend without its own kernel runs)
+    /// gives what separate products, bias adds, RoPE and scaling give.
+    #[test]
+    fn stacked_products_split_as_separate_ones() {
+        let (n, heads, kv_heads, hd, i_dim) = (3, 4, 2, 8, 6);
+        let (qd, kvd) = (heads * hd, kv_heads * hd);
+        let (q0, k0, v0) = (values(n * qd, 1), values(n * kvd, 2), values(n * kvd, 3));
+        let (bq, bk, bv) = (values(qd, 4), values(kvd, 5), values(kvd, 6));
+        let qkv: Vec<f32> = (0..n)
+            .flat_map(|r| {
+                [
+                    &q0[r * qd..(r + 1) * qd],
+                    &k0[r * kvd..(r + 1) * kvd],
+                    &v0[r * kvd..(r + 1) * kvd],
+                ]
+                .concat()
+            })
+            .collect();
+        let positions = [0, 5, 17];
+        let inv_freq: Vec<f32> = (0..hd / 2)
+            .map(|i| 1.0 / 10_000f32.powf(2.0 * i as f32 / hd as f32))
+            .collect();
+        let be = Cpu;
+        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        be.qkv_split_rope(
+            (&mut q, &mut k, &mut v),
+            &qkv,
+            [Some(&bq), Some(&bk), None],
+            (heads, kv_heads, hd),
+            &positions,
+            &inv_freq,
+            0.5,
+        );
+        let with_bias = |x: &[f32], b: &[f32]| -> Vec<f32> {
+            x.chunks(b.len())
+                .flat_map(|r| r.iter().zip(b).map(|(x, b)| x + b))
+                .collect()
+        };
+        let (mut want_q, mut want_k) = (with_bias(&q0, &bq), with_bias(&k0, &bk));
+        be.rope_apply(&mut want_q, heads, &positions, &inv_freq, 1.0);
+        be.rope_apply(&mut want_k, kv_heads, &positions, &inv_freq, 1.0);
+        be.scale(&mut want_q, 0.5);
+        be.scale(&mut want_k, 0.5);
+        assert_eq!(q, want_q);
+        assert_eq!(k, want_k);
+        assert_eq!(v, v0, "v has no bias here");
+        let _ = bv;
+
+        let (gate, up) = (values(n * i_dim, 7), values(n * i_dim, 8));
+        let gate_up: Vec<f32> = (0..n)
+            .flat_map(|r| {
+                [
+                    &gate[r * i_dim..(r + 1) * i_dim],
+                    &up[r * i_dim..(r + 1) * i_dim],
+                ]
+                .concat()
+            })
+            .collect();
+        let (mut act, mut want) = (vec![0.0; n * i_dim], vec![0.0; n * i_dim]);
+        be.swiglu_stacked(&mut act, &gate_up, i_dim);
+        be.swiglu_forward(&mut want, &gate, &up);
+        assert_eq!(act, want);
+    }
 }

@@ -38,6 +38,11 @@ pub struct PackedLayer<P = PackedMatrix> {
     pub w_gate: Option<P>,
     pub w_up: Option<P>,
     pub w_down: Option<P>,
+    /// q, k and v stacked into one frozen matrix ([`Backend::freeze_stacked`]); when set,
+    /// `wq`, `wk` and `wv` are not kept.
+    pub wqkv: Option<P>,
+    /// gate and up stacked likewise; when set, `w_gate` and `w_up` are not kept.
+    pub w_gate_up: Option<P>,
 }
 
 impl<P> Default for PackedLayer<P> {
@@ -50,7 +55,27 @@ impl<P> Default for PackedLayer<P> {
             w_gate: None,
             w_up: None,
             w_down: None,
+            wqkv: None,
+            w_gate_up: None,
         }
+    }
+}
+
+impl<P> PackedLayer<P> {
+    fn is_empty(&self) -> bool {
+        [
+            &self.wq,
+            &self.wk,
+            &self.wv,
+            &self.wo,
+            &self.w_gate,
+            &self.w_up,
+            &self.w_down,
+            &self.wqkv,
+            &self.w_gate_up,
+        ]
+        .iter()
+        .all(|m| m.is_none())
     }
 }
 
@@ -70,6 +95,8 @@ impl PackedWeights {
                     w_gate: p(&l.w_gate),
                     w_up: p(&l.w_up),
                     w_down: p(&l.w_down),
+                    wqkv: p(&l.wqkv),
+                    w_gate_up: p(&l.w_gate_up),
                 })
                 .collect(),
             head: p(&self.head),
@@ -175,14 +202,27 @@ impl<B: Backend> Model<B> {
     /// Readies weights that will not change (a version being served) for fast products:
     /// every linear layer and the head without a packed copy gets the backend's frozen
     /// form where it has one (the CUDA backend's bf16 copies, which its products would
-    /// otherwise convert from f32 at every call). Numbers do not change. Changing the
-    /// weights afterwards drops these copies, as it drops the GGUF's.
+    /// otherwise convert from f32 at every call); q, k and v — and gate and up — are
+    /// stacked into one matrix each where the backend can (one product instead of three,
+    /// or two). Numbers do not change. Changing the weights afterwards drops these copies,
+    /// as it drops the GGUF's.
     pub fn freeze(&mut self) {
         let be = &self.backend;
         let freeze = |slot: &mut Option<B::Packed>, t: &Tensor<B::Buf>| {
             if slot.is_none() {
                 *slot = be.freeze(&t.data, t.shape[0], t.shape[1]);
             }
+        };
+        // Stacked only where none of the parts has a block-format copy of its own (those
+        // read fewer bytes) and, for q and k, where nothing comes between the product and
+        // RoPE (Qwen3's per-head norms).
+        let stack = |parts: &[(&Option<B::Packed>, &Tensor<B::Buf>)]| {
+            if parts.iter().any(|(p, _)| p.is_some()) {
+                return None;
+            }
+            let pieces: Vec<(&B::Buf, usize)> =
+                parts.iter().map(|(_, t)| (&t.data, t.shape[0])).collect();
+            be.freeze_stacked(&pieces, parts.first()?.1.shape[1])
         };
         let packed = self.packed.get_or_insert_with(|| PackedWeights {
             layers: Vec::new(),
@@ -192,22 +232,26 @@ impl<B: Backend> Model<B> {
             .layers
             .resize_with(self.weights.layers.len(), PackedLayer::default);
         for (p, w) in packed.layers.iter_mut().zip(&self.weights.layers) {
-            freeze(&mut p.wq, &w.wq);
-            freeze(&mut p.wk, &w.wk);
-            freeze(&mut p.wv, &w.wv);
+            if p.wqkv.is_none() && w.q_norm.is_none() && w.k_norm.is_none() {
+                p.wqkv = stack(&[(&p.wq, &w.wq), (&p.wk, &w.wk), (&p.wv, &w.wv)]);
+            }
+            if p.wqkv.is_none() {
+                freeze(&mut p.wq, &w.wq);
+                freeze(&mut p.wk, &w.wk);
+                freeze(&mut p.wv, &w.wv);
+            }
+            if p.w_gate_up.is_none() {
+                p.w_gate_up = stack(&[(&p.w_gate, &w.w_gate), (&p.w_up, &w.w_up)]);
+            }
+            if p.w_gate_up.is_none() {
+                freeze(&mut p.w_gate, &w.w_gate);
+                freeze(&mut p.w_up, &w.w_up);
+            }
             freeze(&mut p.wo, &w.wo);
-            freeze(&mut p.w_gate, &w.w_gate);
-            freeze(&mut p.w_up, &w.w_up);
             freeze(&mut p.w_down, &w.w_down);
         }
         freeze(&mut packed.head, self.weights.head());
-        let empty = packed.head.is_none()
-            && packed.layers.iter().all(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-                    .iter()
-                    .all(|m| m.is_none())
-            });
-        if empty {
+        if packed.head.is_none() && packed.layers.iter().all(PackedLayer::is_empty) {
             // A backend with no frozen form (the CPU): nothing packed, as before.
             self.packed = None;
         }
@@ -341,9 +385,23 @@ impl<B: Backend> Model<B> {
         } else {
             (be.zeros(0), be.zeros(0))
         };
+        // Stacked products (`freeze`) write q, k and v — and gate and up — side by side.
+        let first = self.packed.as_ref().and_then(|p| p.layers.first());
+        let stacked = |m: Option<&Option<B::Packed>>| m.is_some_and(Option::is_some);
+        let mut qkv = be.zeros(if stacked(first.map(|l| &l.wqkv)) {
+            n * (qd + 2 * kv)
+        } else {
+            0
+        });
+        let (gate_up_width, split_width) = if stacked(first.map(|l| &l.w_gate_up)) {
+            (n * 2 * i_dim, 0)
+        } else {
+            (0, n * i_dim)
+        };
+        let mut gate_up = be.zeros(gate_up_width);
         let (mut gate, mut up, mut act) = (
-            be.zeros(n * i_dim),
-            be.zeros(n * i_dim),
+            be.zeros(split_width),
+            be.zeros(split_width),
             be.zeros(n * i_dim),
         );
         let eps = cfg.rms_norm_eps as f32;
@@ -376,35 +434,48 @@ impl<B: Backend> Model<B> {
                 // The last layer's MLP residual, fused with this layer's first norm.
                 be.add_rmsnorm_forward(&mut x, &proj, &mut h, &mut rstd, &w.attn_norm.data, eps);
             }
-            let qk_pre = w.q_norm.is_some() && w.k_norm.is_some();
-            {
-                // Qwen3 norms q and k per head afterwards: its products go to q_pre, k_pre.
-                let (q_out, k_out) = if qk_pre {
-                    (&mut q_pre, &mut k_pre)
-                } else {
-                    (&mut q, &mut k)
-                };
-                self.linears(
-                    &h,
-                    n,
-                    &mut [
-                        (q_out, &w.wq, p.wq.as_ref(), w.bq.as_ref()),
-                        (k_out, &w.wk, p.wk.as_ref(), w.bk.as_ref()),
-                        (&mut v, &w.wv, p.wv.as_ref(), w.bv.as_ref()),
-                    ],
+            if let Some(wqkv) = &p.wqkv {
+                self.backend.matmul_packed(&mut qkv, &h, wqkv, None, n);
+                be.qkv_split_rope(
+                    (&mut q, &mut k, &mut v),
+                    &qkv,
+                    [&w.bq, &w.bk, &w.bv].map(|b| b.as_ref().map(|b| &b.data)),
+                    (heads, kv_heads, hd),
+                    &positions,
+                    &self.inv_freq,
+                    rope_factor,
                 );
-            }
-            if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-                // Per-head RMSNorm: rows of hd, (N·nh, hd) and (N·nkv, hd).
-                be.rmsnorm_forward(&mut q, &mut rstd_q, &q_pre, &qn.data, eps);
-                be.rmsnorm_forward(&mut k, &mut rstd_k, &k_pre, &kn.data, eps);
-            }
-            be.rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
-            be.rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
-            if rope_factor != 1.0 {
-                // transformers scales cos and sin (YaRN's mscale): the rotated q and k.
-                be.scale(&mut q, rope_factor);
-                be.scale(&mut k, rope_factor);
+            } else {
+                let qk_pre = w.q_norm.is_some() && w.k_norm.is_some();
+                {
+                    // Qwen3 norms q and k per head afterwards: its products go to q_pre, k_pre.
+                    let (q_out, k_out) = if qk_pre {
+                        (&mut q_pre, &mut k_pre)
+                    } else {
+                        (&mut q, &mut k)
+                    };
+                    self.linears(
+                        &h,
+                        n,
+                        &mut [
+                            (q_out, &w.wq, p.wq.as_ref(), w.bq.as_ref()),
+                            (k_out, &w.wk, p.wk.as_ref(), w.bk.as_ref()),
+                            (&mut v, &w.wv, p.wv.as_ref(), w.bv.as_ref()),
+                        ],
+                    );
+                }
+                if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+                    // Per-head RMSNorm: rows of hd, (N·nh, hd) and (N·nkv, hd).
+                    be.rmsnorm_forward(&mut q, &mut rstd_q, &q_pre, &qn.data, eps);
+                    be.rmsnorm_forward(&mut k, &mut rstd_k, &k_pre, &kn.data, eps);
+                }
+                be.rope_apply(&mut q, heads, &positions, &self.inv_freq, 1.0);
+                be.rope_apply(&mut k, kv_heads, &positions, &self.inv_freq, 1.0);
+                if rope_factor != 1.0 {
+                    // transformers scales cos and sin (YaRN's mscale): the rotated q and k.
+                    be.scale(&mut q, rope_factor);
+                    be.scale(&mut k, rope_factor);
+                }
             }
 
             // Into each sequence's cache, then attend over it.
@@ -423,15 +494,21 @@ impl<B: Backend> Model<B> {
             );
             self.linear(&mut proj, &att_out, &w.wo, p.wo.as_ref(), None, n);
             be.add_rmsnorm_forward(&mut x, &proj, &mut h, &mut rstd, &w.ffn_norm.data, eps);
-            self.linears(
-                &h,
-                n,
-                &mut [
-                    (&mut gate, &w.w_gate, p.w_gate.as_ref(), None),
-                    (&mut up, &w.w_up, p.w_up.as_ref(), None),
-                ],
-            );
-            be.swiglu_forward(&mut act, &gate, &up);
+            if let Some(w_gate_up) = &p.w_gate_up {
+                self.backend
+                    .matmul_packed(&mut gate_up, &h, w_gate_up, None, n);
+                be.swiglu_stacked(&mut act, &gate_up, i_dim);
+            } else {
+                self.linears(
+                    &h,
+                    n,
+                    &mut [
+                        (&mut gate, &w.w_gate, p.w_gate.as_ref(), None),
+                        (&mut up, &w.w_up, p.w_up.as_ref(), None),
+                    ],
+                );
+                be.swiglu_forward(&mut act, &gate, &up);
+            }
             self.linear(&mut proj, &act, &w.w_down, p.w_down.as_ref(), None, n);
         }
         if !self.weights.layers.is_empty() {

@@ -547,6 +547,7 @@ pub fn packed_from_gguf(file: &GgufFile, config: &ModelConfig) -> crate::model::
                 w_gate: pack(&n("ffn_gate.weight"), None),
                 w_up: pack(&n("ffn_up.weight"), None),
                 w_down: pack(&n("ffn_down.weight"), None),
+                ..PackedLayer::default()
             }
         })
         .collect();

@@ -28,7 +28,7 @@
 use std::sync::atomic::Ordering;
 use std::thread::ThreadId;
 
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, sys};
+use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, LaunchConfig, sys};
 
 use super::{Arg, Cuda, CudaError, GpuBuf, device};
 
@@ -103,6 +103,9 @@ pub(super) struct Graphs {
     last_failure: Option<String>,
     /// Keys that have run a step eagerly (most recent first).
     warmed: Vec<u64>,
+    /// Timing events around the last replay (start, end), read when the next one starts.
+    replay_events: Option<(CudaEvent, CudaEvent)>,
+    replay_timed_pending: bool,
 }
 
 /// How decode steps ran: replayed from a graph, captured into one, or eagerly. After four
@@ -119,6 +122,25 @@ pub struct GraphStats {
     /// Host time spent planning steps, and capturing and instantiating graphs (µs).
     pub plan_us: u64,
     pub capture_us: u64,
+    /// GPU time of the replayed graphs whose end has been seen (µs; events around each
+    /// launch, read at the next one), and how many that was.
+    pub replay_gpu_us: u64,
+    pub replays_timed: u64,
+}
+
+impl Graphs {
+    /// Adds the last timed replay's GPU time, waiting for its end if it has not come.
+    fn settle_replay_time(&mut self) {
+        if !std::mem::take(&mut self.replay_timed_pending) {
+            return;
+        }
+        if let Some((start, end)) = &self.replay_events
+            && let Ok(ms) = start.elapsed_ms(end)
+        {
+            self.stats.replay_gpu_us += (f64::from(ms) * 1e3) as u64;
+            self.stats.replays_timed += 1;
+        }
+    }
 }
 
 impl Recording {
@@ -176,7 +198,7 @@ impl Recording {
         }
     }
 
-    pub(super) fn capturing(&self) -> bool {
+    fn capturing(&self) -> bool {
         self.capture
     }
 
@@ -212,20 +234,20 @@ impl Cuda {
         drop(out);
         if let Some(why) = plan.spoiled {
             if plan.faulted {
-                self.graphs().stats.eager += 1;
+                self.ran_eagerly();
             } else {
                 self.capture_failed(why);
             }
             return step();
         }
         if !self.should_capture(key) {
-            self.graphs().stats.eager += 1;
+            self.ran_eagerly();
             return step();
         }
         if self.make_room(plan.arena_used, plan.staging.len()).is_err() {
             // Too little memory for the arena: the step runs eagerly, its temporaries
             // freed as it goes.
-            self.graphs().stats.eager += 1;
+            self.ran_eagerly();
             return step();
         }
         let capturing = std::time::Instant::now();
@@ -273,7 +295,7 @@ impl Cuda {
         // Nothing of the capture ran; the step runs as it always did.
         drop(out);
         if capture.faulted {
-            self.graphs().stats.eager += 1;
+            self.ran_eagerly();
         } else {
             self.capture_failed(why);
         }
@@ -288,6 +310,15 @@ impl Cuda {
         let mut owned = self.alloc_kept(out.len, "keeping a step's output");
         self.copy_within(&mut owned, 0, out, 0, out.len);
         owned
+    }
+
+    fn ran_eagerly(&self) {
+        self.graphs().stats.eager += 1;
+    }
+
+    /// Whether this thread is capturing a step now.
+    pub(super) fn capturing(&self) -> bool {
+        self.with_recording(|r| r.capturing()).unwrap_or(false)
     }
 
     /// Counts a failed capture (or a plan that could not be replayed); after several in a
@@ -311,9 +342,12 @@ impl Cuda {
         self.graphs().last_failure.clone()
     }
 
-    /// How this device's decode steps ran so far.
+    /// How this device's decode steps ran so far (waits for the last replay to end, to
+    /// count its GPU time).
     pub fn graph_stats(&self) -> GraphStats {
-        self.graphs().stats
+        let mut graphs = self.graphs();
+        graphs.settle_replay_time();
+        graphs.stats
     }
 
     /// Turns graphs on or off for this device (on unless `ARL_CUDA_GRAPHS=0` or profiling).
@@ -479,7 +513,7 @@ impl Cuda {
         }
         let mut kept = graphs.captured.remove(at);
         drop(graphs);
-        let launched = self.stage(&plan.staging) && self.launch_graph(&kept.graph);
+        let launched = self.stage(&plan.staging) && self.launch_timed(&kept.graph);
         kept.fresh = false;
         let mut graphs = self.graphs();
         graphs.captured.insert(0, kept);
@@ -544,6 +578,40 @@ impl Cuda {
             64 << 10,
             "allocating the staging area",
         )
+    }
+
+    /// `launch_graph` between two timing events, whose interval the next replay (or
+    /// `graph_stats`) adds to `GraphStats::replay_gpu_us`. Timing is best effort: a step is
+    /// never failed for it.
+    fn launch_timed(&self, graph: &KeptGraph) -> bool {
+        let stream = &self.device.stream;
+        let events = {
+            let mut graphs = self.graphs();
+            graphs.settle_replay_time();
+            if graphs.replay_events.is_none() {
+                let event = || {
+                    stream
+                        .context()
+                        .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                        .ok()
+                };
+                graphs.replay_events = event().zip(event());
+            }
+            graphs
+                .replay_events
+                .as_ref()
+                .is_some_and(|(start, _)| start.record(stream).is_ok())
+        };
+        let launched = self.launch_graph(graph);
+        if events && launched {
+            let mut graphs = self.graphs();
+            let ended = graphs
+                .replay_events
+                .as_ref()
+                .is_some_and(|(_, end)| end.record(stream).is_ok());
+            graphs.replay_timed_pending = ended;
+        }
+        launched
     }
 
     /// Launches `graph` on the device's stream (it was captured on the capture stream).

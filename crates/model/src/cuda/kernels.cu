@@ -250,6 +250,47 @@ extern "C" __global__ void rope_apply(float* x, const int* positions, const floa
     head[f + half] = x2 * cs + x1 * sn;
 }
 
+// q (N, heads·hd), k and v (N, kv_heads·hd) from qkv (N, (heads + 2·kv_heads)·hd), the product
+// of stacked q, k and v weights: each bias added (a null bias adds nothing), q and k rotated
+// as rope_apply rotates them and then scaled by `factor` (as `scale` would). One thread per
+// (row, head of q, k or v, i < hd/2).
+extern "C" __global__ void qkv_split_rope(float* q, float* k, float* v, const float* qkv, const float* bq,
+                                          const float* bk, const float* bv, const int* positions,
+                                          const float* inv_freq, int n, int heads, int kv_heads, int half,
+                                          float factor) {
+    int all = heads + 2 * kv_heads, hd = 2 * half;
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= (long long)n * all * half) return;
+    int f = (int)(i % half);
+    long long rh = i / half;  // row * all + head
+    int row = (int)(rh / all), h = (int)(rh % all);
+    float* dst = q;
+    const float* bias = bq;
+    int head = h, width = heads;
+    if (h >= heads + kv_heads) {
+        dst = v, bias = bv, head = h - heads - kv_heads, width = kv_heads;
+    } else if (h >= heads) {
+        dst = k, bias = bk, head = h - heads, width = kv_heads;
+    }
+    const float* src = qkv + rh * hd;
+    float x1 = src[f], x2 = src[f + half];
+    if (bias) {
+        x1 += bias[head * hd + f];
+        x2 += bias[head * hd + f + half];
+    }
+    float* out = dst + ((long long)row * width + head) * hd;
+    if (h >= heads + kv_heads) {
+        out[f] = x1;
+        out[f + half] = x2;
+        return;
+    }
+    float a = (float)positions[row] * inv_freq[f];
+    float cs = cosf(a), sn = sinf(a);
+    float r1 = x1 * cs - x2 * sn, r2 = x2 * cs + x1 * sn;
+    out[f] = r1 * factor;
+    out[f + half] = r2 * factor;
+}
+
 // ---- SwiGLU ----
 
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
@@ -268,6 +309,17 @@ extern "C" __global__ void swiglu_forward(float* out, const float* gate, const f
         return;
     }
     for (long long j = i; j < len && j < i + 4; j++) out[j] = silu_times(gate[j], up[j]);
+}
+
+// out (N, I) = silu(gate) · up from gate_up (N, 2I), the product of stacked gate and up
+// weights. One thread per element of out.
+extern "C" __global__ void swiglu_stacked(float* out, const float* gate_up, int n, int inner) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= (long long)n * inner) return;
+    long long row = i / inner;
+    int j = (int)(i % inner);
+    const float* r = gate_up + row * 2LL * inner;
+    out[i] = silu_times(r[j], r[inner + j]);
 }
 
 // dgate += d·up·σ(g)(1 + g(1 − σ(g))), dup += d·silu(g).
@@ -874,6 +926,140 @@ extern "C" __global__ void attention_paged(float* out, const float* q, const lon
     long long pair = entry[0] * heads + h;
     PagedKv kv = {blocks + entry[1], layer_offset + (long long)kvh * hd, v_offset, shift, kv_heads * hd};
     attend_row(out + pair * hd, q + pair * hd, kv, (int)entry[2], hd, shared, pc);
+}
+
+// ---- cached attention split over the cache (split-K), for decode rows ----
+// Block (e, h, s) of a launch of gridDim.z = Z splits: entry e's row, head h, over KV blocks
+// s, s + S, s + 2S, … of its sequence (S = decode_splits(visible) ≤ Z: blocks with s ≥ S
+// exit), its 4 warps taking positions warp, warp + 4, … of each KV block, lanes splitting the
+// head's hd = 32·P dimensions. Each warp keeps a running max, sum and Σ p·v (online
+// softmax); the block merges its warps. With S = 1 the block writes the row's output; else
+// its (max, sum, Σ p·v[hd]) go to part[(e·heads + h)·Z + s] and attention_decode_merge
+// combines them. S depends on the row's own length only, so a row's output does not depend
+// on the batch it is in.
+#define DECODE_WARPS 4
+
+__device__ __forceinline__ int decode_splits(int visible, int shift, int blocks_per_split, int max_splits) {
+    int kv_blocks = (visible + (1 << shift) - 1) >> shift;
+    return max(1, min(max_splits, (kv_blocks + blocks_per_split - 1) / blocks_per_split));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+
+template <int P>
+__device__ void attention_decode(float* out, float* part, const float* q, const long long* entries,
+                                 const long long* blocks, long long layer_offset, long long v_offset, int heads,
+                                 int kv_heads, int shift, int blocks_per_split, int max_splits) {
+    const int hd = 32 * P, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long* entry = entries + 3 * blockIdx.x;
+    const int h = blockIdx.y, s = blockIdx.z, visible = (int)entry[2];
+    const int splits = decode_splits(visible, shift, blocks_per_split, max_splits);
+    if (s >= splits) return;
+    const int kvh = h / (heads / kv_heads), kv_dim = kv_heads * hd, tokens = 1 << shift;
+    const long long pair = entry[0] * heads + h;
+    const long long* seq_blocks = blocks + entry[1];
+    const float scale = 1.0f / sqrtf((float)hd);
+    float qv[P], acc[P];
+#pragma unroll
+    for (int p = 0; p < P; p++) {
+        qv[p] = q[pair * hd + lane + 32 * p];
+        acc[p] = 0.f;
+    }
+    float m = NEG_INF, l = 0.f;
+    const int kv_blocks = (visible + tokens - 1) >> shift;
+    for (int b = s; b < kv_blocks; b += splits) {
+        const float* base = (const float*)seq_blocks[b] + layer_offset + (long long)kvh * hd;
+        for (int r0 = warp; r0 < tokens; r0 += 4 * DECODE_WARPS) {
+            // Four positions at once: their loads in flight together.
+            float sc[4], vv[4][P];
+            bool seen[4];
+#pragma unroll
+            for (int t = 0; t < 4; t++) {
+                int r = r0 + DECODE_WARPS * t;
+                seen[t] = r < tokens && (b << shift) + r < visible;  // the same on every lane
+                const float* kj = base + (long long)r * kv_dim;
+                float d = 0.f;
+#pragma unroll
+                for (int p = 0; p < P; p++) {
+                    d += seen[t] ? qv[p] * kj[lane + 32 * p] : 0.f;
+                    vv[t][p] = seen[t] ? kj[v_offset + lane + 32 * p] : 0.f;
+                }
+                sc[t] = d;
+            }
+#pragma unroll
+            for (int t = 0; t < 4; t++) {
+                if (!seen[t]) continue;
+                float score = warp_sum(sc[t]) * scale;
+                float m_new = fmaxf(m, score);
+                float corr = expf(m - m_new), pj = expf(score - m_new);
+                l = l * corr + pj;
+#pragma unroll
+                for (int p = 0; p < P; p++) acc[p] = acc[p] * corr + pj * vv[t][p];
+                m = m_new;
+            }
+        }
+    }
+    // The block's warps merged: max, sum and Σ p·v over every position it saw.
+    __shared__ float w_m[DECODE_WARPS], w_l[DECODE_WARPS], w_acc[DECODE_WARPS][32 * P];
+    if (lane == 0) {
+        w_m[warp] = m;
+        w_l[warp] = l;
+    }
+#pragma unroll
+    for (int p = 0; p < P; p++) w_acc[warp][lane + 32 * p] = acc[p];
+    __syncthreads();
+    float block_m = NEG_INF;
+    for (int w = 0; w < DECODE_WARPS; w++) block_m = fmaxf(block_m, w_m[w]);
+    float block_l = 0.f;
+    for (int w = 0; w < DECODE_WARPS; w++) block_l += w_m[w] == NEG_INF ? 0.f : w_l[w] * expf(w_m[w] - block_m);
+    float* dst = splits == 1 ? out + pair * hd : part + ((pair * gridDim.z + s) * (hd + 2));
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.f;
+        for (int w = 0; w < DECODE_WARPS; w++)
+            if (w_m[w] != NEG_INF) o += w_acc[w][d] * expf(w_m[w] - block_m);
+        dst[splits == 1 ? d : d + 2] = splits == 1 ? o / block_l : o;
+    }
+    if (splits > 1 && threadIdx.x == 0) {
+        dst[0] = block_m;
+        dst[1] = block_l;
+    }
+}
+
+#define ATTENTION_DECODE(P)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode_##P(                           \
+        float* out, float* part, const float* q, const long long* entries, const long long* blocks,                 \
+        long long layer_offset, long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,       \
+        int max_splits) {                                                                                          \
+        attention_decode<P>(out, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,          \
+                            blocks_per_split, max_splits);                                                         \
+    }
+ATTENTION_DECODE(1)
+ATTENTION_DECODE(2)
+ATTENTION_DECODE(4)
+ATTENTION_DECODE(8)
+
+// The splits of attention_decode's rows with S > 1 combined: one block per (entry, head),
+// a thread per dimension.
+extern "C" __global__ void attention_decode_merge(float* out, const float* part, const long long* entries,
+                                                  int heads, int hd, int splits_launched, int shift,
+                                                  int blocks_per_split, int max_splits) {
+    const long long* entry = entries + 3 * blockIdx.x;
+    int splits = decode_splits((int)entry[2], shift, blocks_per_split, max_splits);
+    if (splits == 1) return;
+    long long pair = entry[0] * heads + blockIdx.y;
+    const float* parts = part + pair * splits_launched * (hd + 2);
+    float m = NEG_INF;
+    for (int s = 0; s < splits; s++) m = fmaxf(m, parts[s * (hd + 2)]);
+    float l = 0.f;
+    for (int s = 0; s < splits; s++) l += parts[s * (hd + 2) + 1] * expf(parts[s * (hd + 2)] - m);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.f;
+        for (int s = 0; s < splits; s++) o += parts[s * (hd + 2) + 2 + d] * expf(parts[s * (hd + 2)] - m);
+        out[pair * hd + d] = o / l;
+    }
 }
 
 // A pass's new keys and values into the paged cache, one layer: the row entries[3e] of k

@@ -227,6 +227,9 @@ pub struct PagedStep {
     blocks: usize,
     attended: usize,
     attended_rows: usize,
+    /// Splits launched for the attended rows: the most any row takes, rounded up to a power
+    /// of two so that a graphed step's launch shape changes rarely as caches grow.
+    decode_splits: usize,
     fresh: Vec<Span>,
 }
 
@@ -315,6 +318,7 @@ impl Cuda {
         let mut blocks: Vec<i64> = Vec::new();
         let mut attended = Vec::with_capacity(3 * rows);
         let mut fresh = Vec::new();
+        let mut most_splits = 1;
         for s in seqs.iter_mut() {
             if s.rows.is_empty() {
                 continue;
@@ -343,6 +347,7 @@ impl Cuda {
                 entries.extend(entry);
                 if !is_fresh {
                     attended.extend(entry);
+                    most_splits = most_splits.max(decode_splits(p + 1));
                 }
             }
         }
@@ -363,6 +368,7 @@ impl Cuda {
             blocks: blocks_at,
             attended: attended_at,
             attended_rows,
+            decode_splits: most_splits.next_power_of_two(),
             fresh,
         }
     }
@@ -438,6 +444,9 @@ impl Cuda {
             let mut lse = self.alloc(q.len / hd.max(1), "attention statistics");
             self.attention_forward(out, &mut lse, q, k, v, &step.fresh, heads, kv_heads, hd);
         }
+        if step.attended_rows == 0 {
+            return;
+        }
         let (layer_offset, v_offset) = offsets(pool, layer);
         let (o, qp, entries, blocks) = (
             out.ptr(0),
@@ -446,11 +455,48 @@ impl Cuda {
             step.at(step.blocks),
         );
         let (h, kvh, hd32, shift) = (heads as i32, kv_heads as i32, hd as i32, BLOCK_SHIFT);
+        let Some(kernel) = decode_kernel(hd) else {
+            // A head size the split kernels do not take: one block per (row, head).
+            self.launch(
+                "attention_paged",
+                super::per_row_head(step.attended_rows, heads),
+                args![
+                    o,
+                    qp,
+                    entries,
+                    blocks,
+                    layer_offset,
+                    v_offset,
+                    h,
+                    kvh,
+                    hd32,
+                    shift
+                ],
+            );
+            return;
+        };
+        let splits = step.decode_splits;
+        // Each split's (max, sum, Σ p·v) where a row takes more than one.
+        let part = self.scratch(
+            if splits > 1 {
+                step.attended_rows * heads * splits * (hd + 2)
+            } else {
+                0
+            },
+            "attention splits",
+        );
+        let (pp, per_split, most) = (part.ptr(0), DECODE_BLOCKS_PER_SPLIT, DECODE_MAX_SPLITS);
+        let grid = |z: usize| LaunchConfig {
+            grid_dim: (step.attended_rows as u32, heads as u32, z as u32),
+            block_dim: (32 * DECODE_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         self.launch(
-            "attention_paged",
-            super::per_row_head(step.attended_rows, heads),
+            kernel,
+            grid(splits),
             args![
                 o,
+                pp,
                 qp,
                 entries,
                 blocks,
@@ -458,17 +504,29 @@ impl Cuda {
                 v_offset,
                 h,
                 kvh,
-                hd32,
-                shift
+                shift,
+                per_split,
+                most
             ],
         );
+        if splits > 1 {
+            let launched = splits as i32;
+            self.launch(
+                "attention_decode_merge",
+                LaunchConfig {
+                    block_dim: (hd as u32, 1, 1),
+                    ..grid(1)
+                },
+                args![o, pp, entries, h, hd32, launched, shift, per_split, most],
+            );
+        }
     }
 
     /// A device copy between raw addresses (blocks of a pool), ordered on the stream.
     fn copy_raw(&self, to: u64, from: u64, bytes: usize, what: &'static str) {
         // A step's plan copies for real (nothing is capturing the stream, and the copy is
         // the step's own, before its launch); a capture cannot hold it.
-        let capturing = self.with_recording(|r| r.capturing()).unwrap_or(false);
+        let capturing = self.capturing();
         if !self.ok() || (capturing && self.spoil(format!("{what} while capturing a step"))) {
             return;
         }
@@ -487,6 +545,32 @@ impl Cuda {
             self.fail(device::driver(what)(e));
         }
     }
+}
+
+/// Cached attention of decode rows splits a row's cache into up to this many parts, each
+/// of at least `DECODE_BLOCKS_PER_SPLIT` blocks, run by blocks of `DECODE_WARPS` warps (the
+/// kernel's `decode_splits` counts a row's splits from its own length only).
+const DECODE_MAX_SPLITS: i32 = 16;
+const DECODE_BLOCKS_PER_SPLIT: i32 = 4;
+const DECODE_WARPS: u32 = 4;
+
+/// The split decode kernel for head size `hd` (32 lanes × 1, 2, 4 or 8 dimensions).
+fn decode_kernel(hd: usize) -> Option<&'static str> {
+    Some(match hd {
+        32 => "attention_decode_1",
+        64 => "attention_decode_2",
+        128 => "attention_decode_4",
+        256 => "attention_decode_8",
+        _ => return None,
+    })
+}
+
+/// How many splits a row seeing `visible` positions takes (the kernel's `decode_splits`).
+fn decode_splits(visible: usize) -> usize {
+    let blocks = visible.div_ceil(BLOCK_TOKENS);
+    blocks
+        .div_ceil(DECODE_BLOCKS_PER_SPLIT as usize)
+        .clamp(1, DECODE_MAX_SPLITS as usize)
 }
 
 /// Floats from a block's start to layer `layer`'s keys, and from a key to its value.

@@ -260,19 +260,29 @@ impl Cuda {
         rows
     }
 
-    /// Runs `f` (which queues work on the stream); when profiling, alone and timed under `name`.
+    /// Runs `f` (which queues work on the stream); when profiling, timed under `name` on the
+    /// GPU (events before and after it, so the time is the device's, not the launch's) and
+    /// drained before the next operation.
     fn timed<R>(&self, name: &'static str, f: impl FnOnce() -> R) -> R {
         let Some(profile) = &self.device.profile else {
             return f();
         };
-        let _ = self.device.stream.synchronize();
-        let started = std::time::Instant::now();
+        let stream = &self.device.stream;
+        let event = || {
+            stream
+                .context()
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+        };
+        let (Ok(start), Ok(end)) = (event(), event()) else {
+            return f();
+        };
+        let _ = start.record(stream);
         let result = f();
-        let _ = self.device.stream.synchronize();
-        if let Ok(mut profile) = profile.lock() {
+        let _ = end.record(stream);
+        if let (Ok(ms), Ok(mut profile)) = (start.elapsed_ms(&end), profile.lock()) {
             let entry = profile.entry(name).or_default();
             entry.0 += 1;
-            entry.1 += started.elapsed().as_secs_f64();
+            entry.1 += f64::from(ms) / 1e3;
         }
         result
     }
@@ -304,10 +314,26 @@ impl Cuda {
         self.alloc_kept(len, what)
     }
 
+    /// Room for `len` floats that the caller's kernels write before they read them: in a
+    /// recorded step an arena view left as it is (no memset in the graph).
+    fn scratch(&self, len: usize, what: &'static str) -> GpuBuf {
+        if len > 0
+            && let Some(view) = self.arena_alloc(len * size_of::<f32>(), false)
+        {
+            return GpuBuf {
+                slice: None,
+                view,
+                len,
+                device: self.device.clone(),
+            };
+        }
+        self.alloc_kept(len, what)
+    }
+
     /// A zeroed buffer of its own, never an arena view (KV pool chunks outlive every step).
     /// While a step is captured nothing may be allocated: the capture is spoiled instead.
     fn alloc_kept(&self, len: usize, what: &'static str) -> GpuBuf {
-        let capturing = self.with_recording(|r| r.capturing()).unwrap_or(false);
+        let capturing = self.capturing();
         let slice = if len == 0 || !self.ok() || capturing {
             if capturing && len > 0 {
                 self.spoil(format!("{what} while capturing a step"));
@@ -699,6 +725,31 @@ impl Backend for Cuda {
         })
     }
 
+    fn freeze_stacked(&self, parts: &[(&GpuBuf, usize)], cols: usize) -> Option<Bf16Matrix> {
+        let rows: usize = parts.iter().map(|(_, r)| r).sum();
+        let data = self.bf16_alloc(rows * cols);
+        let base = data.ptr(self);
+        if base == 0 {
+            return None;
+        }
+        let mut at = 0u64;
+        for (w, r) in parts {
+            let len = r * cols;
+            let (out, xp, len64) = (base + 2 * at, w.ptr(0), len as i64);
+            self.launch(
+                "to_bf16",
+                elementwise(len.div_ceil(4)),
+                args![out, xp, len64],
+            );
+            at += len as u64;
+        }
+        Some(Bf16Matrix {
+            rows,
+            cols,
+            data: Arc::new(data),
+        })
+    }
+
     fn kv_new(&self, layers: usize, kv_dim: usize) -> PagedKv {
         self.kv_new_paged(layers, kv_dim)
     }
@@ -1005,6 +1056,49 @@ impl Backend for Cuda {
             elementwise(positions.len() * heads * half),
             args![xp, pos, freq, n, h, half32, sign],
         );
+    }
+
+    fn qkv_split_rope(
+        &self,
+        (q, k, v): (&mut GpuBuf, &mut GpuBuf, &mut GpuBuf),
+        qkv: &GpuBuf,
+        biases: [Option<&GpuBuf>; 3],
+        (heads, kv_heads, hd): (usize, usize, usize),
+        positions: &[usize],
+        inv_freq: &[f32],
+        factor: f32,
+    ) {
+        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let freq: Vec<u32> = inv_freq.iter().map(|f| f.to_bits()).collect();
+        let (Some(pos), Some(freq)) = (self.upload_table(&pos), self.upload_table(&freq)) else {
+            return;
+        };
+        let [bq, bk, bv] = biases.map(|b| b.map_or(0, |b| b.ptr(0)));
+        let (qp, kp, vp, x) = (q.ptr(0), k.ptr(0), v.ptr(0), qkv.ptr(0));
+        let (n, h, kvh, half) = (
+            positions.len() as i32,
+            heads as i32,
+            kv_heads as i32,
+            (hd / 2) as i32,
+        );
+        self.launch(
+            "qkv_split_rope",
+            elementwise(positions.len() * (heads + 2 * kv_heads) * (hd / 2)),
+            args![
+                qp, kp, vp, x, bq, bk, bv, pos, freq, n, h, kvh, half, factor
+            ],
+        );
+    }
+
+    fn swiglu_stacked(&self, out: &mut GpuBuf, gate_up: &GpuBuf, i_dim: usize) {
+        let (o, gu, n, inner) = (
+            out.ptr(0),
+            gate_up.ptr(0),
+            (out.len / i_dim.max(1)) as i32,
+            i_dim as i32,
+        );
+        let cfg = elementwise(out.len);
+        self.launch("swiglu_stacked", cfg, args![o, gu, n, inner]);
     }
 
     fn swiglu_forward(&self, out: &mut GpuBuf, gate: &GpuBuf, up: &GpuBuf) {

@@ -244,7 +244,7 @@ fn graph_stats(device: &Device) -> Option<arl_model::cuda::GraphStats> {
     }
 }
 
-/// Where a decode step's device time went (each kernel drained and timed alone, so the
+/// Where a decode step's device time went (each kernel run alone and timed on the GPU, so the
 /// run itself is slower than the table's figures).
 fn print_profile(rows: &[(&'static str, u64, f64)], batch: usize, steps: usize) {
     if rows.is_empty() {
@@ -252,7 +252,7 @@ fn print_profile(rows: &[(&'static str, u64, f64)], batch: usize, steps: usize) 
     }
     let total: f64 = rows.iter().map(|r| r.2).sum();
     println!(
-        "\nbatch {batch}, per decode step, ARL_CUDA_PROFILE=1 (each kernel drained and timed alone; {:.2} ms in all):",
+        "\nbatch {batch}, per decode step, ARL_CUDA_PROFILE=1 (GPU time of each kernel between events, each run alone; {:.2} ms in all):",
         total * 1e3 / steps as f64
     );
     for (name, calls, seconds) in rows.iter().take(16) {
@@ -338,12 +338,14 @@ fn main() -> Result<()> {
         let graphs = graph_stats(&device).zip(before).map(|(after, before)| {
             let planned = (after.replayed + after.captured + after.eager)
                 - (before.replayed + before.captured + before.eager);
+            let timed = (after.replays_timed - before.replays_timed).max(1) as f64;
             format!(
-                "{}/{}/{}, plan {:.0} µs",
+                "{}/{}/{}, plan {:.0} µs, graph GPU {:.0} µs",
                 after.replayed - before.replayed,
                 after.captured - before.captured,
                 after.eager - before.eager,
-                (after.plan_us - before.plan_us) as f64 / planned.max(1) as f64
+                (after.plan_us - before.plan_us) as f64 / planned.max(1) as f64,
+                (after.replay_gpu_us - before.replay_gpu_us) as f64 / timed
             )
         });
         print_profile(&take_profile(&device), batch, args.new_tokens);
@@ -373,14 +375,14 @@ fn main() -> Result<()> {
         prefill_tok_s, args.prefill_prompts, args.prefill_len
     );
     println!(
-        "{:>6} {:>14} {:>18} {:>16} {:>8} {:>18} {:>36}",
+        "{:>6} {:>14} {:>18} {:>16} {:>8} {:>18} {:>56}",
         "batch",
         "ARL tok/s",
         "ARL ms/token p50/p99",
         "HF generate tok/s",
         "ratio",
         "no graphs tok/s",
-        "steps replayed/captured/eager, host plan per step"
+        "steps replayed/captured/eager, host plan and GPU per step"
     );
     for (batch, tok_s, p50, p99, eager, graphs) in rows {
         let hf = torch
@@ -394,7 +396,7 @@ fn main() -> Result<()> {
         let eager = eager.map_or("-".into(), |e| format!("{e:.0} ({:.2}x)", tok_s / e));
         let graphs = graphs.unwrap_or_else(|| "-".into());
         println!(
-            "{batch:>6} {tok_s:>14.0} {:>10.2}/{:<7.2} {hf_text:>16} {ratio:>8} {eager:>18} {graphs:>36}",
+            "{batch:>6} {tok_s:>14.0} {:>10.2}/{:<7.2} {hf_text:>16} {ratio:>8} {eager:>18} {graphs:>56}",
             p50, p99
         );
     }

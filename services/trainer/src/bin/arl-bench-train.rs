@@ -327,7 +327,9 @@ fn print_profile(rows: &[(&'static str, u64, f64)], steps: usize) {
         return;
     }
     let total: f64 = rows.iter().map(|r| r.2).sum();
-    println!("\nper step, ARL_CUDA_PROFILE=1 (each kernel drained and timed alone):\n");
+    println!(
+        "\nper step, ARL_CUDA_PROFILE=1 (GPU time of each kernel between events, each run alone):\n"
+    );
     println!(
         "| {:<24} | {:>7} | {:>9} | {:>6} |",
         "kernel or product", "calls", "ms", "share"
