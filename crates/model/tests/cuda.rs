@@ -507,6 +507,68 @@ fn stacked_products_split_as_separate_ones_do() {
     g.check().unwrap();
 }
 
+/// Products of up to eight rows (decode) run on a kernel of their own: each row's result
+/// is the same bits whether it runs alone or with others, and within f32 summation order
+/// of cuBLAS's on the same bf16 operands.
+#[test]
+fn few_row_products_match_cublas_and_do_not_depend_on_the_batch() {
+    let Some(g) = gpu("few_row_products_match_cublas_and_do_not_depend_on_the_batch") else {
+        return;
+    };
+    for &(i, o) in &[(896usize, 1152usize), (4864, 896), (896, 151_936), (64, 50)] {
+        let w = g.upload(&random(o * i, 50, 0.05));
+        let frozen = g.freeze(&w, o, i).unwrap();
+        let x_host = random(8 * i, 51, 1.0);
+        let product = |rows: usize, few: bool| {
+            g.set_few_rows(few);
+            let mut out = g.zeros(rows * o);
+            g.matmul_packed(
+                &mut out,
+                &g.upload(&x_host[..rows * i]),
+                &frozen,
+                None,
+                rows,
+            );
+            g.download(&out)
+        };
+        let alone = product(1, true);
+        for rows in [2, 3, 5, 8] {
+            let together = product(rows, true);
+            assert_eq!(
+                together[..o],
+                alone[..],
+                "({i}, {o}): row 0 alone and with {rows} rows"
+            );
+            // The unfrozen product converts x to bf16 first and reads it so: the same bits.
+            let mut converted = g.zeros(rows * o);
+            g.matmul_forward(
+                &mut converted,
+                &g.upload(&x_host[..rows * i]),
+                &w,
+                None,
+                rows,
+                i,
+                o,
+            );
+            assert_eq!(
+                g.download(&converted),
+                together,
+                "({i}, {o}), {rows} rows: x converted first"
+            );
+            let cublas = product(rows, false);
+            assert_close(
+                &format!("few rows vs cuBLAS ({rows}, {i}, {o})"),
+                &together,
+                &cublas,
+                1e-4,
+                1e-4,
+            );
+        }
+    }
+    g.set_few_rows(true);
+    g.check().unwrap();
+}
+
 #[test]
 fn matrix_products_and_the_head_match_the_cpu_within_bf16() {
     let Some(g) = gpu("matrix_products_and_the_head_match_the_cpu_within_bf16") else {

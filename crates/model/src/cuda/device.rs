@@ -33,6 +33,14 @@ const KERNEL_NAMES: &[&str] = &[
     "rope_apply",
     "swiglu_forward",
     "swiglu_stacked",
+    "gemm_few_rows_1",
+    "gemm_few_rows_2",
+    "gemm_few_rows_4",
+    "gemm_few_rows_8",
+    "gemm_few_rows_f32x_1",
+    "gemm_few_rows_f32x_2",
+    "gemm_few_rows_f32x_4",
+    "gemm_few_rows_f32x_8",
     "qkv_split_rope",
     "swiglu_backward",
     "attention_forward",
@@ -128,6 +136,9 @@ pub struct Device {
     /// Decode steps' graphs, their arena and staging area (`graph.rs`).
     pub(super) graphs: Mutex<super::graph::Graphs>,
     pub(super) graphs_on: AtomicBool,
+    /// Products of at most `FEW_ROWS` rows run on `gemm_few_rows_*` rather than cuBLAS: on
+    /// unless `ARL_CUDA_FEW_ROWS=0` (benchmarks compare the two).
+    pub(super) few_rows_on: AtomicBool,
     /// Whether a thread is recording a step now (the fast path of every operation reads
     /// only this), and its recording.
     pub(super) recording: AtomicBool,
@@ -304,6 +315,9 @@ impl Device {
             graphs: Mutex::default(),
             graphs_on: AtomicBool::new(
                 std::env::var_os("ARL_CUDA_GRAPHS").is_none_or(|v| v != "0"),
+            ),
+            few_rows_on: AtomicBool::new(
+                std::env::var_os("ARL_CUDA_FEW_ROWS").is_none_or(|v| v != "0"),
             ),
             recording: AtomicBool::new(false),
             recording_slot: Mutex::new(None),

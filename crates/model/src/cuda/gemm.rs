@@ -5,11 +5,17 @@
 //! - forward  out (N, O)  = x (N, I) · Wᵀ      ⇔ gemm(T, N, O, N, I)
 //! - backward dx (N, I)  += dout (N, O) · W    ⇔ gemm(N, N, I, N, O), β = 1
 //! - backward dW (O, I)  += doutᵀ · x (N, I)   ⇔ gemm(N, T, I, O, N), β = 1
+//!
+//! A forward product of at most `FEW_ROWS` rows (a decode step of a small batch) runs on
+//! the `gemm_few_rows_*` kernels instead: a warp per output column streaming W, where
+//! cuBLAS spreads a 896-wide layer over a handful of wide tiles.
 
 use std::ffi::c_void;
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::{CudaSlice, DevicePtr};
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 use super::{Arg, Cuda, CudaError, GpuBuf, args};
 
@@ -27,6 +33,9 @@ impl Bf16 {
             .map_or(self.view, |s| s.device_ptr(&cuda.device.stream).0)
     }
 }
+
+/// The most rows a forward product runs on `gemm_few_rows_*` rather than cuBLAS.
+const FEW_ROWS: usize = 8;
 
 impl Cuda {
     /// bf16 of x[offset..offset + len].
@@ -115,6 +124,9 @@ impl Cuda {
         o: usize,
     ) {
         let (a, b) = (w.ptr(self), x.ptr(self));
+        if self.few_rows(out, (b, false), a, (n, i, o)) {
+            return;
+        }
         self.gemm(
             Op::T,
             Op::N,
@@ -125,6 +137,58 @@ impl Cuda {
             0.0,
             "forward product",
         );
+    }
+
+    /// out (N, O) = x (N, I) · Wᵀ from f32 x (rounded to bf16 on the way in, as `bf16`
+    /// rounds it) when `gemm_few_rows_f32x_*` takes the product; false when not (the caller
+    /// converts x and calls `gemm_bf16_forward`). Saves a decode step a conversion per
+    /// product.
+    pub(super) fn forward_f32x(
+        &self,
+        out: u64,
+        x: &GpuBuf,
+        w: &Bf16,
+        (n, i, o): (usize, usize, usize),
+    ) -> bool {
+        self.few_rows(out, (x.ptr(0), true), w.ptr(self), (n, i, o))
+    }
+
+    /// A forward product on `gemm_few_rows_*` where it takes it (at most `FEW_ROWS` rows,
+    /// whole 16-byte loads; x at `x.0`, f32 when `x.1`, else bf16); false where not.
+    fn few_rows(
+        &self,
+        out: u64,
+        (x, f32x): (u64, bool),
+        w: u64,
+        (n, i, o): (usize, usize, usize),
+    ) -> bool {
+        let aligned = i % 8 == 0 && w % 16 == 0 && x % 16 == 0;
+        if !aligned || n == 0 || n > FEW_ROWS || !self.device.few_rows_on.load(Ordering::Relaxed) {
+            return false;
+        }
+        let kernel = match (n, f32x) {
+            (1, false) => "gemm_few_rows_1",
+            (2, false) => "gemm_few_rows_2",
+            (3..=4, false) => "gemm_few_rows_4",
+            (_, false) => "gemm_few_rows_8",
+            (1, true) => "gemm_few_rows_f32x_1",
+            (2, true) => "gemm_few_rows_f32x_2",
+            (3..=4, true) => "gemm_few_rows_f32x_4",
+            (_, true) => "gemm_few_rows_f32x_8",
+        };
+        let (n32, i32_, o32) = (n as i32, i as i32, o as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (u32::try_from(o.div_ceil(4)).unwrap_or(u32::MAX), 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(kernel, cfg, args![out, x, w, n32, i32_, o32]);
+        true
+    }
+
+    /// Products of few rows on `gemm_few_rows_*` (true, the default) or cuBLAS.
+    pub fn set_few_rows(&self, on: bool) {
+        self.device.few_rows_on.store(on, Ordering::Relaxed);
     }
 
     /// dx (N, I) += dout (N, O) · W (O, I).

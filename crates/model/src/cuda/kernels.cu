@@ -28,6 +28,11 @@ __device__ T block_sum(T v, T* shared) {
     return total;
 }
 
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+
 __device__ float block_max(float v, float* shared) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -290,6 +295,74 @@ extern "C" __global__ void qkv_split_rope(float* q, float* k, float* v, const fl
     out[f] = r1 * factor;
     out[f + half] = r2 * factor;
 }
+
+// ---- products of a few rows (decode): out (n, O) = x (n, I) · Wᵀ, x and W bf16 ----
+// cuBLAS runs a product of one to eight rows on a few wide tiles (a 896-wide layer on a
+// handful of SMs); here every warp streams one row of W (16-byte loads, several in flight)
+// against the n rows of x, and sums in f32 with fmaf in the same order whatever n is, so a
+// row's result does not depend on how many rows share its launch. I % 8 == 0, x and W
+// 16-byte aligned. Four warps (four output columns) per block.
+__device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
+    acc = fmaf(low_half(w.x), low_half(x.x), acc);
+    acc = fmaf(high_half(w.x), high_half(x.x), acc);
+    acc = fmaf(low_half(w.y), low_half(x.y), acc);
+    acc = fmaf(high_half(w.y), high_half(x.y), acc);
+    acc = fmaf(low_half(w.z), low_half(x.z), acc);
+    acc = fmaf(high_half(w.z), high_half(x.z), acc);
+    acc = fmaf(low_half(w.w), low_half(x.w), acc);
+    acc = fmaf(high_half(w.w), high_half(x.w), acc);
+    return acc;
+}
+
+// x's 8 values at chunk k of row r as bf16: read as they are, or (f32 x) rounded as to_bf16
+// rounds them, so that both forms give the same products.
+template <bool F32X>
+__device__ __forceinline__ uint4 x_chunk(const void* x, long long at) {
+    if (!F32X) return ((const uint4*)x)[at];
+    const float4* xf = (const float4*)x;
+    float4 a = xf[2 * at], b = xf[2 * at + 1];
+    return make_uint4(pack2(a.x, a.y), pack2(a.z, a.w), pack2(b.x, b.y), pack2(b.z, b.w));
+}
+
+template <int N, bool F32X>
+__device__ void gemm_few_rows(float* out, const void* __restrict__ x, const bf16_bits* __restrict__ w, int n,
+                              int i_dim, int o_dim) {
+    int lane = threadIdx.x & 31;
+    int o = blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (o >= o_dim) return;
+    const uint4* wr = (const uint4*)(w + (long long)o * i_dim);
+    int chunks = i_dim >> 3;
+    float acc[N];
+#pragma unroll
+    for (int r = 0; r < N; r++) acc[r] = 0.f;
+#pragma unroll 4
+    for (int k = lane; k < chunks; k += 32) {
+        uint4 wv = wr[k];
+#pragma unroll
+        for (int r = 0; r < N; r++)
+            if (r < n) acc[r] = dot8(wv, x_chunk<F32X>(x, (long long)r * chunks + k), acc[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < N; r++) {
+        float total = warp_sum(acc[r]);
+        if (lane == 0 && r < n) out[(long long)r * o_dim + o] = total;
+    }
+}
+
+// gemm_few_rows_N: x bf16; gemm_few_rows_f32x_N: x f32, rounded to bf16 on the way in.
+#define GEMM_FEW_ROWS(N)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128)                                                    \
+        gemm_few_rows_##N(float* out, const bf16_bits* x, const bf16_bits* w, int n, int i_dim, int o_dim) { \
+        gemm_few_rows<N, false>(out, x, w, n, i_dim, o_dim);                                              \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(128)                                                    \
+        gemm_few_rows_f32x_##N(float* out, const float* x, const bf16_bits* w, int n, int i_dim, int o_dim) { \
+        gemm_few_rows<N, true>(out, x, w, n, i_dim, o_dim);                                               \
+    }
+GEMM_FEW_ROWS(1)
+GEMM_FEW_ROWS(2)
+GEMM_FEW_ROWS(4)
+GEMM_FEW_ROWS(8)
 
 // ---- SwiGLU ----
 
@@ -942,11 +1015,6 @@ extern "C" __global__ void attention_paged(float* out, const float* q, const lon
 __device__ __forceinline__ int decode_splits(int visible, int shift, int blocks_per_split, int max_splits) {
     int kv_blocks = (visible + (1 << shift) - 1) >> shift;
     return max(1, min(max_splits, (kv_blocks + blocks_per_split - 1) / blocks_per_split));
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    return v;
 }
 
 template <int P>

@@ -958,8 +958,11 @@ impl Backend for Cuda {
         n: usize,
     ) {
         // The same product as `matmul_forward`, less the weights' conversion.
-        let x_bf = self.bf16(x, 0, n * w.cols);
-        self.gemm_bf16_forward(out.ptr(0), &x_bf, &w.data, n, w.cols, w.rows);
+        let shape = (n, w.cols, w.rows);
+        if !self.forward_f32x(out.ptr(0), x, &w.data, shape) {
+            let x_bf = self.bf16(x, 0, n * w.cols);
+            self.gemm_bf16_forward(out.ptr(0), &x_bf, &w.data, n, w.cols, w.rows);
+        }
         if let Some(bias) = bias {
             let (op, bp, n32, o32) = (out.ptr(0), bias.ptr(0), n as i32, w.rows as i32);
             self.launch("add_bias", elementwise(n * w.rows), args![op, bp, n32, o32]);
@@ -976,10 +979,18 @@ impl Backend for Cuda {
         let Some(cols) = products.first().map(|p| p.w.cols) else {
             return;
         };
-        let x_bf = self.bf16(x, 0, n * cols);
+        let few_rows = |p: &PackedProduct<'_, GpuBuf, Bf16Matrix>| {
+            self.forward_f32x(p.out.ptr(0), x, &p.w.data, (n, p.w.cols, p.w.rows))
+        };
+        // A product of few rows reads x as it is (rounding it on the way in); the others
+        // share one bf16 copy, made only if one needs it.
+        let mut x_bf = None;
         for p in products {
             let w = p.w;
-            self.gemm_bf16_forward(p.out.ptr(0), &x_bf, &w.data, n, w.cols, w.rows);
+            if !few_rows(p) {
+                let x_bf = x_bf.get_or_insert_with(|| self.bf16(x, 0, n * cols));
+                self.gemm_bf16_forward(p.out.ptr(0), x_bf, &w.data, n, w.cols, w.rows);
+            }
             if let Some(bias) = p.bias {
                 let (op, bp, n32, o32) = (p.out.ptr(0), bias.ptr(0), n as i32, w.rows as i32);
                 self.launch("add_bias", elementwise(n * w.rows), args![op, bp, n32, o32]);
