@@ -33,14 +33,8 @@ const KERNEL_NAMES: &[&str] = &[
     "rope_apply",
     "swiglu_forward",
     "swiglu_stacked",
-    "gemm_few_rows_1",
-    "gemm_few_rows_2",
-    "gemm_few_rows_4",
-    "gemm_few_rows_8",
-    "gemm_few_rows_f32x_1",
-    "gemm_few_rows_f32x_2",
-    "gemm_few_rows_f32x_4",
-    "gemm_few_rows_f32x_8",
+    "gemm_one_row_bf16",
+    "gemm_one_row_f32x",
     "qkv_split_rope",
     "swiglu_backward",
     "attention_forward",
@@ -136,9 +130,9 @@ pub struct Device {
     /// Decode steps' graphs, their arena and staging area (`graph.rs`).
     pub(super) graphs: Mutex<super::graph::Graphs>,
     pub(super) graphs_on: AtomicBool,
-    /// Products of at most `FEW_ROWS` rows run on `gemm_few_rows_*` rather than cuBLAS: on
-    /// unless `ARL_CUDA_FEW_ROWS=0` (benchmarks compare the two).
-    pub(super) few_rows_on: AtomicBool,
+    /// Products of one row run on `gemm_one_row_*` rather than cuBLAS: on unless
+    /// `ARL_CUDA_ONE_ROW=0` (benchmarks compare the two).
+    pub(super) one_row_on: AtomicBool,
     /// Whether a thread is recording a step now (the fast path of every operation reads
     /// only this), and its recording.
     pub(super) recording: AtomicBool,
@@ -316,8 +310,8 @@ impl Device {
             graphs_on: AtomicBool::new(
                 std::env::var_os("ARL_CUDA_GRAPHS").is_none_or(|v| v != "0"),
             ),
-            few_rows_on: AtomicBool::new(
-                std::env::var_os("ARL_CUDA_FEW_ROWS").is_none_or(|v| v != "0"),
+            one_row_on: AtomicBool::new(
+                std::env::var_os("ARL_CUDA_ONE_ROW").is_none_or(|v| v != "0"),
             ),
             recording: AtomicBool::new(false),
             recording_slot: Mutex::new(None),

@@ -6,9 +6,9 @@
 //! - backward dx (N, I)  += dout (N, O) · W    ⇔ gemm(N, N, I, N, O), β = 1
 //! - backward dW (O, I)  += doutᵀ · x (N, I)   ⇔ gemm(N, T, I, O, N), β = 1
 //!
-//! A forward product of at most `FEW_ROWS` rows (a decode step of a small batch) runs on
-//! the `gemm_few_rows_*` kernels instead: a warp per output column streaming W, where
-//! cuBLAS spreads a 896-wide layer over a handful of wide tiles.
+//! A forward product of one row (a decode step at batch 1) runs on the `gemm_one_row_*`
+//! kernels instead: a warp per output column streaming W, where cuBLAS spreads a 896-wide
+//! layer over a handful of wide tiles.
 
 use std::ffi::c_void;
 
@@ -33,9 +33,6 @@ impl Bf16 {
             .map_or(self.view, |s| s.device_ptr(&cuda.device.stream).0)
     }
 }
-
-/// The most rows a forward product runs on `gemm_few_rows_*` rather than cuBLAS.
-const FEW_ROWS: usize = 8;
 
 impl Cuda {
     /// bf16 of x[offset..offset + len].
@@ -124,7 +121,7 @@ impl Cuda {
         o: usize,
     ) {
         let (a, b) = (w.ptr(self), x.ptr(self));
-        if self.few_rows(out, (b, false), a, (n, i, o)) {
+        if self.one_row(out, (b, false), a, (n, i, o)) {
             return;
         }
         self.gemm(
@@ -140,7 +137,7 @@ impl Cuda {
     }
 
     /// out (N, O) = x (N, I) · Wᵀ from f32 x (rounded to bf16 on the way in, as `bf16`
-    /// rounds it) when `gemm_few_rows_f32x_*` takes the product; false when not (the caller
+    /// rounds it) when `gemm_one_row_f32x` takes the product; false when not (the caller
     /// converts x and calls `gemm_bf16_forward`). Saves a decode step a conversion per
     /// product.
     pub(super) fn forward_f32x(
@@ -150,12 +147,12 @@ impl Cuda {
         w: &Bf16,
         (n, i, o): (usize, usize, usize),
     ) -> bool {
-        self.few_rows(out, (x.ptr(0), true), w.ptr(self), (n, i, o))
+        self.one_row(out, (x.ptr(0), true), w.ptr(self), (n, i, o))
     }
 
-    /// A forward product on `gemm_few_rows_*` where it takes it (at most `FEW_ROWS` rows,
-    /// whole 16-byte loads; x at `x.0`, f32 when `x.1`, else bf16); false where not.
-    fn few_rows(
+    /// A forward product on `gemm_one_row_*` where it takes it (one row, whole 16-byte
+    /// loads; x at `x.0`, f32 when `x.1`, else bf16); false where not.
+    fn one_row(
         &self,
         out: u64,
         (x, f32x): (u64, bool),
@@ -163,32 +160,27 @@ impl Cuda {
         (n, i, o): (usize, usize, usize),
     ) -> bool {
         let aligned = i % 8 == 0 && w % 16 == 0 && x % 16 == 0;
-        if !aligned || n == 0 || n > FEW_ROWS || !self.device.few_rows_on.load(Ordering::Relaxed) {
+        if n != 1 || !aligned || !self.device.one_row_on.load(Ordering::Relaxed) {
             return false;
         }
-        let kernel = match (n, f32x) {
-            (1, false) => "gemm_few_rows_1",
-            (2, false) => "gemm_few_rows_2",
-            (3..=4, false) => "gemm_few_rows_4",
-            (_, false) => "gemm_few_rows_8",
-            (1, true) => "gemm_few_rows_f32x_1",
-            (2, true) => "gemm_few_rows_f32x_2",
-            (3..=4, true) => "gemm_few_rows_f32x_4",
-            (_, true) => "gemm_few_rows_f32x_8",
+        let kernel = if f32x {
+            "gemm_one_row_f32x"
+        } else {
+            "gemm_one_row_bf16"
         };
-        let (n32, i32_, o32) = (n as i32, i as i32, o as i32);
+        let (i32_, o32) = (i as i32, o as i32);
         let cfg = LaunchConfig {
             grid_dim: (u32::try_from(o.div_ceil(4)).unwrap_or(u32::MAX), 1, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch(kernel, cfg, args![out, x, w, n32, i32_, o32]);
+        self.launch(kernel, cfg, args![out, x, w, i32_, o32]);
         true
     }
 
-    /// Products of few rows on `gemm_few_rows_*` (true, the default) or cuBLAS.
-    pub fn set_few_rows(&self, on: bool) {
-        self.device.few_rows_on.store(on, Ordering::Relaxed);
+    /// Products of one row on `gemm_one_row_*` (true, the default) or cuBLAS.
+    pub fn set_one_row(&self, on: bool) {
+        self.device.one_row_on.store(on, Ordering::Relaxed);
     }
 
     /// dx (N, I) += dout (N, O) · W (O, I).

@@ -979,15 +979,15 @@ impl Backend for Cuda {
         let Some(cols) = products.first().map(|p| p.w.cols) else {
             return;
         };
-        let few_rows = |p: &PackedProduct<'_, GpuBuf, Bf16Matrix>| {
+        let one_row = |p: &PackedProduct<'_, GpuBuf, Bf16Matrix>| {
             self.forward_f32x(p.out.ptr(0), x, &p.w.data, (n, p.w.cols, p.w.rows))
         };
-        // A product of few rows reads x as it is (rounding it on the way in); the others
+        // A product of one row reads x as it is (rounding it on the way in); the others
         // share one bf16 copy, made only if one needs it.
         let mut x_bf = None;
         for p in products {
             let w = p.w;
-            if !few_rows(p) {
+            if !one_row(p) {
                 let x_bf = x_bf.get_or_insert_with(|| self.bf16(x, 0, n * cols));
                 self.gemm_bf16_forward(p.out.ptr(0), x_bf, &w.data, n, w.cols, w.rows);
             }

@@ -236,11 +236,11 @@ fn set_graphs(device: &Device, on: bool) -> bool {
     }
 }
 
-/// Products of few rows on ARL's kernel (on) or cuBLAS; false on the CPU.
-fn set_few_rows(device: &Device, on: bool) -> bool {
+/// Products of one row on ARL's kernel (on) or cuBLAS; false on the CPU.
+fn set_one_row(device: &Device, on: bool) -> bool {
     match device {
         Device::Cuda { gpu, .. } => {
-            gpu.set_few_rows(on);
+            gpu.set_one_row(on);
             true
         }
         Device::Cpu => false,
@@ -343,10 +343,10 @@ fn main() -> Result<()> {
         } else {
             None
         };
-        // Batches of few rows: the same decode with cuBLAS products, in this run.
-        let cublas = if batch <= 8 && set_few_rows(&device, false) {
+        // Batch 1: the same decode with cuBLAS products, in this run.
+        let cublas = if batch == 1 && set_one_row(&device, false) {
             let cublas = run(&engine, &prompts, args.new_tokens)?;
-            set_few_rows(&device, true);
+            set_one_row(&device, true);
             Some(cublas.decode_tok_s)
         } else {
             None
@@ -409,7 +409,7 @@ fn main() -> Result<()> {
         "HF generate tok/s",
         "ratio",
         "no graphs tok/s",
-        "cuBLAS ≤8 rows tok/s",
+        "cuBLAS 1-row tok/s",
         "steps replayed/captured/eager, host plan and GPU per step"
     );
     for (batch, tok_s, p50, p99, eager, cublas, graphs) in rows {
