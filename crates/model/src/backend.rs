@@ -29,6 +29,14 @@ pub struct KvRows<'a, Kv> {
     pub start: usize,
 }
 
+/// Where [`Backend::qkv_split_rope`] also puts the new keys and values: layer `layer` of
+/// the step's caches, as [`Backend::kv_write`] would.
+pub struct CacheWrite<'s, 'a, Step, Kv> {
+    pub layer: usize,
+    pub step: &'s Step,
+    pub seqs: &'s mut [KvRows<'a, Kv>],
+}
+
 /// One AdamW update's constants.
 #[derive(Clone, Copy, Debug)]
 pub struct AdamStep {
@@ -320,8 +328,9 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
 
     /// q (N, nh·hd), k and v (N, nkv·hd) from the product of stacked q, k and v weights
     /// (`qkv`: (N, nh·hd + 2·nkv·hd)), each with its bias, q and k rotated at `positions` and
-    /// scaled by `factor`: what separate products, `rope_apply` and `scale` give. Overwrites.
-    /// By default through the host (a backend that stacks does it in one pass).
+    /// scaled by `factor`: what separate products, `rope_apply` and `scale` give; then, with
+    /// `cache`, k and v into each sequence's cache as `kv_write` puts them. Overwrites. By
+    /// default through the host (a backend that stacks does it all in one pass).
     #[allow(clippy::too_many_arguments)]
     fn qkv_split_rope(
         &self,
@@ -332,6 +341,7 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         positions: &[usize],
         inv_freq: &[f32],
         factor: f32,
+        cache: Option<CacheWrite<'_, '_, Self::KvStep, Self::Kv>>,
     ) {
         let host = self.download(qkv);
         let widths = [heads * hd, kv_heads * hd, kv_heads * hd];
@@ -355,6 +365,9 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         if factor != 1.0 {
             self.scale(q, factor);
             self.scale(k, factor);
+        }
+        if let Some(cache) = cache {
+            self.kv_write(cache.layer, cache.step, cache.seqs, k, v);
         }
     }
     /// out = silu(gate) · up (N, I) from the product of stacked gate and up weights
@@ -538,6 +551,7 @@ mod tests {
             &positions,
             &inv_freq,
             0.5,
+            None,
         );
         let with_bias = |x: &[f32], b: &[f32]| -> Vec<f32> {
             x.chunks(b.len())

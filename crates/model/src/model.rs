@@ -2,7 +2,7 @@
 //! attention with RoPE → residual, RMSNorm → SwiGLU MLP → residual), final RMSNorm, head.
 //! This file holds inference with a KV cache; `train.rs` the training forward/backward.
 
-use crate::backend::{Backend, KvRows, PackedProduct};
+use crate::backend::{Backend, CacheWrite, KvRows, PackedProduct};
 use crate::config::ModelConfig;
 use crate::ops::{Cpu, PackedMatrix};
 use crate::tensor::Tensor;
@@ -444,6 +444,11 @@ impl<B: Backend> Model<B> {
                     &positions,
                     &self.inv_freq,
                     rope_factor,
+                    Some(CacheWrite {
+                        layer: l,
+                        step: &kv_step,
+                        seqs: &mut kv_rows,
+                    }),
                 );
             } else {
                 let qk_pre = w.q_norm.is_some() && w.k_norm.is_some();
@@ -476,10 +481,10 @@ impl<B: Backend> Model<B> {
                     be.scale(&mut q, rope_factor);
                     be.scale(&mut k, rope_factor);
                 }
+                // Into each sequence's cache (the stacked path's split does it itself).
+                be.kv_write(l, &kv_step, &mut kv_rows, &k, &v);
             }
-
-            // Into each sequence's cache, then attend over it.
-            be.kv_write(l, &kv_step, &mut kv_rows, &k, &v);
+            // Then attend over it.
             be.kv_attention(
                 l,
                 &kv_step,

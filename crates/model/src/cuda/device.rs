@@ -33,8 +33,6 @@ const KERNEL_NAMES: &[&str] = &[
     "rope_apply",
     "swiglu_forward",
     "swiglu_stacked",
-    "gemm_one_row_bf16",
-    "gemm_one_row_f32x",
     "qkv_split_rope",
     "swiglu_backward",
     "attention_forward",
@@ -130,9 +128,6 @@ pub struct Device {
     /// Decode steps' graphs, their arena and staging area (`graph.rs`).
     pub(super) graphs: Mutex<super::graph::Graphs>,
     pub(super) graphs_on: AtomicBool,
-    /// Products of one row run on `gemm_one_row_*` rather than cuBLAS: on unless
-    /// `ARL_CUDA_ONE_ROW=0` (benchmarks compare the two).
-    pub(super) one_row_on: AtomicBool,
     /// Whether a thread is recording a step now (the fast path of every operation reads
     /// only this), and its recording.
     pub(super) recording: AtomicBool,
@@ -309,9 +304,6 @@ impl Device {
             graphs: Mutex::default(),
             graphs_on: AtomicBool::new(
                 std::env::var_os("ARL_CUDA_GRAPHS").is_none_or(|v| v != "0"),
-            ),
-            one_row_on: AtomicBool::new(
-                std::env::var_os("ARL_CUDA_ONE_ROW").is_none_or(|v| v != "0"),
             ),
             recording: AtomicBool::new(false),
             recording_slot: Mutex::new(None),

@@ -5,17 +5,11 @@
 //! - forward  out (N, O)  = x (N, I) · Wᵀ      ⇔ gemm(T, N, O, N, I)
 //! - backward dx (N, I)  += dout (N, O) · W    ⇔ gemm(N, N, I, N, O), β = 1
 //! - backward dW (O, I)  += doutᵀ · x (N, I)   ⇔ gemm(N, T, I, O, N), β = 1
-//!
-//! A forward product of one row (a decode step at batch 1) runs on the `gemm_one_row_*`
-//! kernels instead: a warp per output column streaming W, where cuBLAS spreads a 896-wide
-//! layer over a handful of wide tiles.
 
 use std::ffi::c_void;
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasOperation_t, cudaDataType};
-use std::sync::atomic::Ordering;
-
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::{Arg, Cuda, CudaError, GpuBuf, args};
 
@@ -121,9 +115,6 @@ impl Cuda {
         o: usize,
     ) {
         let (a, b) = (w.ptr(self), x.ptr(self));
-        if self.one_row(out, (b, false), a, (n, i, o)) {
-            return;
-        }
         self.gemm(
             Op::T,
             Op::N,
@@ -134,53 +125,6 @@ impl Cuda {
             0.0,
             "forward product",
         );
-    }
-
-    /// out (N, O) = x (N, I) · Wᵀ from f32 x (rounded to bf16 on the way in, as `bf16`
-    /// rounds it) when `gemm_one_row_f32x` takes the product; false when not (the caller
-    /// converts x and calls `gemm_bf16_forward`). Saves a decode step a conversion per
-    /// product.
-    pub(super) fn forward_f32x(
-        &self,
-        out: u64,
-        x: &GpuBuf,
-        w: &Bf16,
-        (n, i, o): (usize, usize, usize),
-    ) -> bool {
-        self.one_row(out, (x.ptr(0), true), w.ptr(self), (n, i, o))
-    }
-
-    /// A forward product on `gemm_one_row_*` where it takes it (one row, whole 16-byte
-    /// loads; x at `x.0`, f32 when `x.1`, else bf16); false where not.
-    fn one_row(
-        &self,
-        out: u64,
-        (x, f32x): (u64, bool),
-        w: u64,
-        (n, i, o): (usize, usize, usize),
-    ) -> bool {
-        let aligned = i % 8 == 0 && w % 16 == 0 && x % 16 == 0;
-        if n != 1 || !aligned || !self.device.one_row_on.load(Ordering::Relaxed) {
-            return false;
-        }
-        let kernel = if f32x {
-            "gemm_one_row_f32x"
-        } else {
-            "gemm_one_row_bf16"
-        };
-        let (i32_, o32) = (i as i32, o as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (u32::try_from(o.div_ceil(4)).unwrap_or(u32::MAX), 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch(kernel, cfg, args![out, x, w, i32_, o32]);
-        true
-    }
-
-    /// Products of one row on `gemm_one_row_*` (true, the default) or cuBLAS.
-    pub fn set_one_row(&self, on: bool) {
-        self.device.one_row_on.store(on, Ordering::Relaxed);
     }
 
     /// dx (N, I) += dout (N, O) · W (O, I).

@@ -257,12 +257,14 @@ extern "C" __global__ void rope_apply(float* x, const int* positions, const floa
 
 // q (N, heads·hd), k and v (N, kv_heads·hd) from qkv (N, (heads + 2·kv_heads)·hd), the product
 // of stacked q, k and v weights: each bias added (a null bias adds nothing), q and k rotated
-// as rope_apply rotates them and then scaled by `factor` (as `scale` would). One thread per
-// (row, head of q, k or v, i < hd/2).
+// as rope_apply rotates them and then scaled by `factor` (as `scale` would). With `slots`
+// (kv_write's: row r's position in layer 0's keys), k and v also go into the paged cache as
+// kv_write puts them. One thread per (row, head of q, k or v, i < hd/2).
 extern "C" __global__ void qkv_split_rope(float* q, float* k, float* v, const float* qkv, const float* bq,
                                           const float* bk, const float* bv, const int* positions,
                                           const float* inv_freq, int n, int heads, int kv_heads, int half,
-                                          float factor) {
+                                          float factor, const long long* slots, long long layer_offset,
+                                          long long v_offset) {
     int all = heads + 2 * kv_heads, hd = 2 * half;
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)n * all * half) return;
@@ -284,9 +286,15 @@ extern "C" __global__ void qkv_split_rope(float* q, float* k, float* v, const fl
         x2 += bias[head * hd + f + half];
     }
     float* out = dst + ((long long)row * width + head) * hd;
+    // This head's place in the row's cache slot (k; v is v_offset further on).
+    float* cached = slots && h >= heads ? (float*)slots[row] + layer_offset + (long long)head * hd : 0;
     if (h >= heads + kv_heads) {
         out[f] = x1;
         out[f + half] = x2;
+        if (cached) {
+            cached[v_offset + f] = x1;
+            cached[v_offset + f + half] = x2;
+        }
         return;
     }
     float a = (float)positions[row] * inv_freq[f];
@@ -294,60 +302,10 @@ extern "C" __global__ void qkv_split_rope(float* q, float* k, float* v, const fl
     float r1 = x1 * cs - x2 * sn, r2 = x2 * cs + x1 * sn;
     out[f] = r1 * factor;
     out[f + half] = r2 * factor;
-}
-
-// ---- products of one row (decode at batch 1): out (1, O) = x (1, I) · Wᵀ, W bf16 ----
-// cuBLAS runs a one-row product on a handful of wide tiles; here every warp streams one
-// row of W (16-byte loads, several in flight) against x and sums in f32 with fmaf. I % 8 ==
-// 0, x and W 16-byte aligned. Four warps (four output columns) per block. (Measured on an
-// H100: 1.05x cuBLAS's decode at batch 1, but 0.65x at 4 rows, where every W load took 4 x
-// loads: more rows stay on cuBLAS.)
-__device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
-    acc = fmaf(low_half(w.x), low_half(x.x), acc);
-    acc = fmaf(high_half(w.x), high_half(x.x), acc);
-    acc = fmaf(low_half(w.y), low_half(x.y), acc);
-    acc = fmaf(high_half(w.y), high_half(x.y), acc);
-    acc = fmaf(low_half(w.z), low_half(x.z), acc);
-    acc = fmaf(high_half(w.z), high_half(x.z), acc);
-    acc = fmaf(low_half(w.w), low_half(x.w), acc);
-    acc = fmaf(high_half(w.w), high_half(x.w), acc);
-    return acc;
-}
-
-// x's 8 values at chunk k as bf16: read as they are, or (f32 x) rounded as to_bf16 rounds
-// them, so that both forms give the same products.
-template <bool F32X>
-__device__ __forceinline__ uint4 x_chunk(const void* x, int k) {
-    if (!F32X) return ((const uint4*)x)[k];
-    const float4* xf = (const float4*)x;
-    float4 a = xf[2 * k], b = xf[2 * k + 1];
-    return make_uint4(pack2(a.x, a.y), pack2(a.z, a.w), pack2(b.x, b.y), pack2(b.z, b.w));
-}
-
-template <bool F32X>
-__device__ void gemm_one_row(float* out, const void* __restrict__ x, const bf16_bits* __restrict__ w, int i_dim,
-                             int o_dim) {
-    int lane = threadIdx.x & 31;
-    int o = blockIdx.x * 4 + (threadIdx.x >> 5);
-    if (o >= o_dim) return;
-    const uint4* wr = (const uint4*)(w + (long long)o * i_dim);
-    int chunks = i_dim >> 3;
-    float acc = 0.f;
-#pragma unroll 4
-    for (int k = lane; k < chunks; k += 32) acc = dot8(wr[k], x_chunk<F32X>(x, k), acc);
-    acc = warp_sum(acc);
-    if (lane == 0) out[o] = acc;
-}
-
-// x bf16, or f32 rounded to bf16 on the way in (the product of a frozen layer, saving a
-// conversion launch).
-extern "C" __global__ void __launch_bounds__(128)
-    gemm_one_row_bf16(float* out, const bf16_bits* x, const bf16_bits* w, int i_dim, int o_dim) {
-    gemm_one_row<false>(out, x, w, i_dim, o_dim);
-}
-extern "C" __global__ void __launch_bounds__(128)
-    gemm_one_row_f32x(float* out, const float* x, const bf16_bits* w, int i_dim, int o_dim) {
-    gemm_one_row<true>(out, x, w, i_dim, o_dim);
+    if (cached) {
+        cached[f] = r1 * factor;
+        cached[f + half] = r2 * factor;
+    }
 }
 
 // ---- SwiGLU ----

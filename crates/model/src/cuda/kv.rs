@@ -427,6 +427,19 @@ impl Cuda {
         );
     }
 
+    /// The step's slot table (row r's position in layer 0's keys; the step's entries are
+    /// its rows in order) and the floats from a slot to layer `layer`'s key and from a key to
+    /// its value: what a kernel writing the rows' keys and values needs.
+    pub(super) fn kv_slots(
+        &self,
+        layer: usize,
+        step: &PagedStep,
+        pool: &KvPool,
+    ) -> (u64, i64, i64) {
+        let (layer_offset, v_offset) = offsets(pool, layer);
+        (step.at(0), layer_offset, v_offset)
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(super) fn kv_attention_paged(
         &self,

@@ -33,7 +33,9 @@ pub use graph::GraphStats;
 pub use kv::{BLOCK_TOKENS, KvPool, PagedKv, PagedStep};
 pub use sample::{Pick, Picked, TOP_MAX};
 
-use crate::backend::{AdamStep, Backend, KvRows, PackedProduct, Product, ProductGrad, Span};
+use crate::backend::{
+    AdamStep, Backend, CacheWrite, KvRows, PackedProduct, Product, ProductGrad, Span,
+};
 use crate::ops::PackedMatrix;
 
 const BLOCK: u32 = 256;
@@ -958,11 +960,8 @@ impl Backend for Cuda {
         n: usize,
     ) {
         // The same product as `matmul_forward`, less the weights' conversion.
-        let shape = (n, w.cols, w.rows);
-        if !self.forward_f32x(out.ptr(0), x, &w.data, shape) {
-            let x_bf = self.bf16(x, 0, n * w.cols);
-            self.gemm_bf16_forward(out.ptr(0), &x_bf, &w.data, n, w.cols, w.rows);
-        }
+        let x_bf = self.bf16(x, 0, n * w.cols);
+        self.gemm_bf16_forward(out.ptr(0), &x_bf, &w.data, n, w.cols, w.rows);
         if let Some(bias) = bias {
             let (op, bp, n32, o32) = (out.ptr(0), bias.ptr(0), n as i32, w.rows as i32);
             self.launch("add_bias", elementwise(n * w.rows), args![op, bp, n32, o32]);
@@ -979,18 +978,10 @@ impl Backend for Cuda {
         let Some(cols) = products.first().map(|p| p.w.cols) else {
             return;
         };
-        let one_row = |p: &PackedProduct<'_, GpuBuf, Bf16Matrix>| {
-            self.forward_f32x(p.out.ptr(0), x, &p.w.data, (n, p.w.cols, p.w.rows))
-        };
-        // A product of one row reads x as it is (rounding it on the way in); the others
-        // share one bf16 copy, made only if one needs it.
-        let mut x_bf = None;
+        let x_bf = self.bf16(x, 0, n * cols);
         for p in products {
             let w = p.w;
-            if !one_row(p) {
-                let x_bf = x_bf.get_or_insert_with(|| self.bf16(x, 0, n * cols));
-                self.gemm_bf16_forward(p.out.ptr(0), x_bf, &w.data, n, w.cols, w.rows);
-            }
+            self.gemm_bf16_forward(p.out.ptr(0), &x_bf, &w.data, n, w.cols, w.rows);
             if let Some(bias) = p.bias {
                 let (op, bp, n32, o32) = (p.out.ptr(0), bias.ptr(0), n as i32, w.rows as i32);
                 self.launch("add_bias", elementwise(n * w.rows), args![op, bp, n32, o32]);
@@ -1078,6 +1069,7 @@ impl Backend for Cuda {
         positions: &[usize],
         inv_freq: &[f32],
         factor: f32,
+        cache: Option<CacheWrite<'_, '_, PagedStep, PagedKv>>,
     ) {
         let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         let freq: Vec<u32> = inv_freq.iter().map(|f| f.to_bits()).collect();
@@ -1086,6 +1078,12 @@ impl Backend for Cuda {
         };
         let [bq, bk, bv] = biases.map(|b| b.map_or(0, |b| b.ptr(0)));
         let (qp, kp, vp, x) = (q.ptr(0), k.ptr(0), v.ptr(0), qkv.ptr(0));
+        // Where each row's keys and values go in the cache (none: 0).
+        let (slots, layer_offset, v_offset) = cache
+            .and_then(|c| Some((c.layer, c.step, c.seqs.first()?.kv.pool())))
+            .map_or((0, 0, 0), |(layer, step, pool)| {
+                self.kv_slots(layer, step, pool)
+            });
         let (n, h, kvh, half) = (
             positions.len() as i32,
             heads as i32,
@@ -1096,7 +1094,23 @@ impl Backend for Cuda {
             "qkv_split_rope",
             elementwise(positions.len() * (heads + 2 * kv_heads) * (hd / 2)),
             args![
-                qp, kp, vp, x, bq, bk, bv, pos, freq, n, h, kvh, half, factor
+                qp,
+                kp,
+                vp,
+                x,
+                bq,
+                bk,
+                bv,
+                pos,
+                freq,
+                n,
+                h,
+                kvh,
+                half,
+                factor,
+                slots,
+                layer_offset,
+                v_offset
             ],
         );
     }

@@ -236,17 +236,6 @@ fn set_graphs(device: &Device, on: bool) -> bool {
     }
 }
 
-/// Products of one row on ARL's kernel (on) or cuBLAS; false on the CPU.
-fn set_one_row(device: &Device, on: bool) -> bool {
-    match device {
-        Device::Cuda { gpu, .. } => {
-            gpu.set_one_row(on);
-            true
-        }
-        Device::Cpu => false,
-    }
-}
-
 /// (replayed, captured, eager) decode steps so far on a GPU.
 fn graph_stats(device: &Device) -> Option<arl_model::cuda::GraphStats> {
     match device {
@@ -343,14 +332,6 @@ fn main() -> Result<()> {
         } else {
             None
         };
-        // Batch 1: the same decode with cuBLAS products, in this run.
-        let cublas = if batch == 1 && set_one_row(&device, false) {
-            let cublas = run(&engine, &prompts, args.new_tokens)?;
-            set_one_row(&device, true);
-            Some(cublas.decode_tok_s)
-        } else {
-            None
-        };
         take_profile(&device);
         let before = graph_stats(&device);
         let mut measured = run(&engine, &prompts, args.new_tokens)?;
@@ -375,15 +356,7 @@ fn main() -> Result<()> {
         }
         let p50 = percentile(&mut measured.per_token, 0.5) * 1e3;
         let p99 = percentile(&mut measured.per_token, 0.99) * 1e3;
-        rows.push((
-            batch,
-            measured.decode_tok_s,
-            p50,
-            p99,
-            eager,
-            cublas,
-            graphs,
-        ));
+        rows.push((batch, measured.decode_tok_s, p50, p99, eager, graphs));
     }
     let torch = match &args.torch_python {
         Some(python) => torch_rows(&args, python)?,
@@ -402,17 +375,16 @@ fn main() -> Result<()> {
         prefill_tok_s, args.prefill_prompts, args.prefill_len
     );
     println!(
-        "{:>6} {:>14} {:>18} {:>16} {:>8} {:>18} {:>22} {:>56}",
+        "{:>6} {:>14} {:>18} {:>16} {:>8} {:>18} {:>56}",
         "batch",
         "ARL tok/s",
         "ARL ms/token p50/p99",
         "HF generate tok/s",
         "ratio",
         "no graphs tok/s",
-        "cuBLAS 1-row tok/s",
         "steps replayed/captured/eager, host plan and GPU per step"
     );
-    for (batch, tok_s, p50, p99, eager, cublas, graphs) in rows {
+    for (batch, tok_s, p50, p99, eager, graphs) in rows {
         let hf = torch
             .iter()
             .find(|r| r["batch"].as_u64() == Some(batch as u64))
@@ -422,10 +394,9 @@ fn main() -> Result<()> {
             None => ("-".into(), "-".into()),
         };
         let eager = eager.map_or("-".into(), |e| format!("{e:.0} ({:.2}x)", tok_s / e));
-        let cublas = cublas.map_or("-".into(), |c| format!("{c:.0} ({:.2}x)", tok_s / c));
         let graphs = graphs.unwrap_or_else(|| "-".into());
         println!(
-            "{batch:>6} {tok_s:>14.0} {:>10.2}/{:<7.2} {hf_text:>16} {ratio:>8} {eager:>18} {cublas:>22} {graphs:>56}",
+            "{batch:>6} {tok_s:>14.0} {:>10.2}/{:<7.2} {hf_text:>16} {ratio:>8} {eager:>18} {graphs:>56}",
             p50, p99
         );
     }
