@@ -104,6 +104,12 @@ impl PackedWeights {
     }
 }
 
+/// A linear layer to stack in `Model::freeze`: its packed copy (if it has one) and weights.
+type StackedPart<'a, B> = (
+    &'a Option<<B as Backend>::Packed>,
+    &'a Tensor<<B as Backend>::Buf>,
+);
+
 /// Keys and values of one sequence, every layer, as its backend keeps them. A clone is a
 /// fork (a GRPO group's choices from one prompt): on a GPU the two share the prompt's
 /// blocks until one of them writes.
@@ -216,7 +222,7 @@ impl<B: Backend> Model<B> {
         // Stacked only where none of the parts has a block-format copy of its own (those
         // read fewer bytes) and, for q and k, where nothing comes between the product and
         // RoPE (Qwen3's per-head norms).
-        let stack = |parts: &[(&Option<B::Packed>, &Tensor<B::Buf>)]| {
+        let stack = |parts: &[StackedPart<'_, B>]| {
             if parts.iter().any(|(p, _)| p.is_some()) {
                 return None;
             }
