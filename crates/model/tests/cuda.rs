@@ -508,6 +508,57 @@ fn stacked_products_split_as_separate_ones_do() {
     g.check().unwrap();
 }
 
+/// A norm's output goes to the products that read it next in bf16 without a conversion
+/// of its own (its kernel writes both): that copy must never outlive the values it mirrors
+/// — a later write to the output, or new memory where it was, is read as it is.
+#[test]
+fn products_read_what_their_input_holds_now() {
+    let Some(g) = gpu("products_read_what_their_input_holds_now") else {
+        return;
+    };
+    let (n, c, o) = (3usize, 64usize, 40usize);
+    let (x, norm_w, w) = (
+        random(n * c, 60, 1.0),
+        random(c, 61, 1.0),
+        random(o * c, 62, 0.1),
+    );
+    let (gx, gnorm, gw) = (g.upload(&x), g.upload(&norm_w), g.upload(&w));
+    let product = |input: &arl_model::cuda::GpuBuf| {
+        let mut out = g.zeros(n * o);
+        g.matmul_forward(&mut out, input, &gw, None, n, c, o);
+        g.download(&out)
+    };
+    let (mut h, mut rstd) = (g.zeros(n * c), g.zeros(n));
+    g.rmsnorm_forward(&mut h, &mut rstd, &gx, &gnorm, 1e-5);
+    let fresh = product(&h);
+    let converted = {
+        let copy = g.upload(&g.download(&h));
+        product(&copy)
+    };
+    assert_eq!(
+        fresh, converted,
+        "the norm's own bf16 copy rounds as a conversion does"
+    );
+    g.rmsnorm_forward(&mut h, &mut rstd, &gx, &gnorm, 1e-5);
+    g.scale(&mut h, 2.0);
+    let scaled = product(&h);
+    assert_close(
+        "a product after a write to its input",
+        &scaled,
+        &fresh.iter().map(|v| 2.0 * v).collect::<Vec<_>>(),
+        1e-4,
+        1e-4,
+    );
+    g.rmsnorm_forward(&mut h, &mut rstd, &gx, &gnorm, 1e-5);
+    drop(h);
+    let zeros = g.zeros(n * c);
+    assert!(
+        product(&zeros).iter().all(|&v| v == 0.0),
+        "new memory reads as zeros"
+    );
+    g.check().unwrap();
+}
+
 #[test]
 fn matrix_products_and_the_head_match_the_cpu_within_bf16() {
     let Some(g) = gpu("matrix_products_and_the_head_match_the_cpu_within_bf16") else {

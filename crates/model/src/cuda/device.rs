@@ -130,6 +130,8 @@ pub struct Device {
     pub(super) graphs_on: AtomicBool,
     /// Whether a thread is recording a step now (the fast path of every operation reads
     /// only this), and its recording.
+    /// The last output's bf16 rounding, while nothing has written it since (`gemm.rs`).
+    pub(super) twin: Mutex<Option<super::gemm::Twin>>,
     pub(super) recording: AtomicBool,
     pub(super) recording_slot: Mutex<Option<super::graph::Recording>>,
     /// Held by a graphed step from its plan to its launch: one recording at a time.
@@ -305,6 +307,7 @@ impl Device {
             graphs_on: AtomicBool::new(
                 std::env::var_os("ARL_CUDA_GRAPHS").is_none_or(|v| v != "0"),
             ),
+            twin: Mutex::new(None),
             recording: AtomicBool::new(false),
             recording_slot: Mutex::new(None),
             step_lock: Mutex::new(()),

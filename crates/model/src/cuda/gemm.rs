@@ -28,9 +28,54 @@ impl Bf16 {
     }
 }
 
+/// The bf16 rounding of the last kernel's output (`of`, `len` floats), written by that
+/// kernel beside its f32 output (`keep_twin`) for the products that read it next, so that
+/// they need no conversion launch of their own. Valid until the next launch or copy, which
+/// drop it first thing: nothing can have written `of` in between. A gemm writes only its
+/// own output, and drops the twin if that is `of`.
+pub(super) struct Twin {
+    of: u64,
+    len: usize,
+    bf16: Bf16,
+}
+
 impl Cuda {
-    /// bf16 of x[offset..offset + len].
+    /// Keeps `twin`, just written by the last launch as the bf16 rounding of `out`.
+    pub(super) fn keep_twin(&self, out: &GpuBuf, twin: Bf16) {
+        if twin.ptr(self) != 0 {
+            *self.twin_slot() = Some(Twin {
+                of: out.ptr(0),
+                len: out.len,
+                bf16: twin,
+            });
+        }
+    }
+
+    pub(super) fn drop_twin(&self) {
+        // Dropping an owned twin frees it in stream order, after the products that read it.
+        self.twin_slot().take();
+    }
+
+    fn twin_slot(&self) -> std::sync::MutexGuard<'_, Option<Twin>> {
+        self.device
+            .twin
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// bf16 of x[offset..offset + len]: the last output's twin when that is all of x, else
+    /// a conversion.
     pub(super) fn bf16(&self, x: &GpuBuf, offset: usize, len: usize) -> Bf16 {
+        if offset == 0
+            && let Some(twin) = self.twin_slot().as_ref()
+            && twin.of == x.ptr(0)
+            && twin.len == len
+        {
+            return Bf16 {
+                slice: None,
+                view: twin.bf16.ptr(self),
+            };
+        }
         let copy = self.bf16_alloc(len);
         let out = copy.ptr(self);
         if out != 0 {
@@ -193,6 +238,9 @@ impl Cuda {
             ldc as u64,
             u64::from(beta.to_bits()),
         ];
+        if self.twin_slot().as_ref().is_some_and(|t| t.of == c) {
+            self.drop_twin();
+        }
         let pass = self.note(&signature);
         if pass == super::graph::Pass::Skip {
             return;

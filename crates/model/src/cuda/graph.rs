@@ -377,10 +377,14 @@ impl Cuda {
             };
             Recording::new(capture, place(&graphs.arena), place(&graphs.staging))
         };
+        // A twin (`gemm.rs`) never crosses into or out of a recorded run: a plan launches
+        // nothing, so its twins describe memory not yet written.
+        self.drop_twin();
         *self.recording_slot() = Some(fresh());
         self.device.recording.store(true, Ordering::Release);
         let out = step();
         self.device.recording.store(false, Ordering::Release);
+        self.drop_twin();
         // The step lock keeps other recordings out, so the slot still holds this one.
         let recording = self.recording_slot().take().unwrap_or_else(|| {
             let mut lost = fresh();

@@ -182,8 +182,10 @@ extern "C" __global__ void embedding_backward(float* dtable, const float* dout, 
 
 // ---- RMSNorm: one block per row ----
 
-// out = x · rstd · w; rstd (N) = 1/rms. x, out: (N, C)
-extern "C" __global__ void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int c, float eps) {
+// out = x · rstd · w; rstd (N) = 1/rms. x, out: (N, C). With out_bf, out's bf16 rounding
+// too (what to_bf16 would make of it, for the products that read it).
+extern "C" __global__ void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int c, float eps,
+                                           bf16_bits* out_bf) {
     __shared__ float shared[32];
     const float* xr = x + (long long)blockIdx.x * c;
     float* outr = out + (long long)blockIdx.x * c;
@@ -191,14 +193,18 @@ extern "C" __global__ void rmsnorm_forward(float* out, float* rstd, const float*
     for (int j = threadIdx.x; j < c; j += blockDim.x) acc += xr[j] * xr[j];
     float ms = block_sum(acc, shared) / (float)c;
     float s = 1.0f / sqrtf(ms + eps);
-    for (int j = threadIdx.x; j < c; j += blockDim.x) outr[j] = xr[j] * s * w[j];
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        float v = xr[j] * s * w[j];
+        outr[j] = v;
+        if (out_bf) out_bf[(long long)blockIdx.x * c + j] = round_bf16(v);
+    }
     if (threadIdx.x == 0) rstd[blockIdx.x] = s;
 }
 
 // x += y, then out = x · s · w with s = 1/rms(x) (a residual add and the next norm in one
 // pass; the sums as rmsnorm_forward's). One block per row.
 extern "C" __global__ void add_rmsnorm_forward(float* x, const float* y, float* out, float* rstd, const float* w,
-                                               int c, float eps) {
+                                               int c, float eps, bf16_bits* out_bf) {
     __shared__ float shared[32];
     float* xr = x + (long long)blockIdx.x * c;
     const float* yr = y + (long long)blockIdx.x * c;
@@ -211,7 +217,11 @@ extern "C" __global__ void add_rmsnorm_forward(float* x, const float* y, float* 
     }
     float ms = block_sum(acc, shared) / (float)c;
     float s = 1.0f / sqrtf(ms + eps);
-    for (int j = threadIdx.x; j < c; j += blockDim.x) outr[j] = xr[j] * s * w[j];
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        float v = xr[j] * s * w[j];
+        outr[j] = v;
+        if (out_bf) out_bf[(long long)blockIdx.x * c + j] = round_bf16(v);
+    }
     if (threadIdx.x == 0) rstd[blockIdx.x] = s;
 }
 
@@ -329,14 +339,16 @@ extern "C" __global__ void swiglu_forward(float* out, const float* gate, const f
 }
 
 // out (N, I) = silu(gate) · up from gate_up (N, 2I), the product of stacked gate and up
-// weights. One thread per element of out.
-extern "C" __global__ void swiglu_stacked(float* out, const float* gate_up, int n, int inner) {
+// weights; with out_bf, its bf16 rounding too (as rmsnorm_forward). One thread per element.
+extern "C" __global__ void swiglu_stacked(float* out, const float* gate_up, int n, int inner, bf16_bits* out_bf) {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)n * inner) return;
     long long row = i / inner;
     int j = (int)(i % inner);
     const float* r = gate_up + row * 2LL * inner;
-    out[i] = silu_times(r[j], r[inner + j]);
+    float v = silu_times(r[j], r[inner + j]);
+    out[i] = v;
+    if (out_bf) out_bf[i] = round_bf16(v);
 }
 
 // dgate += d·up·σ(g)(1 + g(1 − σ(g))), dup += d·silu(g).

@@ -537,6 +537,7 @@ impl Cuda {
 
     /// A device copy between raw addresses (blocks of a pool), ordered on the stream.
     fn copy_raw(&self, to: u64, from: u64, bytes: usize, what: &'static str) {
+        self.drop_twin();
         // A step's plan copies for real (nothing is capturing the stream, and the copy is
         // the step's own, before its launch); a capture cannot hold it.
         let capturing = self.capturing();

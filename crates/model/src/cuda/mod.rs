@@ -303,6 +303,8 @@ impl Cuda {
 
     /// A zeroed buffer: in a recorded step, a view of the arena; else its own allocation.
     fn alloc(&self, len: usize, what: &'static str) -> GpuBuf {
+        // New memory may sit where the last output's was (see `Twin`).
+        self.drop_twin();
         if len > 0
             && let Some(view) = self.arena_alloc(len * size_of::<f32>(), true)
         {
@@ -319,6 +321,8 @@ impl Cuda {
     /// Room for `len` floats that the caller's kernels write before they read them: in a
     /// recorded step an arena view left as it is (no memset in the graph).
     fn scratch(&self, len: usize, what: &'static str) -> GpuBuf {
+        // New memory may sit where the last output's was (see `Twin`).
+        self.drop_twin();
         if len > 0
             && let Some(view) = self.arena_alloc(len * size_of::<f32>(), false)
         {
@@ -335,6 +339,8 @@ impl Cuda {
     /// A zeroed buffer of its own, never an arena view (KV pool chunks outlive every step).
     /// While a step is captured nothing may be allocated: the capture is spoiled instead.
     fn alloc_kept(&self, len: usize, what: &'static str) -> GpuBuf {
+        // New memory may sit where the last output's was (see `Twin`).
+        self.drop_twin();
         let capturing = self.capturing();
         let slice = if len == 0 || !self.ok() || capturing {
             if capturing && len > 0 {
@@ -435,6 +441,7 @@ impl Cuda {
     }
 
     fn copy_within(&self, dst: &mut GpuBuf, at: usize, src: &GpuBuf, from: usize, len: usize) {
+        self.drop_twin();
         if len == 0 || !self.ok() || dst.ptr(0) == 0 || src.ptr(0) == 0 {
             return;
         }
@@ -463,6 +470,8 @@ impl Cuda {
     /// Launches kernel `name` over `cfg` with `args`, in the order and types of its
     /// signature in kernels.cu.
     fn launch(&self, name: &'static str, cfg: LaunchConfig, args: &[Arg]) {
+        // Whatever this kernel writes, the last output's bf16 twin may no longer match it.
+        self.drop_twin();
         if !self.ok() || cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 {
             return;
         }
@@ -693,6 +702,8 @@ impl Backend for Cuda {
     }
 
     fn upload(&self, host: &[f32]) -> GpuBuf {
+        // New memory may sit where the last output's was (see `Twin`).
+        self.drop_twin();
         if self.spoil("uploading a buffer in a step") {
             return self.alloc(host.len(), "uploading");
         }
@@ -863,11 +874,14 @@ impl Backend for Cuda {
     ) {
         let (n, c) = (rstd.len, w.len as i32);
         let (o, r, xp, wp) = (out.ptr(0), rstd.ptr(0), x.ptr(0), w.ptr(0));
+        let twin = self.bf16_alloc(out.len);
+        let tp = twin.ptr(self);
         self.launch(
             "rmsnorm_forward",
             per_row_head(n, 1),
-            args![o, r, xp, wp, c, eps],
+            args![o, r, xp, wp, c, eps, tp],
         );
+        self.keep_twin(out, twin);
     }
 
     fn add_rmsnorm_forward(
@@ -881,11 +895,14 @@ impl Backend for Cuda {
     ) {
         let (n, c) = (rstd.len, w.len as i32);
         let (xp, yp, o, r, wp) = (x.ptr(0), y.ptr(0), out.ptr(0), rstd.ptr(0), w.ptr(0));
+        let twin = self.bf16_alloc(out.len);
+        let tp = twin.ptr(self);
         self.launch(
             "add_rmsnorm_forward",
             per_row_head(n, 1),
-            args![xp, yp, o, r, wp, c, eps],
+            args![xp, yp, o, r, wp, c, eps, tp],
         );
+        self.keep_twin(out, twin);
     }
 
     fn rmsnorm_backward(
@@ -1122,8 +1139,11 @@ impl Backend for Cuda {
             (out.len / i_dim.max(1)) as i32,
             i_dim as i32,
         );
+        let twin = self.bf16_alloc(out.len);
+        let tp = twin.ptr(self);
         let cfg = elementwise(out.len);
-        self.launch("swiglu_stacked", cfg, args![o, gu, n, inner]);
+        self.launch("swiglu_stacked", cfg, args![o, gu, n, inner, tp]);
+        self.keep_twin(out, twin);
     }
 
     fn swiglu_forward(&self, out: &mut GpuBuf, gate: &GpuBuf, up: &GpuBuf) {
