@@ -21,6 +21,14 @@ pub(super) struct Bf16 {
 }
 
 impl Bf16 {
+    /// No buffer (a kernel's optional bf16 output left out).
+    pub(super) fn none() -> Self {
+        Self {
+            slice: None,
+            view: 0,
+        }
+    }
+
     pub(super) fn ptr(&self, cuda: &Cuda) -> u64 {
         self.slice
             .as_ref()
@@ -88,10 +96,7 @@ impl Cuda {
 
     /// Room for `len` bf16 values (written by the caller's kernel before any read).
     pub(super) fn bf16_alloc(&self, len: usize) -> Bf16 {
-        let none = Bf16 {
-            slice: None,
-            view: 0,
-        };
+        let none = Bf16::none();
         if len == 0 || !self.ok() {
             return none;
         }

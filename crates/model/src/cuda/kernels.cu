@@ -958,6 +958,7 @@ extern "C" __global__ void attention_paged(float* out, const float* q, const lon
 }
 
 // ---- cached attention split over the cache (split-K), for decode rows ----
+// With out_bf, each output's bf16 rounding goes there too (a twin, `gemm.rs`).
 // Block (e, h, s) of a launch of gridDim.z = Z splits: entry e's row, head h, over KV blocks
 // s, s + S, s + 2S, … of its sequence (S = decode_splits(visible) ≤ Z: blocks with s ≥ S
 // exit), its 4 warps taking positions warp, warp + 4, … of each KV block, lanes splitting the
@@ -974,9 +975,10 @@ __device__ __forceinline__ int decode_splits(int visible, int shift, int blocks_
 }
 
 template <int P>
-__device__ void attention_decode(float* out, float* part, const float* q, const long long* entries,
-                                 const long long* blocks, long long layer_offset, long long v_offset, int heads,
-                                 int kv_heads, int shift, int blocks_per_split, int max_splits) {
+__device__ void attention_decode(float* out, bf16_bits* out_bf, float* part, const float* q,
+                                 const long long* entries, const long long* blocks, long long layer_offset,
+                                 long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,
+                                 int max_splits) {
     const int hd = 32 * P, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long* entry = entries + 3 * blockIdx.x;
     const int h = blockIdx.y, s = blockIdx.z, visible = (int)entry[2];
@@ -1044,7 +1046,12 @@ __device__ void attention_decode(float* out, float* part, const float* q, const 
         float o = 0.f;
         for (int w = 0; w < DECODE_WARPS; w++)
             if (w_m[w] != NEG_INF) o += w_acc[w][d] * expf(w_m[w] - block_m);
-        dst[splits == 1 ? d : d + 2] = splits == 1 ? o / block_l : o;
+        if (splits == 1) {
+            dst[d] = o / block_l;
+            if (out_bf) out_bf[pair * hd + d] = round_bf16(o / block_l);
+        } else {
+            dst[d + 2] = o;
+        }
     }
     if (splits > 1 && threadIdx.x == 0) {
         dst[0] = block_m;
@@ -1054,10 +1061,10 @@ __device__ void attention_decode(float* out, float* part, const float* q, const 
 
 #define ATTENTION_DECODE(P)                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode_##P(                           \
-        float* out, float* part, const float* q, const long long* entries, const long long* blocks,                 \
-        long long layer_offset, long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,       \
-        int max_splits) {                                                                                          \
-        attention_decode<P>(out, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,          \
+        float* out, bf16_bits* out_bf, float* part, const float* q, const long long* entries,                     \
+        const long long* blocks, long long layer_offset, long long v_offset, int heads, int kv_heads, int shift,    \
+        int blocks_per_split, int max_splits) {                                                                    \
+        attention_decode<P>(out, out_bf, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,  \
                             blocks_per_split, max_splits);                                                         \
     }
 ATTENTION_DECODE(1)
@@ -1067,9 +1074,9 @@ ATTENTION_DECODE(8)
 
 // The splits of attention_decode's rows with S > 1 combined: one block per (entry, head),
 // a thread per dimension.
-extern "C" __global__ void attention_decode_merge(float* out, const float* part, const long long* entries,
-                                                  int heads, int hd, int splits_launched, int shift,
-                                                  int blocks_per_split, int max_splits) {
+extern "C" __global__ void attention_decode_merge(float* out, bf16_bits* out_bf, const float* part,
+                                                  const long long* entries, int heads, int hd, int splits_launched,
+                                                  int shift, int blocks_per_split, int max_splits) {
     const long long* entry = entries + 3 * blockIdx.x;
     int splits = decode_splits((int)entry[2], shift, blocks_per_split, max_splits);
     if (splits == 1) return;
@@ -1083,6 +1090,7 @@ extern "C" __global__ void attention_decode_merge(float* out, const float* part,
         float o = 0.f;
         for (int s = 0; s < splits; s++) o += parts[s * (hd + 2) + 2 + d] * expf(parts[s * (hd + 2)] - m);
         out[pair * hd + d] = o / l;
+        if (out_bf) out_bf[pair * hd + d] = round_bf16(o / l);
     }
 }
 
@@ -1296,7 +1304,6 @@ extern "C" __global__ void sample_rows(float* out, const float* logits, const fl
     __shared__ int shared_i[32];
     __shared__ double shared_d[32];
     __shared__ double slice_sum[32];
-    __shared__ int chosen_top[TOP_MAX];
     __shared__ int chosen;
     const float* pick = picks + 6 * blockIdx.x;
     const float* z = logits + (long long)(int)pick[0] * vocab;
@@ -1388,21 +1395,33 @@ extern "C" __global__ void sample_rows(float* out, const float* logits, const fl
         o[1] = z[chosen] - lse;
     }
 
-    // The top n: n passes, each the best of what earlier passes have not taken.
-    for (int t = 0; t < top_n; t++) {
-        float v = NEG_INF;
-        int vi = 0x7fffffff;
-        for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-            bool taken = false;
-            for (int s = 0; s < t; s++) taken |= chosen_top[s] == j;
-            if (!taken) better(v, vi, z[j], j);
+    // The top n in one read of the row: each thread keeps the best n of its own logits
+    // (best first, ties to the smaller index, NaN never), then n rounds each take the best
+    // of the threads' heads (`better`'s order), the winner's thread moving to its next.
+    if (top_n == 0) return;
+    float kept_v[TOP_MAX];
+    int kept_i[TOP_MAX], kept = 0;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+        float v = z[j];
+        if (v != v || (kept == top_n && !(v > kept_v[kept - 1]))) continue;
+        int at = kept == top_n ? kept - 1 : kept++;
+        for (; at > 0 && kept_v[at - 1] < v; at--) {
+            kept_v[at] = kept_v[at - 1];
+            kept_i[at] = kept_i[at - 1];
         }
+        kept_v[at] = v;
+        kept_i[at] = j;
+    }
+    int head = 0;
+    for (int t = 0; t < top_n; t++) {
+        float v = head < kept ? kept_v[head] : NEG_INF;
+        int vi = head < kept ? kept_i[head] : 0x7fffffff;
+        int mine = vi;
         block_best(v, vi, shared_v, shared_i);
+        if (head < kept && vi == mine) head++;
         if (threadIdx.x == 0) {
-            chosen_top[t] = vi;
             o[2 + t] = __int_as_float(vi);
             o[2 + TOP_MAX + t] = v - lse;
         }
-        __syncthreads();
     }
 }

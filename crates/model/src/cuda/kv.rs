@@ -498,6 +498,14 @@ impl Cuda {
             },
             "attention splits",
         );
+        // Without fresh rows (a decode step) these kernels write every row of out: they
+        // can give the o product its bf16 twin.
+        let twin = if step.fresh.is_empty() {
+            self.bf16_alloc(out.len)
+        } else {
+            super::gemm::Bf16::none()
+        };
+        let tp = twin.ptr(self);
         let (pp, per_split, most) = (part.ptr(0), DECODE_BLOCKS_PER_SPLIT, DECODE_MAX_SPLITS);
         let grid = |z: usize| LaunchConfig {
             grid_dim: (step.attended_rows as u32, heads as u32, z as u32),
@@ -509,6 +517,7 @@ impl Cuda {
             grid(splits),
             args![
                 o,
+                tp,
                 pp,
                 qp,
                 entries,
@@ -530,9 +539,12 @@ impl Cuda {
                     block_dim: (hd as u32, 1, 1),
                     ..grid(1)
                 },
-                args![o, pp, entries, h, hd32, launched, shift, per_split, most],
+                args![
+                    o, tp, pp, entries, h, hd32, launched, shift, per_split, most
+                ],
             );
         }
+        self.keep_twin(out, twin);
     }
 
     /// A device copy between raw addresses (blocks of a pool), ordered on the stream.
