@@ -113,6 +113,10 @@ pub struct Device {
     pub info: DeviceInfo,
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) kernels: HashMap<&'static str, CudaFunction>,
+    /// Each kernel's parameter sizes in bytes, as the driver reports them (CUDA 12.4 and
+    /// later; absent before): a launch whose arguments do not match is refused with an
+    /// error, where the driver would read past them.
+    pub(crate) kernel_params: HashMap<&'static str, Vec<usize>>,
     pub(crate) blas: Mutex<CudaBlas>,
     pub(crate) fault: Mutex<Option<CudaError>>,
     /// With `ARL_CUDA_PROFILE=1`: per kernel or product, (calls, seconds), each timed alone
@@ -275,10 +279,14 @@ impl Device {
             .load_module(ptx)
             .map_err(driver("loading the kernels"))?;
         let mut kernels = HashMap::new();
+        let mut kernel_params = HashMap::new();
         for name in KERNEL_NAMES {
             let function = module
                 .load_function(name)
                 .map_err(driver("loading a kernel"))?;
+            if let Some(sizes) = param_sizes(&function) {
+                kernel_params.insert(*name, sizes);
+            }
             kernels.insert(*name, function);
         }
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Cublas {
@@ -296,6 +304,7 @@ impl Device {
             info,
             stream,
             kernels,
+            kernel_params,
             blas: Mutex::new(blas),
             fault: Mutex::new(None),
             tables: Mutex::new(Vec::new()),
@@ -426,4 +435,31 @@ mod tests {
             );
         }
     }
+}
+
+/// The sizes of `function`'s parameters, in order; None where the driver cannot say.
+fn param_sizes(function: &CudaFunction) -> Option<Vec<usize>> {
+    // A kernel of this file takes a few dozen arguments at most.
+    const MOST: usize = 64;
+    let mut sizes = Vec::new();
+    for index in 0..MOST {
+        let (mut offset, mut size) = (0usize, 0usize);
+        // SAFETY: the function handle is live (borrowed from its loaded module) and both
+        // out-pointers point at locals.
+        let result = unsafe {
+            cudarc::driver::sys::cuFuncGetParamInfo(
+                function.cu_function(),
+                index,
+                &raw mut offset,
+                &raw mut size,
+            )
+        };
+        match result {
+            cudarc::driver::sys::CUresult::CUDA_SUCCESS => sizes.push(size),
+            // Past the last parameter.
+            cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_VALUE => return Some(sizes),
+            _ => return None,
+        }
+    }
+    None
 }

@@ -475,6 +475,18 @@ impl Cuda {
         if !self.ok() || cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 {
             return;
         }
+        if let Some(sizes) = self.device.kernel_params.get(name)
+            && !args.iter().map(Arg::size).eq(sizes.iter().copied())
+        {
+            let given: Vec<usize> = args.iter().map(Arg::size).collect();
+            self.fail(CudaError::Driver {
+                what: "launching a kernel",
+                reason: format!(
+                    "kernel {name} takes parameters of {sizes:?} bytes, the launch gave {given:?}"
+                ),
+            });
+            return;
+        }
         let pass = self.note_launch(name, &cfg, args);
         if pass == graph::Pass::Skip {
             return;
@@ -523,6 +535,14 @@ enum Arg {
 }
 
 impl Arg {
+    /// Its size in bytes, as the kernel's parameter must be.
+    fn size(&self) -> usize {
+        match self {
+            Arg::Ptr(_) | Arg::U64(_) | Arg::I64(_) => 8,
+            Arg::I32(_) | Arg::F32(_) => 4,
+        }
+    }
+
     /// The argument as a word of a step's signature (`graph.rs`).
     fn word(&self) -> u64 {
         match self {
@@ -1465,6 +1485,30 @@ fn head_chunk_rows(vocab: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A launch whose arguments do not match the kernel's parameters is refused with an
+    /// error naming both (the driver would read past them: a crash, not an error).
+    #[test]
+    fn a_launch_with_the_wrong_arguments_is_an_error() {
+        let Some(g) = for_tests("a_launch_with_the_wrong_arguments_is_an_error").unwrap() else {
+            return;
+        };
+        if g.device.kernel_params.is_empty() {
+            eprintln!("skipped: this driver does not report kernel parameters");
+            return;
+        }
+        let x = g.upload(&[1.0, 2.0, 3.0, 4.0]);
+        let (xp, factor, len) = (x.ptr(0), 2.0f32, 4i64);
+        g.launch("scale", elementwise(1), args![xp, factor, len]);
+        g.check().unwrap();
+        assert_eq!(g.download(&x), [2.0, 4.0, 6.0, 8.0]);
+        g.launch("scale", elementwise(1), args![xp, factor]);
+        let err = g.check().unwrap_err().to_string();
+        assert!(
+            err.contains("kernel scale takes parameters of [8, 4, 8] bytes"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn the_span_table_gives_every_row_its_sequence() {
