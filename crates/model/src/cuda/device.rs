@@ -412,31 +412,6 @@ fn ptx_arch(major: i32, minor: i32) -> &'static str {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hopper_compiles_for_its_own_architecture() {
-        assert_eq!(ptx_arch(9, 0), "compute_90");
-        assert_eq!(ptx_arch(8, 6), "compute_86");
-        assert_eq!(ptx_arch(11, 0), "compute_90");
-    }
-
-    #[test]
-    fn every_kernel_name_is_defined_in_the_source() {
-        for name in KERNEL_NAMES {
-            let needle = format!(" {name}(");
-            assert!(
-                KERNELS
-                    .lines()
-                    .any(|line| line.contains("__global__") && line.contains(&needle)),
-                "{name} is not in kernels.cu"
-            );
-        }
-    }
-}
-
 /// The sizes of `function`'s parameters, in order; None where the driver cannot say.
 fn param_sizes(function: &CudaFunction) -> Option<Vec<usize>> {
     // A kernel of this file takes a few dozen arguments at most.
@@ -462,4 +437,29 @@ fn param_sizes(function: &CudaFunction) -> Option<Vec<usize>> {
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hopper_compiles_for_its_own_architecture() {
+        assert_eq!(ptx_arch(9, 0), "compute_90");
+        assert_eq!(ptx_arch(8, 6), "compute_86");
+        assert_eq!(ptx_arch(11, 0), "compute_90");
+    }
+
+    #[test]
+    fn every_kernel_name_is_defined_in_the_source() {
+        for name in KERNEL_NAMES {
+            let needle = format!(" {name}(");
+            assert!(
+                KERNELS
+                    .lines()
+                    .any(|line| line.contains("__global__") && line.contains(&needle)),
+                "{name} is not in kernels.cu"
+            );
+        }
+    }
 }
