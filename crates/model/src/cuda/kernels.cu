@@ -1059,18 +1059,35 @@ __device__ void attention_decode(float* out, bf16_bits* out_bf, float* part, con
     }
 }
 
-#define ATTENTION_DECODE(P)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode_##P(                           \
-        float* out, bf16_bits* out_bf, float* part, const float* q, const long long* entries,                     \
-        const long long* blocks, long long layer_offset, long long v_offset, int heads, int kv_heads, int shift,    \
-        int blocks_per_split, int max_splits) {                                                                    \
-        attention_decode<P>(out, out_bf, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,  \
-                            blocks_per_split, max_splits);                                                         \
-    }
-ATTENTION_DECODE(1)
-ATTENTION_DECODE(2)
-ATTENTION_DECODE(4)
-ATTENTION_DECODE(8)
+// The split kernel for head sizes 32, 64, 128 and 256 (P = hd / 32).
+extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode_1(
+    float* out, bf16_bits* out_bf, float* part, const float* q, const long long* entries, const long long* blocks,
+    long long layer_offset, long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,
+    int max_splits) {
+    attention_decode<1>(out, out_bf, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,
+                         blocks_per_split, max_splits);
+}
+extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode_2(
+    float* out, bf16_bits* out_bf, float* part, const float* q, const long long* entries, const long long* blocks,
+    long long layer_offset, long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,
+    int max_splits) {
+    attention_decode<2>(out, out_bf, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,
+                         blocks_per_split, max_splits);
+}
+extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode_4(
+    float* out, bf16_bits* out_bf, float* part, const float* q, const long long* entries, const long long* blocks,
+    long long layer_offset, long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,
+    int max_splits) {
+    attention_decode<4>(out, out_bf, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,
+                         blocks_per_split, max_splits);
+}
+extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode_8(
+    float* out, bf16_bits* out_bf, float* part, const float* q, const long long* entries, const long long* blocks,
+    long long layer_offset, long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,
+    int max_splits) {
+    attention_decode<8>(out, out_bf, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,
+                         blocks_per_split, max_splits);
+}
 
 // The splits of attention_decode's rows with S > 1 combined: one block per (entry, head),
 // a thread per dimension.
