@@ -391,19 +391,23 @@ impl<B: Backend> Model<B> {
         } else {
             (be.zeros(0), be.zeros(0))
         };
-        // Stacked products (`freeze`) write q, k and v — and gate and up — side by side.
-        let first = self.packed.as_ref().and_then(|p| p.layers.first());
-        let stacked = |m: Option<&Option<B::Packed>>| m.is_some_and(Option::is_some);
-        let mut qkv = be.zeros(if stacked(first.map(|l| &l.wqkv)) {
+        // Stacked products (`freeze`) write q, k and v — and gate and up — side by side; a
+        // layer without its stacked form uses the separate buffers.
+        let packed_layers = self.packed.as_ref().map_or(&[][..], |p| &p.layers[..]);
+        let any = |stacked: fn(&PackedLayer<B::Packed>) -> bool| packed_layers.iter().any(stacked);
+        let every_gate_up = packed_layers.len() == self.weights.layers.len()
+            && packed_layers.iter().all(|l| l.w_gate_up.is_some());
+        let mut qkv = be.zeros(if any(|l| l.wqkv.is_some()) {
             n * (qd + 2 * kv)
         } else {
             0
         });
-        let (gate_up_width, split_width) = if stacked(first.map(|l| &l.w_gate_up)) {
-            (n * 2 * i_dim, 0)
+        let gate_up_width = if any(|l| l.w_gate_up.is_some()) {
+            n * 2 * i_dim
         } else {
-            (0, n * i_dim)
+            0
         };
+        let split_width = if every_gate_up { 0 } else { n * i_dim };
         let mut gate_up = be.zeros(gate_up_width);
         let (mut gate, mut up, mut act) = (
             be.zeros(split_width),
