@@ -123,18 +123,22 @@ pub struct GraphStats {
     pub plan_us: u64,
     pub capture_us: u64,
     /// GPU time of the replayed graphs whose end has been seen (µs; events around each
-    /// launch, read at the next one), and how many that was.
+    /// launch, read at the next one: a replay still running then goes untimed), and how
+    /// many that was.
     pub replay_gpu_us: u64,
     pub replays_timed: u64,
 }
 
 impl Graphs {
-    /// Adds the last timed replay's GPU time, waiting for its end if it has not come.
-    fn settle_replay_time(&mut self) {
+    /// Adds the last timed replay's GPU time. With `wait`, waits for its end if it has not
+    /// come; without (before the next replay, on the step's hot path), a replay still
+    /// running goes untimed rather than stall the host.
+    fn settle_replay_time(&mut self, wait: bool) {
         if !std::mem::take(&mut self.replay_timed_pending) {
             return;
         }
         if let Some((start, end)) = &self.replay_events
+            && (wait || end.try_is_complete().unwrap_or(false))
             && let Ok(ms) = start.elapsed_ms(end)
         {
             self.stats.replay_gpu_us += (f64::from(ms) * 1e3) as u64;
@@ -346,7 +350,7 @@ impl Cuda {
     /// count its GPU time).
     pub fn graph_stats(&self) -> GraphStats {
         let mut graphs = self.graphs();
-        graphs.settle_replay_time();
+        graphs.settle_replay_time(true);
         graphs.stats
     }
 
@@ -591,7 +595,7 @@ impl Cuda {
         let stream = &self.device.stream;
         let events = {
             let mut graphs = self.graphs();
-            graphs.settle_replay_time();
+            graphs.settle_replay_time(false);
             if graphs.replay_events.is_none() {
                 let event = || {
                     stream

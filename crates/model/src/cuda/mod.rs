@@ -303,10 +303,22 @@ impl Cuda {
 
     /// A zeroed buffer: in a recorded step, a view of the arena; else its own allocation.
     fn alloc(&self, len: usize, what: &'static str) -> GpuBuf {
+        self.arena_or_kept(len, true, what)
+    }
+
+    /// Room for `len` floats that the caller's kernels write before they read them: in a
+    /// recorded step an arena view left as it is (no memset in the graph).
+    fn scratch(&self, len: usize, what: &'static str) -> GpuBuf {
+        self.arena_or_kept(len, false, what)
+    }
+
+    /// In a recorded step a view of the arena (zeroed in the graph when `zeroed`), else a
+    /// zeroed buffer of its own.
+    fn arena_or_kept(&self, len: usize, zeroed: bool, what: &'static str) -> GpuBuf {
         // New memory may sit where the last output's was (see `Twin`).
         self.drop_twin();
         if len > 0
-            && let Some(view) = self.arena_alloc(len * size_of::<f32>(), true)
+            && let Some(view) = self.arena_alloc(len * size_of::<f32>(), zeroed)
         {
             return GpuBuf {
                 slice: None,
@@ -318,22 +330,15 @@ impl Cuda {
         self.alloc_kept(len, what)
     }
 
-    /// Room for `len` floats that the caller's kernels write before they read them: in a
-    /// recorded step an arena view left as it is (no memset in the graph).
-    fn scratch(&self, len: usize, what: &'static str) -> GpuBuf {
-        // New memory may sit where the last output's was (see `Twin`).
-        self.drop_twin();
-        if len > 0
-            && let Some(view) = self.arena_alloc(len * size_of::<f32>(), false)
-        {
-            return GpuBuf {
-                slice: None,
-                view,
-                len,
-                device: self.device.clone(),
-            };
-        }
-        self.alloc_kept(len, what)
+    /// RoPE's tables on the device: positions, and the inverse frequencies' bits.
+    fn rope_tables(
+        &self,
+        positions: &[usize],
+        inv_freq: &[f32],
+    ) -> Option<(Table<u32>, Table<u32>)> {
+        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let freq: Vec<u32> = inv_freq.iter().map(|f| f.to_bits()).collect();
+        Some((self.upload_table(&pos)?, self.upload_table(&freq)?))
     }
 
     /// A zeroed buffer of its own, never an arena view (KV pool chunks outlive every step).
@@ -1083,9 +1088,7 @@ impl Backend for Cuda {
         inv_freq: &[f32],
         sign: f32,
     ) {
-        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
-        let freq: Vec<u32> = inv_freq.iter().map(|f| f.to_bits()).collect();
-        let (Some(pos), Some(freq)) = (self.upload_table(&pos), self.upload_table(&freq)) else {
+        let Some((pos, freq)) = self.rope_tables(positions, inv_freq) else {
             return;
         };
         let half = inv_freq.len();
@@ -1108,9 +1111,7 @@ impl Backend for Cuda {
         factor: f32,
         cache: Option<CacheWrite<'_, '_, PagedStep, PagedKv>>,
     ) {
-        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
-        let freq: Vec<u32> = inv_freq.iter().map(|f| f.to_bits()).collect();
-        let (Some(pos), Some(freq)) = (self.upload_table(&pos), self.upload_table(&freq)) else {
+        let Some((pos, freq)) = self.rope_tables(positions, inv_freq) else {
             return;
         };
         let [bq, bk, bv] = biases.map(|b| b.map_or(0, |b| b.ptr(0)));
