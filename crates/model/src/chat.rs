@@ -102,7 +102,7 @@ pub fn hf_template_source(
     }
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,

@@ -11,6 +11,7 @@ pub mod config;
 pub mod cuda;
 pub mod generate;
 pub mod gguf;
+pub mod handoff;
 pub mod hub;
 pub mod load;
 pub mod model;

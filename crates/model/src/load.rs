@@ -87,7 +87,7 @@ pub fn save_hf_model(model: &Model, dir: &Path, dtype: StoredDtype) -> Result<()
 }
 
 /// A model with everything needed to talk to it.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct LoadedModel {
     pub model: Model,
     pub tokenizer: Tokenizer,
@@ -193,6 +193,22 @@ impl LoadedModel {
     }
 
     /// [`Self::save_hf`] with the weights stored as `dtype`.
+    /// This model as a file of it written as `dtype` loads back (the weights rounded),
+    /// named `source`.
+    pub fn as_stored(&self, dtype: StoredDtype, source: String) -> LoadedModel {
+        LoadedModel {
+            model: Model::new(
+                self.model.config.clone(),
+                self.model.weights.as_stored(dtype),
+            ),
+            tokenizer: self.tokenizer.clone(),
+            chat_template: self.chat_template.clone(),
+            source,
+            format: "huggingface",
+            chat_template_source: self.chat_template_source.clone(),
+        }
+    }
+
     pub fn save_hf_as(&self, dir: &Path, dtype: StoredDtype) -> Result<(), LoadError> {
         let io = |e: std::io::Error| LoadError::Path {
             path: dir.display().to_string(),

@@ -180,6 +180,18 @@ fn inv_freq(config: &ModelConfig) -> Vec<f32> {
 }
 
 impl<B: Backend> Model<B> {
+    /// A model from weights already on `backend` (a version handed over in device memory:
+    /// [`crate::handoff`]).
+    pub fn on_backend(config: ModelConfig, weights: Weights<B::Buf>, backend: B) -> Self {
+        Self {
+            inv_freq: inv_freq(&config),
+            config,
+            backend,
+            weights,
+            packed: None,
+        }
+    }
+
     pub fn weights(&self) -> &Weights<B::Buf> {
         &self.weights
     }

@@ -358,6 +358,20 @@ impl Weights {
         })
     }
 
+    /// The values a file of these weights written as `dtype` holds (bf16: each rounded to
+    /// nearest even), as loading it back gives them.
+    pub fn as_stored(&self, dtype: StoredDtype) -> Weights {
+        match dtype {
+            StoredDtype::F32 => self.clone(),
+            StoredDtype::Bf16 => self.map(|t| {
+                t.data
+                    .iter()
+                    .map(|v| half::bf16::from_f32(*v).to_f32())
+                    .collect()
+            }),
+        }
+    }
+
     /// Writes `model.safetensors` (f32) in Hugging Face naming.
     pub fn save_safetensors(&self, path: &Path) -> Result<(), WeightsError> {
         self.save_safetensors_as(path, StoredDtype::F32)

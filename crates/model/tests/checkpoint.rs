@@ -71,3 +71,49 @@ fn hf_checkpoint_round_trips_and_forwards_agree() {
     );
     assert!(rendered.unwrap().ends_with("<|im_start|>assistant\n"));
 }
+
+/// What a trainer hands an engine of its process (`LoadedModel::as_stored`) is what the
+/// engine would load from the file the trainer wrote: the same configuration, weights bit
+/// for bit (f32 as is, bf16 rounded), tokenizer, stop tokens and chat template.
+#[test]
+fn a_model_as_stored_is_what_its_file_loads_back() {
+    use arl_model::weights::StoredDtype;
+    let loaded = LoadedModel::open(&common::smollm2()).unwrap();
+    let message = [arl_model::chat::ChatMessage::new("user", "hi")];
+    for dtype in [StoredDtype::F32, StoredDtype::Bf16] {
+        let dir = tempfile::tempdir().unwrap();
+        loaded.save_hf_as(dir.path(), dtype).unwrap();
+        let from_file = LoadedModel::open(dir.path()).unwrap();
+        let handed = loaded.as_stored(dtype, "handed".into());
+        assert_eq!(handed.model.config, from_file.model.config, "{dtype:?}");
+        let (a, b) = (handed.model.weights(), from_file.model.weights());
+        let (named_a, named_b) = (a.named(), b.named());
+        assert_eq!(named_a.len(), named_b.len());
+        for ((name, t), (other, u)) in named_a.iter().zip(&named_b) {
+            assert_eq!(name, other);
+            assert_eq!(t.shape, u.shape, "{name}");
+            let same = t
+                .data
+                .iter()
+                .zip(&u.data)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{dtype:?}: {name} differs from the file's");
+        }
+        assert_eq!(handed.tokenizer.stop_ids(), from_file.tokenizer.stop_ids());
+        assert_eq!(
+            handed.tokenizer.encode("def f(x): return 42").unwrap(),
+            from_file.tokenizer.encode("def f(x): return 42").unwrap()
+        );
+        let render = |m: &LoadedModel| {
+            m.chat_template
+                .as_ref()
+                .unwrap()
+                .render(&message, None, true)
+                .unwrap()
+        };
+        assert_eq!(render(&handed), render(&from_file));
+    }
+    let rounded = loaded.as_stored(StoredDtype::Bf16, "handed".into());
+    let changed = rounded.model.weights().embed.data != loaded.model.weights().embed.data;
+    assert!(changed, "bf16 rounding left the f32 weights as they were");
+}

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use arl_model::backend::BackendErrorKind;
 use arl_model::config::ModelConfig;
 use arl_model::cuda::{Cuda, CudaError, GpuBuf, KvPool, Pick, Picked};
+use arl_model::handoff::{DeviceWeights, Listener};
 use arl_model::load::LoadedModel;
 use arl_model::model::{KvCache, Model, SeqInput};
 use arl_model::ops::Cpu;
@@ -90,6 +91,14 @@ impl Device {
         }
     }
 
+    /// How this engine listens for versions handed over in this process.
+    pub fn listener(&self) -> Listener {
+        match self {
+            Device::Cpu => Listener::Cpu,
+            Device::Cuda { gpu, .. } => Listener::Gpu(gpu.info().ordinal),
+        }
+    }
+
     pub fn name(&self) -> String {
         match self {
             Device::Cpu => "cpu".into(),
@@ -101,11 +110,29 @@ impl Device {
     /// a GPU gets a copy in its memory (an upload failure, such as too little memory,
     /// is the error).
     pub fn prepare(&self, loaded: &LoadedModel) -> Result<Runner, BackendError> {
+        self.prepare_from(loaded, None)
+    }
+
+    /// As [`Self::prepare`], with the weights (when `on_gpu` is given) copied device to
+    /// device from a buffer of this process on the same GPU instead of uploaded: a version
+    /// the trainer of this process handed over ([`arl_model::handoff`]).
+    pub fn prepare_from(
+        &self,
+        loaded: &LoadedModel,
+        on_gpu: Option<&DeviceWeights>,
+    ) -> Result<Runner, BackendError> {
         match self {
             Device::Cpu => Ok(Runner::Cpu),
             Device::Cuda { gpu, memory, pool } => {
                 let free_before = free_memory(gpu)?;
-                let mut model = loaded.model.to_backend(gpu.clone());
+                let mut model = match on_gpu {
+                    Some(handed) if handed.ordinal == gpu.info().ordinal => Model::on_backend(
+                        loaded.model.config.clone(),
+                        handed.weights.map(|t| gpu.copy_of(&t.data)),
+                        gpu.clone(),
+                    ),
+                    _ => loaded.model.to_backend(gpu.clone()),
+                };
                 model.freeze();
                 model.backend.check()?;
                 let version_bytes = free_before.saturating_sub(free_memory(gpu)?);

@@ -56,6 +56,24 @@ impl ServedModel {
         })
     }
 
+    /// A version the trainer of this process handed over in memory
+    /// ([`arl_model::handoff`]): on a GPU, its weights copied device to device.
+    pub fn handed(
+        run_id: Option<arl_schemas::RunId>,
+        version: u64,
+        handed: arl_model::handoff::HandedVersion,
+        device: &Device,
+    ) -> Result<Self, BackendError> {
+        let runner = device.prepare_from(&handed.model, handed.device.as_ref())?;
+        // The device copy (if any) is freed here: the engine's own copy is made.
+        Ok(Self {
+            run_id,
+            version,
+            loaded: handed.model,
+            runner,
+        })
+    }
+
     fn new_cache(&self) -> Cache {
         self.runner.new_cache(&self.loaded.model)
     }

@@ -7,6 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use arl_model::handoff::{self, HandedVersion, VersionKey};
 use arl_model::load::LoadedModel;
 use arl_runtime::consumer::run_consumer;
 use arl_runtime::digest::sha256_file;
@@ -71,10 +72,13 @@ pub fn follow(
     // Loading a version takes a while; it is not a stuck handler.
     spec.keep_alive = true;
     let fetcher = bus.clone();
+    // Versions this process's trainer (if any) hands over, while the consumer runs.
+    let listening = Arc::new(handoff::listen(engine.device().listener()));
     shutdown.spawn(run_consumer(
         bus.clone(),
         spec,
         move |delivery: Delivery| {
+            let _listening = &listening;
             let (bus, engine, weights_dir) = (fetcher.clone(), engine.clone(), weights_dir.clone());
             let live = live.clone();
             async move { on_weights(&bus, &engine, &weights_dir, &live, &delivery).await }
@@ -121,6 +125,23 @@ async fn serve(
     {
         return Ok(()); // already serving this run's version or a newer one
     }
+    if let Some(handed) = take_handed(event) {
+        let (run, version, device) = (
+            event.run_id.clone(),
+            event.policy_version,
+            engine.device().clone(),
+        );
+        let served = tokio::task::spawn_blocking(move || {
+            ServedModel::handed(Some(run), version, handed, &device)
+        })
+        .await
+        .map_err(|e| HandlerError::retry(format!("taking version {version} panicked: {e}")))?
+        .map_err(|e| HandlerError::retry(WeightsError::Device(e)))?;
+        engine.swap(served).map_err(HandlerError::retry)?;
+        tracing::info!(run = %event.run_id, policy_version = version,
+            "serving new weights, handed over in memory by this process's trainer");
+        return Ok(());
+    }
     // A location this engine may never load from, or objects that are gone or not what
     // was published, are refused for good; a copy still being written, a fetch cut short,
     // or one that fails to load, is tried again.
@@ -165,6 +186,18 @@ async fn serve(
     Ok(())
 }
 
+/// The version `event` publishes, if this process's trainer handed it over in memory
+/// (exactly that file: the same run, version and sha256).
+fn take_handed(event: &WeightsPublishedV2) -> Option<HandedVersion> {
+    let key = VersionKey {
+        run_id: event.run_id.to_string(),
+        policy_version: event.policy_version,
+        sha256: event.sha256.clone(),
+    };
+    // Taken off the shelf, it is held here alone.
+    Arc::into_inner(handoff::take(&key)?)
+}
+
 /// On `run.completed` / `run.failed` / `run.cancelled` of the run whose weights are served: another live
 /// run's newest version, else the base model.
 fn follow_run_ends(
@@ -200,6 +233,7 @@ async fn on_run_end(
     delivery: &Delivery,
 ) -> Result<(), HandlerError> {
     let ended = delivery.ended_run()?;
+    handoff::forget(ended.as_str());
     let next = {
         let mut live = lock(live);
         live.newest.remove(&ended);

@@ -393,3 +393,84 @@ fn a_short_kv_pool_drops_only_the_cached_prefixes_it_needs() {
         "a's prefix should have gone"
     );
 }
+
+/// A version a trainer of this process hands over in device memory (the colocated layout)
+/// serves exactly as the same version loaded from its bf16 file: the engine copies the
+/// trainer handle's rounded weights device to device. The handed host copy is left
+/// unrounded on purpose: only the device copy holds the stored values, so equal answers
+/// show the engine took it.
+#[test]
+fn a_version_handed_over_on_the_gpu_serves_as_its_file_does() {
+    use arl_model::handoff::{DeviceWeights, HandedVersion, VersionKey};
+    use arl_model::weights::StoredDtype;
+    let Some(gpu) =
+        arl_model::cuda::for_tests("a_version_handed_over_on_the_gpu_serves_as_its_file_does")
+            .unwrap()
+    else {
+        return;
+    };
+    let ordinal = gpu.info().ordinal;
+    let loaded = LoadedModel::open(&smollm2()).expect("SmolLM2: run `make models`");
+    let trainer = Cuda::new(ordinal).unwrap();
+    let on_trainer = loaded.model.to_backend(trainer.clone());
+    let weights = on_trainer
+        .weights()
+        .map(|t| trainer.rounded_to_bf16(&t.data));
+    trainer.synchronize().unwrap();
+    let handed = HandedVersion {
+        key: VersionKey {
+            run_id: "run-colocated".into(),
+            policy_version: 1,
+            sha256: "of the file".into(),
+        },
+        model: loaded.as_stored(StoredDtype::F32, "unrounded".into()),
+        device: Some(DeviceWeights { ordinal, weights }),
+    };
+    let memory = GpuMemory {
+        kv_cache_bytes: Some(kv_blocks(256)(&loaded.model.config)),
+        ..GpuMemory::default()
+    };
+    let engine = |device: Device, served: ServedModel| {
+        let config = EngineConfig {
+            max_batch: 8,
+            device,
+            ..EngineConfig::default()
+        };
+        EngineHandle::start(config, Some(served)).unwrap()
+    };
+    let here = Device::cuda(gpu, memory);
+    let from_memory = engine(
+        here.clone(),
+        ServedModel::handed(None, 1, handed, &here).unwrap(),
+    );
+    let elsewhere = Device::cuda(Cuda::new(ordinal).unwrap(), memory);
+    let file = loaded.as_stored(StoredDtype::Bf16, "the file".into());
+    let from_file = engine(
+        elsewhere.clone(),
+        ServedModel::new(None, 1, file, &elsewhere).unwrap(),
+    );
+    let prompts: Vec<Vec<u32>> = ["What is 17 + 25?", "Name a primary color."]
+        .iter()
+        .map(|p| loaded.tokenizer.encode(p).unwrap())
+        .collect();
+    let (a, b) = (
+        continue_greedily(&from_memory, &prompts, 24),
+        continue_greedily(&from_file, &prompts, 24),
+    );
+    for (p, (a, b)) in a.iter().zip(&b).enumerate() {
+        let ids = |s: &[Sampled]| {
+            s.iter()
+                .map(|t| (t.id, t.logprob.to_bits()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            ids(a),
+            ids(b),
+            "prompt {p}: handed over vs loaded from the file"
+        );
+    }
+    eprintln!(
+        "handed over on the GPU: {} prompts × 24 tokens equal to the file's, bit for bit",
+        prompts.len()
+    );
+}

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use arl_model::backend::{Backend, BackendError};
 use arl_model::cuda::Cuda;
+use arl_model::handoff::{self, DeviceWeights, HandedVersion, Listener, VersionKey};
 use arl_model::load::LoadedModel;
 use arl_model::model::Model;
 use arl_model::ops::Cpu;
@@ -202,6 +203,48 @@ impl Policy {
             }
         }?;
         Ok(saved)
+    }
+}
+
+impl Policy {
+    /// The version [`Self::save`] just wrote, for engines of this process that listen
+    /// ([`handoff`]): the weights as stored (f32 from the CPU, bf16 values from a GPU) and,
+    /// for an engine on the same GPU, a device copy of them. None when no engine listens;
+    /// a failure to make the device copy is an error (the caller logs it, and engines read
+    /// the file as any other would).
+    pub fn hand_off(&self, key: VersionKey) -> Result<Option<HandedVersion>, PolicyError> {
+        let listeners = handoff::listeners();
+        if listeners.is_empty() {
+            return Ok(None);
+        }
+        let (dtype, device) = match &self.engine {
+            Engine::Cpu { .. } => (StoredDtype::F32, None),
+            Engine::Cuda(p) => {
+                let be = &p.model.backend;
+                let ordinal = be.info().ordinal;
+                let device = listeners
+                    .contains(&Listener::Gpu(ordinal))
+                    .then(|| DeviceWeights {
+                        ordinal,
+                        weights: p.model.weights().map(|t| be.rounded_to_bf16(&t.data)),
+                    });
+                // The engine copies it on its own stream: it must be whole first.
+                be.check().map_err(|source| PolicyError::Device {
+                    doing: "copying the weights for this process's engine",
+                    source,
+                })?;
+                (StoredDtype::Bf16, device)
+            }
+        };
+        let source = format!(
+            "run {} version {}, handed over by this process's trainer",
+            key.run_id, key.policy_version
+        );
+        Ok(Some(HandedVersion {
+            model: self.loaded.as_stored(dtype, source),
+            device,
+            key,
+        }))
     }
 }
 

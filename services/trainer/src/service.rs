@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use arl_model::backend::{BackendError, BackendErrorKind};
 use arl_model::cuda::Cuda;
+use arl_model::handoff::{self, VersionKey};
 use arl_model::train::Activations;
 use arl_runtime::args::default_runs_dir;
 use arl_runtime::consumer::run_consumer;
@@ -719,6 +720,7 @@ impl Trainer {
             step.is_multiple_of(spec.trainer.save_every) || step >= spec.trainer.total_steps;
         let dir = run.dir.clone();
         let samples = assembled.samples.clone();
+        let run_id = run.run_id.clone();
         let joined = tokio::task::spawn_blocking(move || {
             let config = step_config(&spec);
             let lr = lr_schedule(&spec).at(step);
@@ -754,6 +756,9 @@ impl Trainer {
                 optimizer_step: None,
             };
             let saved = policy.save(&dir, &state, is_checkpoint);
+            if let Ok(saved) = &saved {
+                hand_off(&policy, &run_id, step, &saved.sha256);
+            }
             let save_seconds = save_started.elapsed().as_secs_f64();
             Ok((policy, saved, outcome, save_seconds))
         })
@@ -1011,5 +1016,27 @@ pub fn lr_schedule(spec: &RunSpec) -> LrSchedule {
                 min_ratio: o.min_lr_ratio,
             },
         },
+    }
+}
+
+/// Hands the version just saved to the engines of this process, if any listen
+/// (`arl serve trainer + inference`); they take it instead of reading its file. A failure
+/// costs only that: they read the file.
+fn hand_off(policy: &Policy, run_id: &RunId, step: u32, sha256: &str) {
+    let key = VersionKey {
+        run_id: run_id.to_string(),
+        policy_version: u64::from(step),
+        sha256: sha256.to_owned(),
+    };
+    match policy.hand_off(key) {
+        Ok(Some(version)) => {
+            let on_gpu = version.device.is_some();
+            handoff::offer(version);
+            tracing::info!(run = %run_id, step, on_gpu, "version handed over to this process's engine");
+        }
+        Ok(None) => {}
+        Err(error) => {
+            tracing::warn!(run = %run_id, step, %error, "cannot hand the version over in memory; engines read its file");
+        }
     }
 }

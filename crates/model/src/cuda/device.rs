@@ -18,6 +18,7 @@ const KERNELS: &str = include_str!("kernels.cu");
 const KERNEL_NAMES: &[&str] = &[
     "to_bf16",
     "to_bf16_split",
+    "round_to_bf16",
     "add_assign",
     "scale",
     "sum_squares",

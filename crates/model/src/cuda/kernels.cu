@@ -84,6 +84,13 @@ extern "C" __global__ void to_bf16(bf16_bits* out, const float* x, long long len
     for (long long j = i; j < len && j < i + 4; j++) out[j] = round_bf16(x[j]);
 }
 
+// out (len) = x rounded to bf16 and widened back: the values a bf16 file of x holds.
+// Threads: len.
+extern "C" __global__ void round_to_bf16(float* out, const float* x, long long len) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < len) out[i] = __uint_as_float(((unsigned int)round_bf16(x[i])) << 16);
+}
+
 // x ≈ hi + lo, both bf16 (16 significant bits together): gradients flowing back through
 // the layers keep f32-like precision in products that otherwise take one bf16 operand.
 // Threads: ceil(len / 4).

@@ -193,6 +193,27 @@ impl Cuda {
         self.device.take_fault().map_or(Ok(()), Err)
     }
 
+    /// A new buffer holding `x` rounded to bf16 and widened back to f32: the values a bf16
+    /// file of `x` holds (a trainer handing its version to an engine: [`crate::handoff`]).
+    pub fn rounded_to_bf16(&self, x: &GpuBuf) -> GpuBuf {
+        let out = self.alloc(x.len, "rounding to bf16");
+        let (o, xp) = (out.ptr(0), x.ptr(0));
+        if o != 0 && xp != 0 {
+            let len = x.len as i64;
+            self.launch("round_to_bf16", elementwise(x.len), args![o, xp, len]);
+        }
+        out
+    }
+
+    /// A copy in this handle's memory of `src`, a buffer of another handle on the same GPU
+    /// in this process (handles of one GPU share its primary context, so its addresses are
+    /// valid here). The other handle's work on `src` must have finished.
+    pub fn copy_of(&self, src: &GpuBuf) -> GpuBuf {
+        let mut copy = self.alloc(src.len, "copying a buffer handed over");
+        self.copy_within(&mut copy, 0, src, 0, src.len);
+        copy
+    }
+
     /// (free, total) bytes of device memory.
     pub fn memory(&self) -> Result<(usize, usize), CudaError> {
         self.device
