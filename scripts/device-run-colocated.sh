@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# A whole training run through the real services in ONE `arl serve` process — controller,
+# dataset, reward, rollout, evaluator, the proxy, the trainer and the engine — on a machine
+# with a GPU and no Rust: the engine on the GPU (`--device cuda`) behind the unchanged proxy
+# and rollout, and (with trainer.device = cuda) the trainer handing each version to the
+# engine in device memory. Math tasks need no sandbox, so the sandbox service is left out.
+#
+#   scripts/device-run-colocated.sh ARL NATS_SERVER [SPEC] [--set KEY=VALUE]...
+#
+# ARL and NATS_SERVER are the binaries (xz-compressed ones are unpacked first); the
+# model the spec names must be installed under $ARL_MODEL_DIR. ARL_ENGINE_DEVICE (cuda)
+# and ARL_TRAINER_GPU (0, or none) choose the devices. The run's status, the engine's
+# metrics and the log lines about versions go to stdout and, when $OUT is set, to
+# $OUT/run-colocated.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+arl=$1 nats=$2
+shift 2
+spec=examples/arithmetic.toml
+if [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then spec=$1; shift; fi
+state=$(mktemp -d -t arl-colocated-XXXXXX)
+unpack() {
+    case "$1" in
+        *.xz) xz -dc "$1" > "$state/$2" && chmod +x "$state/$2" && echo "$state/$2" ;;
+        *) echo "$1" ;;
+    esac
+}
+arl=$(unpack "$arl" arl) nats=$(unpack "$nats" nats-server)
+report=${OUT:-$state}/run-colocated.txt
+exec > >(tee "$report") 2>&1
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+nats_port=$(port) engine=$(port) proxy=$(port)
+"$nats" -js -a 127.0.0.1 -p "$nats_port" -sd "$state/jetstream" > "$state/nats.log" 2>&1 &
+pids=($!)
+trap 'kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null' EXIT
+export NATS_URL=nats://127.0.0.1:$nats_port RUST_LOG=${RUST_LOG:-info}
+device=${ARL_ENGINE_DEVICE:-cuda}
+model=$(python3 - "$spec" <<'PY'
+import sys, tomllib
+print(tomllib.load(open(sys.argv[1], "rb")).get("model", {}).get("path", "smollm2-135m-instruct"))
+PY
+)
+engine_args=(--device "$device" --model "$model" --listen "127.0.0.1:$engine" --weights-dir "$state/runs"
+             --max-batch 64)
+[ "$device" = cuda ] && engine_args+=(--kv-cache-memory 4)
+started=$(date +%s)
+"$arl" serve controller --tensorboard-dir "$state/tensorboard" \
+    + dataset + reward + rollout --concurrency 64 + evaluator \
+    + proxy --backend "arl=http://127.0.0.1:$engine" --listen "127.0.0.1:$proxy" \
+    + trainer --runs-dir "$state/runs" --gpu "${ARL_TRAINER_GPU:-0}" \
+    + inference "${engine_args[@]}" > "$state/serve.log" 2>&1 &
+pids+=($!)
+ready() { python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; }
+for _ in $(seq 600); do
+    ready "http://127.0.0.1:$engine/v1/models" && ready "http://127.0.0.1:$proxy/health" && break
+    kill -0 "${pids[1]}" 2>/dev/null || { echo "arl serve exited:"; tail -40 "$state/serve.log"; exit 1; }
+    sleep 0.2
+done
+echo "arl serve ready in $(( $(date +%s) - started )) s (engine --device $device, trainer --gpu ${ARL_TRAINER_GPU:-0})"
+run=$("$arl" run submit "$spec" "$@") || { tail -40 "$state/serve.log"; exit 1; }
+echo "run $run submitted: $spec $*"
+status=0
+"$arl" run watch "$run" --timeout-s "${ARL_RUN_TIMEOUT_S:-480}" || status=$?
+echo
+"$arl" run status "$run" || true
+echo "took $(( $(date +%s) - started )) s in all"
+echo "--- versions (serve.log)"
+grep -E "handed over|serving new weights|weights swapped in|step trained" "$state/serve.log" | sed -e 's/\x1b\[[0-9;]*m//g' | cut -c1-240 | tail -30
+echo "--- the engine's metrics"
+python3 - "http://127.0.0.1:$engine/metrics" <<'PY' || true
+import sys, urllib.request
+for line in urllib.request.urlopen(sys.argv[1]).read().decode().splitlines():
+    if line.startswith(("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total",
+                        "arl_engine_")) and not line.startswith("#"):
+        print(line)
+PY
+if [ "$status" -ne 0 ]; then echo "--- serve.log tail"; tail -60 "$state/serve.log"; fi
+exit "$status"
