@@ -31,13 +31,30 @@ exec > >(tee "$report") 2>&1
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 nats_port=$(port) engine=$(port) proxy=$(port)
 "$nats" -js -a 127.0.0.1 -p "$nats_port" -sd "$state/jetstream" > "$state/nats.log" 2>&1 &
-pids=($!)
-trap 'kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null' EXIT
+nats_pid=$! serve_pid=
+# arl serve first (its drain still talks to NATS), then nats-server; each is given 30 s.
+stop() {
+    local pid=$1 name=$2 waited=0
+    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 0
+    kill "$pid"
+    while kill -0 "$pid" 2>/dev/null && [ $waited -lt 300 ]; do sleep 0.1; waited=$((waited + 1)); done
+    if kill -0 "$pid" 2>/dev/null; then
+        echo "$name did not stop within 30 s of SIGTERM: killed"; kill -9 "$pid"
+    else
+        echo "$name stopped $((waited / 10)).$((waited % 10)) s after SIGTERM"
+    fi
+}
+trap 'stop "$serve_pid" "arl serve"; stop "$nats_pid" nats-server' EXIT
 export NATS_URL=nats://127.0.0.1:$nats_port RUST_LOG=${RUST_LOG:-info}
 device=${ARL_ENGINE_DEVICE:-cuda}
 model=$(python3 - "$spec" <<'PY'
-import sys, tomllib
-print(tomllib.load(open(sys.argv[1], "rb")).get("model", {}).get("path", "smollm2-135m-instruct"))
+import re, sys
+try:
+    import tomllib
+    print(tomllib.load(open(sys.argv[1], "rb")).get("model", {}).get("path", "smollm2-135m-instruct"))
+except ModuleNotFoundError:  # Python before 3.11
+    found = re.search(r'^\[model\][^\[]*?^path\s*=\s*"([^"]+)"', open(sys.argv[1]).read(), re.M | re.S)
+    print(found.group(1) if found else "smollm2-135m-instruct")
 PY
 )
 engine_args=(--device "$device" --model "$model" --listen "127.0.0.1:$engine" --weights-dir "$state/runs"
@@ -49,11 +66,11 @@ started=$(date +%s)
     + proxy --backend "arl=http://127.0.0.1:$engine" --listen "127.0.0.1:$proxy" \
     + trainer --runs-dir "$state/runs" --gpu "${ARL_TRAINER_GPU:-0}" \
     + inference "${engine_args[@]}" > "$state/serve.log" 2>&1 &
-pids+=($!)
+serve_pid=$!
 ready() { python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; }
 for _ in $(seq 600); do
     ready "http://127.0.0.1:$engine/v1/models" && ready "http://127.0.0.1:$proxy/health" && break
-    kill -0 "${pids[1]}" 2>/dev/null || { echo "arl serve exited:"; tail -40 "$state/serve.log"; exit 1; }
+    kill -0 "$serve_pid" 2>/dev/null || { echo "arl serve exited:"; tail -40 "$state/serve.log"; exit 1; }
     sleep 0.2
 done
 echo "arl serve ready in $(( $(date +%s) - started )) s (engine --device $device, trainer --gpu ${ARL_TRAINER_GPU:-0})"
