@@ -198,7 +198,11 @@ pub fn run_to_exit(services: Vec<Box<dyn Planned>>) -> ExitCode {
         Ok(runtime) => runtime,
         Err(code) => return code,
     };
-    match runtime.block_on(serve(services)) {
+    let served = runtime.block_on(serve(services));
+    // Every service has drained; blocking work nobody waits for any more (a read, a lookup)
+    // must not hold the exit for ever, as dropping the runtime would.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(10));
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err}");
