@@ -12,7 +12,9 @@
 //! what loading the file gives.
 //!
 //! Memory: the shelf holds the newest handed version of each run until an engine takes it
-//! (or the run ends) — on the host, one copy of the weights as f32; from a GPU trainer to a
+//! (or the run ends; at most [`RUNS_HELD`] runs' versions at once, the oldest offered
+//! dropped first — an engine that follows one run must not make another run's versions
+//! pile up) — on the host, one copy of the weights as f32; from a GPU trainer to a
 //! GPU engine, also one f32 copy in device memory, freed once the engine has copied it into
 //! its own. A trainer hands versions over only while an engine of this process listens
 //! ([`listen`]), so a trainer alone keeps nothing.
@@ -59,12 +61,17 @@ pub enum Listener {
     Gpu(usize),
 }
 
+/// Runs whose newest version the shelf holds at once.
+pub const RUNS_HELD: usize = 2;
+
 /// The newest handed version of each run, and the engines listening. Generic over what a
 /// version holds so that its rules are tested without a model.
 struct Shelf<V> {
     listeners: Vec<(u64, Listener)>,
     next_id: u64,
-    newest: HashMap<String, (VersionKey, Arc<V>)>,
+    /// By run: the version, and when it was offered (the shelf's own count).
+    newest: HashMap<String, (VersionKey, Arc<V>, u64)>,
+    offers: u64,
 }
 
 impl<V> Default for Shelf<V> {
@@ -73,6 +80,7 @@ impl<V> Default for Shelf<V> {
             listeners: Vec::new(),
             next_id: 0,
             newest: HashMap::new(),
+            offers: 0,
         }
     }
 }
@@ -98,19 +106,33 @@ impl<V> Shelf<V> {
         let newer = self
             .newest
             .get(&key.run_id)
-            .is_none_or(|(held, _)| held.policy_version <= key.policy_version);
-        if newer {
-            self.newest
-                .insert(key.run_id.clone(), (key, Arc::new(version)));
+            .is_none_or(|(held, _, _)| held.policy_version <= key.policy_version);
+        if !newer {
+            return;
+        }
+        self.offers += 1;
+        self.newest
+            .insert(key.run_id.clone(), (key, Arc::new(version), self.offers));
+        while self.newest.len() > RUNS_HELD {
+            let oldest = self
+                .newest
+                .iter()
+                .min_by_key(|(_, (_, _, offered))| *offered)
+                .map(|(run, _)| run.clone());
+            if let Some(run) = oldest {
+                self.newest.remove(&run);
+            }
         }
     }
 
     fn take(&mut self, key: &VersionKey) -> Option<Arc<V>> {
-        let (held, _) = self.newest.get(&key.run_id)?;
+        let (held, _, _) = self.newest.get(&key.run_id)?;
         if held != key {
             return None;
         }
-        self.newest.remove(&key.run_id).map(|(_, version)| version)
+        self.newest
+            .remove(&key.run_id)
+            .map(|(_, version, _)| version)
     }
 }
 
@@ -212,6 +234,16 @@ mod tests {
             Some(&30),
             "runs apart"
         );
+
+        for (run, version) in [("run-a", 5), ("run-b", 5), ("run-c", 5)] {
+            shelf.offer(key(run, version, "ee"), version);
+        }
+        assert!(
+            shelf.take(&key("run-a", 5, "ee")).is_none(),
+            "the oldest offered run's version makes room for a third run's"
+        );
+        assert!(shelf.take(&key("run-b", 5, "ee")).is_some());
+        assert!(shelf.take(&key("run-c", 5, "ee")).is_some());
 
         shelf.offer(key("run-a", 4, "dd"), 4);
         shelf.unlisten(listening);
