@@ -20,7 +20,7 @@
 //! ([`listen`]), so a trainer alone keeps nothing.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 
 use crate::cuda::GpuBuf;
 use crate::load::LoadedModel;
@@ -70,7 +70,7 @@ struct Shelf<V> {
     listeners: Vec<(u64, Listener)>,
     next_id: u64,
     /// By run: the version, and when it was offered (the shelf's own count).
-    newest: HashMap<String, (VersionKey, Arc<V>, u64)>,
+    newest: HashMap<String, (VersionKey, V, u64)>,
     offers: u64,
 }
 
@@ -112,20 +112,20 @@ impl<V> Shelf<V> {
         }
         self.offers += 1;
         self.newest
-            .insert(key.run_id.clone(), (key, Arc::new(version), self.offers));
-        while self.newest.len() > RUNS_HELD {
-            let oldest = self
+            .insert(key.run_id.clone(), (key, version, self.offers));
+        // One offer adds one run at most: dropping one makes room.
+        if self.newest.len() > RUNS_HELD
+            && let Some(oldest) = self
                 .newest
                 .iter()
                 .min_by_key(|(_, (_, _, offered))| *offered)
-                .map(|(run, _)| run.clone());
-            if let Some(run) = oldest {
-                self.newest.remove(&run);
-            }
+                .map(|(run, _)| run.clone())
+        {
+            self.newest.remove(&oldest);
         }
     }
 
-    fn take(&mut self, key: &VersionKey) -> Option<Arc<V>> {
+    fn take(&mut self, key: &VersionKey) -> Option<V> {
         let (held, _, _) = self.newest.get(&key.run_id)?;
         if held != key {
             return None;
@@ -174,7 +174,7 @@ pub fn offer(version: HandedVersion) {
 }
 
 /// Takes the handed version `key` names exactly (None: load it from its file).
-pub fn take(key: &VersionKey) -> Option<Arc<HandedVersion>> {
+pub fn take(key: &VersionKey) -> Option<HandedVersion> {
     with_shelf(|s| s.take(key))
 }
 
@@ -213,7 +213,7 @@ mod tests {
             "another file"
         );
         assert!(shelf.take(&key("run-b", 1, "aa")).is_none(), "another run");
-        assert_eq!(shelf.take(&key("run-a", 1, "aa")).as_deref(), Some(&1));
+        assert_eq!(shelf.take(&key("run-a", 1, "aa")), Some(1));
         assert!(shelf.take(&key("run-a", 1, "aa")).is_none(), "taken once");
 
         shelf.offer(key("run-a", 2, "bb"), 2);
@@ -228,12 +228,8 @@ mod tests {
             "replaced by the newer"
         );
         shelf.offer(key("run-b", 3, "cc"), 30);
-        assert_eq!(shelf.take(&key("run-a", 3, "cc")).as_deref(), Some(&3));
-        assert_eq!(
-            shelf.take(&key("run-b", 3, "cc")).as_deref(),
-            Some(&30),
-            "runs apart"
-        );
+        assert_eq!(shelf.take(&key("run-a", 3, "cc")), Some(3));
+        assert_eq!(shelf.take(&key("run-b", 3, "cc")), Some(30), "runs apart");
 
         for (run, version) in [("run-a", 5), ("run-b", 5), ("run-c", 5)] {
             shelf.offer(key(run, version, "ee"), version);

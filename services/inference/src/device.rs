@@ -108,15 +108,10 @@ impl Device {
 
     /// `loaded`'s weights as this device runs them: the CPU runs the loaded model itself;
     /// a GPU gets a copy in its memory (an upload failure, such as too little memory,
-    /// is the error).
-    pub fn prepare(&self, loaded: &LoadedModel) -> Result<Runner, BackendError> {
-        self.prepare_from(loaded, None)
-    }
-
-    /// As [`Self::prepare`], with the weights (when `on_gpu` is given) copied device to
-    /// device from a buffer of this process on the same GPU instead of uploaded: a version
-    /// the trainer of this process handed over ([`arl_model::handoff`]).
-    pub fn prepare_from(
+    /// is the error) — copied device to device from `on_gpu` when that is a buffer of this
+    /// process on the same GPU (a version the trainer of this process handed over:
+    /// [`arl_model::handoff`]), else uploaded.
+    pub fn prepare(
         &self,
         loaded: &LoadedModel,
         on_gpu: Option<&DeviceWeights>,

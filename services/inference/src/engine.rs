@@ -47,29 +47,39 @@ impl ServedModel {
         loaded: LoadedModel,
         device: &Device,
     ) -> Result<Self, BackendError> {
-        let runner = device.prepare(&loaded)?;
-        Ok(Self {
-            run_id,
-            version,
-            loaded,
-            runner,
-        })
+        Self::prepared(run_id, version, loaded, None, device)
     }
 
     /// A version the trainer of this process handed over in memory
-    /// ([`arl_model::handoff`]): on a GPU, its weights copied device to device.
+    /// ([`arl_model::handoff`]): on a GPU, its weights copied device to device (the
+    /// trainer's copy is freed once the engine's own is made).
     pub fn handed(
         run_id: Option<arl_schemas::RunId>,
         version: u64,
         handed: arl_model::handoff::HandedVersion,
         device: &Device,
     ) -> Result<Self, BackendError> {
-        let runner = device.prepare_from(&handed.model, handed.device.as_ref())?;
-        // The device copy (if any) is freed here: the engine's own copy is made.
+        Self::prepared(
+            run_id,
+            version,
+            handed.model,
+            handed.device.as_ref(),
+            device,
+        )
+    }
+
+    fn prepared(
+        run_id: Option<arl_schemas::RunId>,
+        version: u64,
+        loaded: LoadedModel,
+        on_gpu: Option<&arl_model::handoff::DeviceWeights>,
+        device: &Device,
+    ) -> Result<Self, BackendError> {
+        let runner = device.prepare(&loaded, on_gpu)?;
         Ok(Self {
             run_id,
             version,
-            loaded: handed.model,
+            loaded,
             runner,
         })
     }

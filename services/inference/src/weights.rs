@@ -73,7 +73,7 @@ pub fn follow(
     spec.keep_alive = true;
     let fetcher = bus.clone();
     // Versions this process's trainer (if any) hands over, while the consumer runs.
-    let listening = Arc::new(handoff::listen(engine.device().listener()));
+    let listening = handoff::listen(engine.device().listener());
     shutdown.spawn(run_consumer(
         bus.clone(),
         spec,
@@ -125,56 +125,39 @@ async fn serve(
     {
         return Ok(()); // already serving this run's version or a newer one
     }
-    if let Some(handed) = take_handed(event) {
-        let (run, version, device) = (
-            event.run_id.clone(),
-            event.policy_version,
-            engine.device().clone(),
-        );
-        let served = tokio::task::spawn_blocking(move || {
-            ServedModel::handed(Some(run), version, handed, &device)
-        })
-        .await
-        .map_err(|e| HandlerError::retry(format!("taking version {version} panicked: {e}")))?
-        .map_err(|e| HandlerError::retry(WeightsError::Device(e)))?;
-        engine.swap(served).map_err(HandlerError::retry)?;
-        tracing::info!(run = %event.run_id, policy_version = version,
-            "serving new weights, handed over in memory by this process's trainer");
-        return Ok(());
-    }
-    // A location this engine may never load from, or objects that are gone or not what
-    // was published, are refused for good; a copy still being written, a fetch cut short,
-    // or one that fails to load, is tried again.
-    let (dir, fetched) = match &event.location {
-        WeightsLocation::Folder { path } => {
-            let dir = confined(Path::new(path), weights_dir).map_err(HandlerError::dead_letter)?;
-            (dir, false)
-        }
-        WeightsLocation::ObjectStore { bucket, files } => {
-            let dir = fetch::fetch(bus, weights_dir, event, bucket, files)
-                .await
-                .map_err(|e| {
-                    if e.is_permanent() {
-                        HandlerError::dead_letter(e)
-                    } else {
-                        HandlerError::retry(e)
-                    }
-                })?;
-            (dir, true)
+    // A version this process's trainer handed over is taken from memory; any other is
+    // read from its folder, fetched there first from the object store.
+    let source = match take_handed(event) {
+        Some(handed) => Source::Handed(Box::new(handed)),
+        None => {
+            let (dir, fetched) = version_dir(bus, weights_dir, event).await?;
+            Source::File { dir, fetched }
         }
     };
+    let fetched = matches!(source, Source::File { fetched: true, .. });
+    let handed = matches!(source, Source::Handed(_));
     let expected = event.sha256.clone();
     let version = event.policy_version;
     let (run, device) = (event.run_id.clone(), engine.device().clone());
-    let served = tokio::task::spawn_blocking(move || {
-        let loaded = load_checked(&dir, &expected)?;
-        ServedModel::new(Some(run), version, loaded, &device).map_err(WeightsError::Device)
+    let served = tokio::task::spawn_blocking(move || match source {
+        Source::Handed(handed) => {
+            ServedModel::handed(Some(run), version, *handed, &device).map_err(WeightsError::Device)
+        }
+        Source::File { dir, .. } => {
+            let loaded = load_checked(&dir, &expected)?;
+            ServedModel::new(Some(run), version, loaded, &device).map_err(WeightsError::Device)
+        }
     })
     .await
     .map_err(|e| HandlerError::retry(format!("loading version {version} panicked: {e}")))?
     .map_err(HandlerError::retry)?;
     engine.swap(served).map_err(HandlerError::retry)?;
-    tracing::info!(run = %event.run_id, policy_version = version, uri = %event.uri(), "serving new weights");
+    if handed {
+        tracing::info!(run = %event.run_id, policy_version = version,
+            "serving new weights, handed over in memory by this process's trainer");
+    } else {
+        tracing::info!(run = %event.run_id, policy_version = version, uri = %event.uri(), "serving new weights");
+    }
     if fetched {
         let (weights_dir, run) = (weights_dir.to_path_buf(), event.run_id.clone());
         // Only disk space is at stake: a failure to clean up is logged, never retried.
@@ -186,6 +169,43 @@ async fn serve(
     Ok(())
 }
 
+/// Where a version's weights come from.
+enum Source {
+    /// From this process's trainer, in memory.
+    Handed(Box<HandedVersion>),
+    /// Its folder (`fetched`: from the object store, into the weights folder).
+    File { dir: PathBuf, fetched: bool },
+}
+
+/// `event`'s version folder: the one it names under the weights folder, or its objects
+/// fetched into it. A location this engine may never load from, or objects that are gone
+/// or not what was published, are refused for good; a copy still being written, a fetch
+/// cut short, or one that fails to load, is tried again.
+async fn version_dir(
+    bus: &Bus,
+    weights_dir: &Path,
+    event: &WeightsPublishedV2,
+) -> Result<(PathBuf, bool), HandlerError> {
+    match &event.location {
+        WeightsLocation::Folder { path } => {
+            let dir = confined(Path::new(path), weights_dir).map_err(HandlerError::dead_letter)?;
+            Ok((dir, false))
+        }
+        WeightsLocation::ObjectStore { bucket, files } => {
+            let dir = fetch::fetch(bus, weights_dir, event, bucket, files)
+                .await
+                .map_err(|e| {
+                    if e.is_permanent() {
+                        HandlerError::dead_letter(e)
+                    } else {
+                        HandlerError::retry(e)
+                    }
+                })?;
+            Ok((dir, true))
+        }
+    }
+}
+
 /// The version `event` publishes, if this process's trainer handed it over in memory
 /// (exactly that file: the same run, version and sha256).
 fn take_handed(event: &WeightsPublishedV2) -> Option<HandedVersion> {
@@ -194,8 +214,7 @@ fn take_handed(event: &WeightsPublishedV2) -> Option<HandedVersion> {
         policy_version: event.policy_version,
         sha256: event.sha256.clone(),
     };
-    // Taken off the shelf, it is held here alone.
-    Arc::into_inner(handoff::take(&key)?)
+    handoff::take(&key)
 }
 
 /// On `run.completed` / `run.failed` / `run.cancelled` of the run whose weights are served: another live
