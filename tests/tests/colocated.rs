@@ -20,24 +20,11 @@ use arl_schemas::events::{
     CallSpan, Example, SampleStatus, Split, TaskBatchV1, TaskRef, TrajectoryBranch, TrajectoryV1,
 };
 use arl_schemas::spec::RunSpec;
-use arl_schemas::state::{RunStateV1, TrialRecordV1};
+use arl_schemas::state::TrialRecordV1;
 use arl_schemas::{Bucket, Namespace, RunId, TaskId, TrialId};
-use arl_testkit::{NatsServer, built_binary, free_port, http, test_namespace, wait_for};
-
-fn smollm2() -> PathBuf {
-    let dir = std::env::var_os("ARL_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/arl/models")
-        });
-    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        path.exists(),
-        "{} is missing: run `make models`",
-        path.display()
-    );
-    path
-}
+use arl_testkit::{
+    NatsServer, built_binary, free_port, http, running_run_state, smollm2, test_namespace, wait_for,
+};
 
 /// A tiny llama with SmolLM2's real tokenizer, in Hugging Face layout.
 fn tiny_model(dir: &Path) -> PathBuf {
@@ -57,17 +44,7 @@ fn tiny_model(dir: &Path) -> PathBuf {
 }
 
 async fn put_run_state(bus: &Bus, run: &RunId, spec: &RunSpec, model: &Path) {
-    let state = serde_json::json!({
-        "run_id": run, "name": "colocated", "status": "running", "phase": "training",
-        "submitted_by": "test", "submitted_at": "2026-12-07T00:00:00Z",
-        "updated_at": "2026-12-07T00:00:00Z", "spec": spec,
-        "model_path": model.display().to_string(), "total_steps": spec.trainer.total_steps,
-        "step": 0, "policy_version": 0, "trials_finished": 0,
-        "failures": {"infrastructure": 0, "agent_error": 0, "timeout": 0,
-                     "context_overflow": 0, "grading_error": 0},
-        "progress_sequence": 0
-    });
-    let state: RunStateV1 = serde_json::from_value(state).unwrap();
+    let state = running_run_state(run, "colocated", spec, model);
     let kv = bus.bucket(Bucket::RunState).await.unwrap();
     kv.put(run.as_str(), state.encode().unwrap().into())
         .await

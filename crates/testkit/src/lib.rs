@@ -7,6 +7,8 @@
 //! - [`built_binary`], [`Children`], [`ProcessGroup`], [`free_port`]: end-to-end tests start the real
 //!   binaries on free ports and never leave them running.
 //! - [`verl`]: VeRL-format dataset files (GSM8K rows with VeRL's nested Parquet schema).
+//! - [`smollm2`], [`running_run_state`]: the installed test model, and a run's state as the
+//!   controller records it once running.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::{TcpListener, TcpStream};
@@ -300,6 +302,44 @@ fn signal(signal: &str, target: &str) -> bool {
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|status| status.success())
+}
+
+/// SmolLM2-135M-Instruct's GGUF as `make models` installs it (`$ARL_MODEL_DIR`, else
+/// `~/.cache/arl/models`); a test without it fails saying what to run.
+pub fn smollm2() -> PathBuf {
+    let dir = std::env::var_os("ARL_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/arl/models")
+        });
+    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run `make models`",
+        path.display()
+    );
+    path
+}
+
+/// The controller's record of run `run` training `spec` on `model`, admitted and running
+/// at step 0, as services that check their run find it in the run-state bucket.
+pub fn running_run_state(
+    run: &arl_schemas::RunId,
+    name: &str,
+    spec: &arl_schemas::spec::RunSpec,
+    model: &Path,
+) -> arl_schemas::state::RunStateV1 {
+    let state = serde_json::json!({
+        "run_id": run, "name": name, "status": "running", "phase": "training",
+        "submitted_by": "test", "submitted_at": "2026-11-30T00:00:00Z",
+        "updated_at": "2026-11-30T00:00:00Z", "spec": spec,
+        "model_path": model.display().to_string(), "total_steps": spec.trainer.total_steps,
+        "step": 0, "policy_version": 0, "trials_finished": 0,
+        "failures": {"infrastructure": 0, "agent_error": 0, "timeout": 0,
+                     "context_overflow": 0, "grading_error": 0},
+        "progress_sequence": 0
+    });
+    serde_json::from_value(state).expect("a valid run state")
 }
 
 /// A namespace no other test uses, so tests can share one server.

@@ -18,9 +18,9 @@ use arl_schemas::events::{
     TrajectoryV1, WEIGHTS_FILE, WeightsLocation, WeightsPublishedV2,
 };
 use arl_schemas::spec::RunSpec;
-use arl_schemas::state::{RunStateV1, RunStatus, TrialRecordV1};
+use arl_schemas::state::{RunStatus, TrialRecordV1};
 use arl_schemas::{Bucket, Domain, Event, Namespace, ObjectStore, RunId, TaskId, TrialId};
-use arl_testkit::{NatsServer, test_namespace, wait_for};
+use arl_testkit::{NatsServer, running_run_state, smollm2, test_namespace, wait_for};
 
 /// Waits until `condition` holds.
 async fn until<F, Fut>(what: &str, seconds: u64, mut condition: F)
@@ -36,21 +36,6 @@ where
 }
 use arl_trainer::checkpoint;
 use arl_trainer::service::{Trainer, TrainerConfig, WeightsStore};
-
-fn smollm2() -> PathBuf {
-    let dir = std::env::var_os("ARL_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/arl/models")
-        });
-    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        path.exists(),
-        "{} is missing: run `make models`",
-        path.display()
-    );
-    path
-}
 
 /// A tiny llama with SmolLM2's real tokenizer, saved in Hugging Face layout.
 fn tiny_model(dir: &Path) -> PathBuf {
@@ -81,17 +66,7 @@ fn spec() -> RunSpec {
 }
 
 async fn put_run_state(bus: &Bus, run: &RunId, spec: RunSpec, model: &Path) {
-    let state = serde_json::json!({
-        "run_id": run, "name": "trainer-test", "status": "running", "phase": "training",
-        "submitted_by": "test", "submitted_at": "2026-11-30T00:00:00Z",
-        "updated_at": "2026-11-30T00:00:00Z", "spec": spec,
-        "model_path": model.display().to_string(), "total_steps": spec.trainer.total_steps,
-        "step": 0, "policy_version": 0, "trials_finished": 0,
-        "failures": {"infrastructure": 0, "agent_error": 0, "timeout": 0,
-                     "context_overflow": 0, "grading_error": 0},
-        "progress_sequence": 0
-    });
-    let state: RunStateV1 = serde_json::from_value(state).unwrap();
+    let state = running_run_state(run, "trainer-test", &spec, model);
     assert_eq!(state.status, RunStatus::Running);
     let kv = bus.bucket(Bucket::RunState).await.unwrap();
     kv.put(run.as_str(), state.encode().unwrap().into())

@@ -3,28 +3,12 @@
 //! the updated weights.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::PathBuf;
-
 use arl_model::chat::ChatMessage;
 use arl_model::generate::{Sampling, generate};
 use arl_model::load::LoadedModel;
 use arl_model::train::AdamW;
+use arl_testkit::smollm2;
 use arl_trainer::step::{Sample, StepConfig, train_step};
-
-fn smollm2() -> PathBuf {
-    let dir = std::env::var_os("ARL_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/arl/models")
-        });
-    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        path.exists(),
-        "{} is missing: run `make models`",
-        path.display()
-    );
-    path
-}
 
 #[test]
 fn one_step_on_real_smollm2_trajectories() {
