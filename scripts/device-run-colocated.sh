@@ -9,9 +9,11 @@
 #
 # ARL and NATS_SERVER are the binaries (xz-compressed ones are unpacked first); the
 # model the spec names must be installed under $ARL_MODEL_DIR. ARL_ENGINE_DEVICE (cuda)
-# and ARL_TRAINER_GPU (0, or none) choose the devices. The run's status, the engine's
-# metrics and the log lines about versions go to stdout and, when $OUT is set, to
-# $OUT/run-colocated.txt.
+# and ARL_TRAINER_GPU (0, or none) choose the devices; ARL_CONCURRENCY (64) is both the
+# rollout's trials at once and the engine's batch; ARL_RUN_TIMEOUT_S (480) bounds the
+# run. The run's status, the engine's metrics and the log lines about versions go to
+# stdout and, when $OUT is set, to $OUT/run-colocated.txt, with the run's state
+# (status.json), its reward curve (reward-curve.svg) and the whole log (serve.log.xz).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 arl=$1 nats=$2
@@ -58,11 +60,11 @@ except ModuleNotFoundError:  # Python before 3.11
 PY
 )
 engine_args=(--device "$device" --model "$model" --listen "127.0.0.1:$engine" --weights-dir "$state/runs"
-             --max-batch 64)
+             --max-batch "${ARL_CONCURRENCY:-64}")
 [ "$device" = cuda ] && engine_args+=(--kv-cache-memory 4)
 started=$(date +%s)
 "$arl" serve controller --tensorboard-dir "$state/tensorboard" \
-    + dataset + reward + rollout --concurrency 64 + evaluator \
+    + dataset + reward + rollout --concurrency "${ARL_CONCURRENCY:-64}" + evaluator \
     + proxy --backend "arl=http://127.0.0.1:$engine" --listen "127.0.0.1:$proxy" \
     + trainer --runs-dir "$state/runs" --gpu "${ARL_TRAINER_GPU:-0}" \
     + inference "${engine_args[@]}" > "$state/serve.log" 2>&1 &
@@ -81,8 +83,12 @@ status=0
 echo
 "$arl" run status "$run" || true
 echo "took $(( $(date +%s) - started )) s in all"
-echo "--- versions (serve.log)"
-grep -E "handed over|serving new weights|weights swapped in|step trained" "$state/serve.log" | sed -e 's/\x1b\[[0-9;]*m//g' | cut -c1-240 | tail -30
+if [ -n "${OUT:-}" ]; then
+    "$arl" run status "$run" --json > "$OUT/status.json" || true
+    "$arl" run plot "$run" --out "$OUT/reward-curve.svg" || true
+fi
+echo "--- steps and versions (serve.log)"
+grep -E "handed over|serving new weights|weights swapped in|step trained" "$state/serve.log" | sed -e 's/\x1b\[[0-9;]*m//g' | cut -c1-400 | tail -${ARL_LOG_LINES:-30}
 echo "--- the engine's metrics"
 python3 - "http://127.0.0.1:$engine/metrics" <<'PY' || true
 import sys, urllib.request
@@ -92,4 +98,5 @@ for line in urllib.request.urlopen(sys.argv[1]).read().decode().splitlines():
         print(line)
 PY
 if [ "$status" -ne 0 ]; then echo "--- serve.log tail"; tail -60 "$state/serve.log"; fi
+[ -n "${OUT:-}" ] && sed -e 's/\x1b\[[0-9;]*m//g' "$state/serve.log" | xz -3 > "$OUT/serve.log.xz"
 exit "$status"

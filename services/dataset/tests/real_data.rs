@@ -198,3 +198,28 @@ fn gsm_symbolic_templates_load_as_math_tasks() {
     assert_eq!(first.answer, "11");
     assert!(loaded.rows.iter().all(|t| t.answer.parse::<f64>().is_ok()));
 }
+
+/// examples/gsm-qwen-gpu.toml's problems, instantiated from those templates by
+/// scripts/gen-gsm-symbolic.py (`make data`): every row loads with a numeric answer, the
+/// questions are distinct, and no template gives both training and validation problems.
+#[test]
+fn the_instantiated_gsm_symbolic_problems_split_by_template() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/gsm-symbolic");
+    let load = |split: &str| {
+        let path = dir.join(format!("{split}.jsonl"));
+        assert!(path.is_file(), "{} is missing: run `make data`", path.display());
+        let loaded = math::load(&path).unwrap();
+        assert!(loaded.errors.is_empty(), "{:?}", loaded.errors.first());
+        loaded.rows
+    };
+    let (train, val) = (load("train"), load("val"));
+    assert_eq!((train.len(), val.len()), (4000, 260));
+    let template = |t: &math::MathTask| t.id.rsplit_once('-').unwrap().0.to_owned();
+    let val_templates: std::collections::BTreeSet<_> = val.iter().map(template).collect();
+    assert_eq!(val_templates.len(), 20);
+    assert!(train.iter().all(|t| !val_templates.contains(&template(t))));
+    let questions: std::collections::HashSet<_> =
+        train.iter().chain(&val).map(|t| t.question.as_str()).collect();
+    assert_eq!(questions.len(), 4260, "every question is distinct");
+    assert!(train.iter().chain(&val).all(|t| t.answer.parse::<f64>().is_ok()));
+}

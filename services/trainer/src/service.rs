@@ -598,7 +598,10 @@ impl Trainer {
             run = %run.run_id, step, pg_loss = step_metrics.pg_loss, grad_norm = step_metrics.grad_norm,
             reward_mean = step_metrics.reward_mean, samples = assembled.samples.len(),
             samples_trained = step_metrics.samples_trained,
-            zero_advantage_groups = step_metrics.zero_advantage_groups, "step trained"
+            zero_advantage_groups = step_metrics.zero_advantage_groups,
+            trained_tokens = step_metrics.trained_tokens,
+            response_length_mean = step_metrics.response_length_mean,
+            waited_s = waited, update_s = update, save_s = save_seconds, "step trained"
         );
         if step_metrics.samples_trained == 0 {
             tracing::warn!(
