@@ -599,7 +599,7 @@ impl Trainer {
             reward_mean = step_metrics.reward_mean, samples = assembled.samples.len(),
             samples_trained = step_metrics.samples_trained,
             zero_advantage_groups = step_metrics.zero_advantage_groups,
-            trained_tokens = step_metrics.trained_tokens,
+            tokens_per_second = step_metrics.tokens_per_second,
             response_length_mean = step_metrics.response_length_mean,
             waited_s = waited, update_s = update, save_s = save_seconds, "step trained"
         );
