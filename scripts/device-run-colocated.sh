@@ -89,6 +89,29 @@ if [ -n "${OUT:-}" ]; then
 fi
 echo "--- steps and versions (serve.log)"
 grep -E "handed over|serving new weights|weights swapped in|step trained" "$state/serve.log" | sed -e 's/\x1b\[[0-9;]*m//g' | cut -c1-400 | tail -${ARL_LOG_LINES:-30}
+if grep -q "math answer" "$state/serve.log"; then
+    # With RUST_LOG=info,arl_reward::grader=debug the reward service logs each math
+    # answer's form: per evaluation and per training step, how many kept the asked-for
+    # `#### N`, and how many of those were right.
+    echo "--- answers by form (reward service, debug log): v = validation, s = training"
+    python3 - "$state/serve.log" <<'PY'
+import collections, re, sys
+forms = collections.defaultdict(collections.Counter)
+for line in open(sys.argv[1], errors="replace"):
+    line = re.sub(r"\x1b\[[0-9;]*m", "", line)
+    m = re.search(r'trial=run-[0-9a-f]+-([vs])(\d+)-t\d+-k\d+.*math answer.*form="?(\w+)"? resolved=(\w+)', line)
+    if m:
+        forms[(m.group(1), int(m.group(2)))][(m.group(3), m.group(4))] += 1
+for (kind, step), counts in sorted(forms.items()):
+    total = sum(counts.values())
+    by_form = collections.Counter()
+    for (form, resolved), n in counts.items():
+        by_form[form] += n
+    right = {form: sum(n for (f, r), n in counts.items() if f == form and r == "true") for form in by_form}
+    print(f"{kind}{step}: {total} answers; " + ", ".join(
+        f"{form} {n} ({right[form]} right)" for form, n in sorted(by_form.items())))
+PY
+fi
 echo "--- the engine's metrics"
 python3 - "http://127.0.0.1:$engine/metrics" <<'PY' || true
 import sys, urllib.request

@@ -152,22 +152,61 @@ pub fn final_answer(solution: &str) -> Option<String> {
     })
 }
 
-/// Whether a trial's answer to a math task matches the expected final answer. The answer
-/// is the number right after the first `####` when there is one (lm-evaluation-harness's
-/// GSM8K "strict-match": the answer the model commits to first, whatever it writes after),
-/// else the last number in the text ("flexible-extract"); equal strings or equal numbers
-/// match (`12.0` = `12`, `1,234` = `1234`). Only one number is read, so listing guesses
-/// earns nothing.
-pub fn answer_matches(candidate: &str, expected: &str) -> bool {
-    let found = match candidate.split_once("####") {
-        Some((_, tail)) => numbers(tail).into_iter().next().filter(|_| {
+/// How a math answer gave its final number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AnswerForm {
+    /// A number right after the first `####` (the form the prompt asks for).
+    Marked,
+    /// A `####` with no number right after it (e.g. the prompt's own `#### <number>`
+    /// copied): no answer, whatever numbers follow.
+    MarkedWithoutNumber,
+    /// No `####`: the last number of the text.
+    LastNumber,
+    /// Neither a `####` nor any number.
+    NoNumber,
+}
+
+impl AnswerForm {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AnswerForm::Marked => "marked",
+            AnswerForm::MarkedWithoutNumber => "marked_without_number",
+            AnswerForm::LastNumber => "last_number",
+            AnswerForm::NoNumber => "no_number",
+        }
+    }
+}
+
+/// The final number of a trial's answer to a math task, and how it was given: the number
+/// right after the first `####` when there is one (lm-evaluation-harness's GSM8K
+/// "strict-match": the answer the model commits to first, whatever it writes after), else
+/// the last number in the text ("flexible-extract"). Only one number is read, so listing
+/// guesses earns nothing.
+pub fn final_number(candidate: &str) -> (AnswerForm, Option<String>) {
+    match candidate.split_once("####") {
+        Some((_, tail)) => {
             // Strict: the number must come first after the marker.
-            tail.trim_start()
-                .starts_with(|c: char| c.is_ascii_digit() || c == '-' || c == '$')
-        }),
-        None => numbers(candidate).pop(),
-    };
-    let Some(found) = found else {
+            let first = numbers(tail).into_iter().next().filter(|_| {
+                tail.trim_start()
+                    .starts_with(|c: char| c.is_ascii_digit() || c == '-' || c == '$')
+            });
+            match first {
+                Some(n) => (AnswerForm::Marked, Some(n)),
+                None => (AnswerForm::MarkedWithoutNumber, None),
+            }
+        }
+        None => match numbers(candidate).pop() {
+            Some(n) => (AnswerForm::LastNumber, Some(n)),
+            None => (AnswerForm::NoNumber, None),
+        },
+    }
+}
+
+/// Whether a trial's answer to a math task matches the expected final answer
+/// ([`final_number`]); equal strings or equal numbers match (`12.0` = `12`, `1,234` =
+/// `1234`).
+pub fn answer_matches(candidate: &str, expected: &str) -> bool {
+    let Some(found) = final_number(candidate).1 else {
         return false;
     };
     let found = found.strip_suffix(".0").unwrap_or(&found);
@@ -262,6 +301,14 @@ mod tests {
             "the first #### counts"
         );
         assert!(!answer_matches("12 #### the answer", "12"));
+        assert_eq!(
+            final_number("so 12\n#### <number>\n12").0,
+            AnswerForm::MarkedWithoutNumber,
+            "the prompt's placeholder copied is no answer"
+        );
+        assert_eq!(final_number("#### $12"), (AnswerForm::Marked, Some("12".into())));
+        assert_eq!(final_number("it is 7, not 8"), (AnswerForm::LastNumber, Some("8".into())));
+        assert_eq!(final_number("no idea"), (AnswerForm::NoNumber, None));
         // Flexible: the last number of the text.
         assert!(answer_matches("3 + 2 = 5", "5"));
         assert!(answer_matches("She has 7 - 9 = -2 left.", "-2"));
