@@ -306,8 +306,14 @@ mod tests {
             AnswerForm::MarkedWithoutNumber,
             "the prompt's placeholder copied is no answer"
         );
-        assert_eq!(final_number("#### $12"), (AnswerForm::Marked, Some("12".into())));
-        assert_eq!(final_number("it is 7, not 8"), (AnswerForm::LastNumber, Some("8".into())));
+        assert_eq!(
+            final_number("#### $12"),
+            (AnswerForm::Marked, Some("12".into()))
+        );
+        assert_eq!(
+            final_number("it is 7, not 8"),
+            (AnswerForm::LastNumber, Some("8".into()))
+        );
         assert_eq!(final_number("no idea"), (AnswerForm::NoNumber, None));
         // Flexible: the last number of the text.
         assert!(answer_matches("3 + 2 = 5", "5"));

@@ -207,7 +207,11 @@ fn the_instantiated_gsm_symbolic_problems_split_by_template() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/gsm-symbolic");
     let load = |split: &str| {
         let path = dir.join(format!("{split}.jsonl"));
-        assert!(path.is_file(), "{} is missing: run `make data`", path.display());
+        assert!(
+            path.is_file(),
+            "{} is missing: run `make data`",
+            path.display()
+        );
         let loaded = math::load(&path).unwrap();
         assert!(loaded.errors.is_empty(), "{:?}", loaded.errors.first());
         loaded.rows
@@ -218,8 +222,16 @@ fn the_instantiated_gsm_symbolic_problems_split_by_template() {
     let val_templates: std::collections::BTreeSet<_> = val.iter().map(template).collect();
     assert_eq!(val_templates.len(), 20);
     assert!(train.iter().all(|t| !val_templates.contains(&template(t))));
-    let questions: std::collections::HashSet<_> =
-        train.iter().chain(&val).map(|t| t.question.as_str()).collect();
+    let questions: std::collections::HashSet<_> = train
+        .iter()
+        .chain(&val)
+        .map(|t| t.question.as_str())
+        .collect();
     assert_eq!(questions.len(), 4260, "every question is distinct");
-    assert!(train.iter().chain(&val).all(|t| t.answer.parse::<f64>().is_ok()));
+    assert!(
+        train
+            .iter()
+            .chain(&val)
+            .all(|t| t.answer.parse::<f64>().is_ok())
+    );
 }

@@ -328,7 +328,11 @@ struct SwebenchTests<'a> {
 pub fn grade_answer(candidate: &str, answer: &str) -> Grade {
     let resolved = answer_matches(candidate, answer);
     // In the trial's grade span: what share of a run's answers keep the asked-for form.
-    tracing::debug!(form = final_number(candidate).0.as_str(), resolved, "math answer");
+    tracing::debug!(
+        form = final_number(candidate).0.as_str(),
+        resolved,
+        "math answer"
+    );
     Grade {
         score: if resolved { 1.0 } else { 0.0 },
         resolved,
