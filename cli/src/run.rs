@@ -3,7 +3,7 @@
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arl_runtime::args::default_model_dir;
 use arl_runtime::bus::BusConfig;
@@ -534,14 +534,13 @@ async fn watch(args: &BusArgs, run_id: &str, timeout_s: u64) -> Result<ExitCode,
     } else {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let mut last_line = String::new();
+    let mut log = ProgressLog::default();
     let state = follow(&bus, &run_id, Duration::from_secs(timeout_s), |state| {
         let line = progress_line(state);
         bar.set_position(u64::from(state.percent().round() as u8));
         bar.set_message(line.clone());
-        if !interactive && line != last_line {
+        if !interactive && log.should_print(state, Instant::now()) {
             eprintln!("{:>3}% {line}", state.percent().round());
-            last_line = line;
         }
         state.status.is_terminal()
     })
@@ -550,6 +549,38 @@ async fn watch(args: &BusArgs, run_id: &str, timeout_s: u64) -> Result<ExitCode,
     let state = state?;
     println!("{}", render_status(&state));
     Ok(exit_for(&state))
+}
+
+/// `arl run watch` without a terminal (a log file, CI): a line per state change would be a
+/// line per finished trial (11,540 for a 40-step GPU run), so a line is printed when the
+/// run's status, phase, step, failures or evaluations change, and otherwise (trials
+/// finishing) at most every [`ProgressLog::EVERY`].
+#[derive(Default)]
+struct ProgressLog {
+    last: Option<(String, Instant)>,
+}
+
+impl ProgressLog {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn should_print(&mut self, state: &RunStateV1, now: Instant) -> bool {
+        let milestone = format!(
+            "{} {:?} {} {} {}",
+            state.status.as_str(),
+            state.phase,
+            state.step,
+            state.failures.total(),
+            state.evaluations.len()
+        );
+        let print = match &self.last {
+            None => true,
+            Some((last, at)) => *last != milestone || now.duration_since(*at) >= Self::EVERY,
+        };
+        if print {
+            self.last = Some((milestone, now));
+        }
+        print
+    }
 }
 
 fn progress_line(state: &RunStateV1) -> String {
@@ -908,6 +939,26 @@ fn escape(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Without a terminal, trials finishing print a line at most every 10 s; a new step
+    /// or evaluation prints at once.
+    #[test]
+    fn the_progress_log_prints_milestones_at_once_and_trial_counts_every_10_s() {
+        let mut log = ProgressLog::default();
+        let mut state = state();
+        let t0 = Instant::now();
+        assert!(log.should_print(&state, t0), "the first state");
+        state.trials_finished += 1;
+        assert!(!log.should_print(&state, t0 + Duration::from_secs(1)));
+        state.trials_finished += 1;
+        assert!(log.should_print(&state, t0 + Duration::from_secs(11)));
+        state.step += 1;
+        assert!(log.should_print(&state, t0 + Duration::from_secs(12)), "a new step");
+        state.trials_finished += 1;
+        assert!(!log.should_print(&state, t0 + Duration::from_secs(13)));
+        state.evaluations.push(state.evaluations[0].clone());
+        assert!(log.should_print(&state, t0 + Duration::from_secs(14)), "an evaluation");
+    }
 
     fn state() -> RunStateV1 {
         let step = |step: u32, reward: f64| {
