@@ -953,11 +953,17 @@ mod tests {
         state.trials_finished += 1;
         assert!(log.should_print(&state, t0 + Duration::from_secs(11)));
         state.step += 1;
-        assert!(log.should_print(&state, t0 + Duration::from_secs(12)), "a new step");
+        assert!(
+            log.should_print(&state, t0 + Duration::from_secs(12)),
+            "a new step"
+        );
         state.trials_finished += 1;
         assert!(!log.should_print(&state, t0 + Duration::from_secs(13)));
         state.evaluations.push(state.evaluations[0].clone());
-        assert!(log.should_print(&state, t0 + Duration::from_secs(14)), "an evaluation");
+        assert!(
+            log.should_print(&state, t0 + Duration::from_secs(14)),
+            "an evaluation"
+        );
     }
 
     fn state() -> RunStateV1 {
