@@ -206,10 +206,15 @@ pub fn final_number(candidate: &str) -> (AnswerForm, Option<String>) {
 /// ([`final_number`]); equal strings or equal numbers match (`12.0` = `12`, `1,234` =
 /// `1234`).
 pub fn answer_matches(candidate: &str, expected: &str) -> bool {
-    let Some(found) = final_number(candidate).1 else {
-        return false;
-    };
-    let found = found.strip_suffix(".0").unwrap_or(&found);
+    final_number(candidate)
+        .1
+        .is_some_and(|found| number_matches(&found, expected))
+}
+
+/// Whether a final number read by [`final_number`] is the expected answer: equal strings
+/// or equal numbers.
+pub fn number_matches(found: &str, expected: &str) -> bool {
+    let found = found.strip_suffix(".0").unwrap_or(found);
     found == expected
         || matches!(
             (found.parse::<f64>(), expected.parse::<f64>()),

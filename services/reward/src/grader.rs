@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arl_sandbox_client::{SandboxClient, SandboxError};
-use arl_schemas::dataset::{Grading, HarborFile, TaskRecord, answer_matches, final_number};
+use arl_schemas::dataset::{Grading, HarborFile, TaskRecord, final_number, number_matches};
 use arl_schemas::events::{FailureClass, TestReport, TestSetOutcome};
 use arl_schemas::rpc::{ExecRequest, LeaseRequestV1, SandboxLimits};
 use arl_schemas::{RunId, TrialId};
@@ -326,13 +326,10 @@ struct SwebenchTests<'a> {
 
 /// A math answer graded by exact match of its final answer (no sandbox).
 pub fn grade_answer(candidate: &str, answer: &str) -> Grade {
-    let resolved = answer_matches(candidate, answer);
+    let (form, found) = final_number(candidate);
+    let resolved = found.is_some_and(|found| number_matches(&found, answer));
     // In the trial's grade span: what share of a run's answers keep the asked-for form.
-    tracing::debug!(
-        form = final_number(candidate).0.as_str(),
-        resolved,
-        "math answer"
-    );
+    tracing::debug!(form = form.as_str(), resolved, "math answer");
     Grade {
         score: if resolved { 1.0 } else { 0.0 },
         resolved,
