@@ -88,7 +88,7 @@ if [ -n "${OUT:-}" ]; then
     "$arl" run plot "$run" --out "$OUT/reward-curve.svg" || true
 fi
 echo "--- steps and versions (serve.log)"
-grep -E "handed over|serving new weights|weights swapped in|step trained" "$state/serve.log" | sed -e 's/\x1b\[[0-9;]*m//g' | cut -c1-400 | tail -${ARL_LOG_LINES:-30}
+grep -E "handed over|serving new weights|weights swapped in|step trained" "$state/serve.log" | cut -c1-400 | tail -${ARL_LOG_LINES:-30}
 if grep -q "math answer" "$state/serve.log"; then
     # With RUST_LOG=info,arl_reward::grader=debug the reward service logs each math
     # answer's form: per evaluation and per training step, how many kept the asked-for
@@ -98,7 +98,6 @@ if grep -q "math answer" "$state/serve.log"; then
 import collections, re, sys
 forms = collections.defaultdict(collections.Counter)
 for line in open(sys.argv[1], errors="replace"):
-    line = re.sub(r"\x1b\[[0-9;]*m", "", line)
     m = re.search(r'trial=run-[0-9a-f]+-([vs])(\d+)-t\d+-k\d+.*math answer.*form="?(\w+)"? resolved=(\w+)', line)
     if m:
         forms[(m.group(1), int(m.group(2)))][(m.group(3), m.group(4))] += 1
@@ -121,5 +120,5 @@ for line in urllib.request.urlopen(sys.argv[1]).read().decode().splitlines():
         print(line)
 PY
 if [ "$status" -ne 0 ]; then echo "--- serve.log tail"; tail -60 "$state/serve.log"; fi
-[ -n "${OUT:-}" ] && sed -e 's/\x1b\[[0-9;]*m//g' "$state/serve.log" | xz -3 > "$OUT/serve.log.xz"
+[ -n "${OUT:-}" ] && xz -3 < "$state/serve.log" > "$OUT/serve.log.xz"
 exit "$status"

@@ -5,6 +5,8 @@
 //! Spans always get OpenTelemetry trace ids — also without an exporter — so that a
 //! `traceparent` travels through every hop whether or not this process exports.
 
+use std::io::IsTerminal;
+
 use async_nats::HeaderMap;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::{Protocol, WithExportConfig};
@@ -118,8 +120,11 @@ pub fn init(
             .with_writer(std::io::stderr)
             .boxed()
     } else {
+        // Colours only for a person at a terminal: a log file (`arl up`'s logs, a script's
+        // capture) gets plain lines that grep and other tools read as written.
         tracing_subscriber::fmt::layer()
             .with_target(false)
+            .with_ansi(std::io::stderr().is_terminal())
             .with_writer(std::io::stderr)
             .boxed()
     };
