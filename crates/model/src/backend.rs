@@ -383,6 +383,22 @@ pub trait Backend: Clone + Debug + Send + Sync + 'static {
         self.swiglu_forward(out, &self.upload(&gate), &self.upload(&up));
     }
 
+    /// out (N, I) = silu(gate) · up of the stacked product x (N, C) · [W_gate; W_up]ᵀ, as
+    /// `matmul_packed` into `gate_up` (N, 2·I) then `swiglu_stacked` give it. A backend may
+    /// fuse the two and leave `gate_up` unwritten. Overwrites `out`.
+    fn matmul_packed_swiglu(
+        &self,
+        out: &mut Self::Buf,
+        gate_up: &mut Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Packed,
+        n: usize,
+        i_dim: usize,
+    ) {
+        self.matmul_packed(gate_up, x, w, None, n);
+        self.swiglu_stacked(out, gate_up, i_dim);
+    }
+
     /// out = silu(gate) · up, all (N, I). Overwrites.
     fn swiglu_forward(&self, out: &mut Self::Buf, gate: &Self::Buf, up: &Self::Buf);
     /// dgate, dup += from dout. Accumulates.

@@ -522,9 +522,7 @@ impl<B: Backend> Model<B> {
             self.linear(&mut proj, &att_out, &w.wo, p.wo.as_ref(), None, n);
             be.add_rmsnorm_forward(&mut x, &proj, &mut h, &mut rstd, &w.ffn_norm.data, eps);
             if let Some(w_gate_up) = &p.w_gate_up {
-                self.backend
-                    .matmul_packed(&mut gate_up, &h, w_gate_up, None, n);
-                be.swiglu_stacked(&mut act, &gate_up, i_dim);
+                be.matmul_packed_swiglu(&mut act, &mut gate_up, &h, w_gate_up, n, i_dim);
             } else {
                 self.linears(
                     &h,

@@ -298,6 +298,13 @@ pub struct EngineStats {
     pub kv_tokens: AtomicUsize,
     pub steps: AtomicU64,
     pub generated_tokens: AtomicU64,
+    /// Wall time of the steps so far (µs), in three parts: the forward passes as the host
+    /// sees them (on a GPU: planning and launching, not waiting), the draws (on a GPU: the
+    /// wait for the pass, then sampling), and the rest (tokens to their requests, finished
+    /// sequences out of the batch).
+    pub forward_us: AtomicU64,
+    pub draw_us: AtomicU64,
+    pub emit_us: AtomicU64,
 }
 
 /// The API side of the engine.
@@ -757,6 +764,10 @@ impl Engine {
             outputs.push(logits);
         }
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        let forwarded = Instant::now();
+        self.stats
+            .forward_us
+            .fetch_add(micros(forwarded - started), Ordering::Relaxed);
 
         // Fork the other choices of requests whose prompt just finished.
         let mut forked = Vec::new();
@@ -796,6 +807,10 @@ impl Engine {
 
         let mut sampled = self.draw(&outputs, &draw_from);
         drop(outputs);
+        let drawn = Instant::now();
+        self.stats
+            .draw_us
+            .fetch_add(micros(drawn - forwarded), Ordering::Relaxed);
 
         let mut done = vec![false; self.active.len()];
         // Finish events go out after the batch shrinks, so a client that saw its request end
@@ -866,6 +881,9 @@ impl Engine {
             // A client gone by now loses nothing: its sequence has already left the batch.
             let _ = events.send(event);
         }
+        self.stats
+            .emit_us
+            .fetch_add(micros(drawn.elapsed()), Ordering::Relaxed);
         tracing::trace!(
             batch = self.active.len(),
             ms = started.elapsed().as_millis() as u64,
@@ -981,6 +999,10 @@ impl Engine {
 }
 
 /// Prompt + completion limit of a model under the configured cap.
+fn micros(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
 fn max_len(model: &ServedModel, cap: usize) -> usize {
     model.loaded.model.config.max_position_embeddings.min(cap)
 }

@@ -12,7 +12,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
 /// The CUDA C source of every kernel.
-const KERNELS: &str = include_str!("kernels.cu");
+pub(super) const KERNELS: &str = include_str!("kernels.cu");
 
 /// Every `extern "C"` kernel of `kernels.cu`, loaded once at start.
 const KERNEL_NAMES: &[&str] = &[
@@ -34,6 +34,8 @@ const KERNEL_NAMES: &[&str] = &[
     "rope_apply",
     "swiglu_forward",
     "swiglu_stacked",
+    "gemv_bf16",
+    "gemv_bf16_swiglu",
     "qkv_split_rope",
     "swiglu_backward",
     "attention_forward",
@@ -105,6 +107,8 @@ pub struct DeviceInfo {
     pub name: String,
     pub total_memory_bytes: u64,
     pub compute_capability: (i32, i32),
+    /// Streaming multiprocessors: how many blocks a kernel needs to fill the device.
+    pub multiprocessors: usize,
 }
 
 /// One opened GPU: context, the stream every operation is ordered on, kernels, cuBLAS, and
@@ -133,6 +137,12 @@ pub struct Device {
     /// Decode steps' graphs, their arena and staging area (`graph.rs`).
     pub(super) graphs: Mutex<super::graph::Graphs>,
     pub(super) graphs_on: AtomicBool,
+    /// Whether products of a few rows run on `gemv_bf16` (`gemm.rs`): on unless
+    /// `ARL_CUDA_GEMV=0`.
+    pub(super) gemv_on: AtomicBool,
+    /// Whether kernels launch as programmatic dependents of the kernel before them (Hopper
+    /// and newer; `launch` in mod.rs): on unless `ARL_CUDA_PDL=0`.
+    pub(super) pdl_on: AtomicBool,
     /// Whether a thread is recording a step now (the fast path of every operation reads
     /// only this), and its recording.
     /// The last output's bf16 rounding, while nothing has written it since (`gemm.rs`).
@@ -193,6 +203,12 @@ fn info(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<DeviceInfo, CudaError>
         compute_capability: ctx
             .compute_capability()
             .map_err(driver("reading the compute capability"))?,
+        multiprocessors: ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(driver("reading the multiprocessor count"))?
+            .max(1) as usize,
     })
 }
 
@@ -316,6 +332,10 @@ impl Device {
             graphs: Mutex::default(),
             graphs_on: AtomicBool::new(
                 std::env::var_os("ARL_CUDA_GRAPHS").is_none_or(|v| v != "0"),
+            ),
+            gemv_on: AtomicBool::new(std::env::var_os("ARL_CUDA_GEMV").is_none_or(|v| v != "0")),
+            pdl_on: AtomicBool::new(
+                major >= 9 && std::env::var_os("ARL_CUDA_PDL").is_none_or(|v| v != "0"),
             ),
             twin: Mutex::new(None),
             recording: AtomicBool::new(false),

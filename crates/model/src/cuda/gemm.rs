@@ -11,7 +11,34 @@ use std::ffi::c_void;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{CudaSlice, DevicePtr};
 
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::LaunchConfig;
+
 use super::{Arg, Cuda, CudaError, GpuBuf, args};
+
+/// Products of at most this many rows run on `gemv_bf16` (kernels.cu's `GEMV_ROWS`).
+pub(super) const GEMV_ROWS: usize = 8;
+
+/// Warps a column of an (·, i) · (o, i)ᵀ product on `multiprocessors` gets (see
+/// `Cuda::gemv_split`).
+fn gemv_split(multiprocessors: usize, i: usize, o: usize) -> usize {
+    let (fill, chunks) = (2 * multiprocessors, i / 8);
+    let mut split = 1;
+    while split < 8 && o * split / 8 < fill && 2 * 32 * (2 * split) <= chunks {
+        split *= 2;
+    }
+    split
+}
+
+/// `gemv_bf16`'s launch: 256 threads, 8 / split columns a block.
+fn gemv_blocks(columns: usize, split: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((columns * split).div_ceil(8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
 
 /// A bf16 copy of (part of) a buffer, for one product: its own allocation, or a view of a
 /// graphed step's arena (`view`, its address).
@@ -57,6 +84,11 @@ impl Cuda {
                 bf16: twin,
             });
         }
+    }
+
+    /// The address of the buffer the kept twin rounds, if one is kept.
+    pub(super) fn twin_of(&self) -> Option<u64> {
+        self.twin_slot().as_ref().map(|t| t.of)
     }
 
     pub(super) fn drop_twin(&self) {
@@ -154,7 +186,86 @@ impl Cuda {
         self.gemm_dx(dx, &dout.1, w, n, i, o);
     }
 
-    /// out (N, O) = x (N, I) · Wᵀ from bf16 operands. Overwrites.
+    /// out (N, O) = x (N, I) · Wᵀ (+ bias (O)) from bf16 operands: `gemv_bf16` for a few
+    /// rows, cuBLAS and a bias launch for more. Overwrites.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn product_forward(
+        &self,
+        out: u64,
+        x: &Bf16,
+        w: &Bf16,
+        bias: Option<u64>,
+        n: usize,
+        i: usize,
+        o: usize,
+    ) {
+        if let Some(split) = self.gemv_split(x, w, n, i, o) {
+            let (xp, wp, bp) = (x.ptr(self), w.ptr(self), bias.unwrap_or(0));
+            let (n32, i32_, o32, s32) = (n as i32, i as i32, o as i32, split as i32);
+            self.launch_reading_twin(
+                "gemv_bf16",
+                gemv_blocks(o, split),
+                args![out, xp, wp, bp, n32, i32_, o32, s32],
+                out,
+            );
+            return;
+        }
+        self.gemm_bf16_forward(out, x, w, n, i, o);
+        if let Some(bias) = bias {
+            // x may be the last output's twin, which further products of it still read.
+            let (n32, o32) = (n as i32, o as i32);
+            let cfg = super::elementwise(n * o);
+            self.launch_reading_twin("add_bias", cfg, args![out, bias, n32, o32], out);
+        }
+    }
+
+    /// out (N, I) = silu(x · W_gateᵀ) · (x · W_upᵀ) from the stacked W (2·I, K), with its bf16
+    /// twin, in one `gemv_bf16_swiglu` pass; false (nothing done) where the rows are too many
+    /// for it.
+    pub(super) fn swiglu_product(
+        &self,
+        out: &GpuBuf,
+        x: &Bf16,
+        w: &Bf16,
+        n: usize,
+        k: usize,
+    ) -> bool {
+        let inner = out.len / n.max(1);
+        let Some(split) = self.gemv_split(x, w, n, k, inner) else {
+            return false;
+        };
+        let twin = self.bf16_alloc(out.len);
+        let (op, tp, xp, wp) = (out.ptr(0), twin.ptr(self), x.ptr(self), w.ptr(self));
+        let (n32, k32, inner32, s32) = (n as i32, k as i32, inner as i32, split as i32);
+        self.launch_reading_twin(
+            "gemv_bf16_swiglu",
+            gemv_blocks(inner, split),
+            args![op, tp, xp, wp, n32, k32, inner32, s32],
+            op,
+        );
+        self.keep_twin(out, twin);
+        true
+    }
+
+    /// How many warps `gemv_bf16` gives each of `o` columns for an (n, i) · (o, i)ᵀ product,
+    /// or None where cuBLAS takes it: more than `GEMV_ROWS` rows, a shape or address the
+    /// kernel's 16-byte loads cannot take, or `ARL_CUDA_GEMV=0`. The split grows while the
+    /// blocks are too few to fill the device twice and every lane still has two chunks of
+    /// 8; it depends on the shape and the device only, never on n (see kernels.cu).
+    fn gemv_split(&self, x: &Bf16, w: &Bf16, n: usize, i: usize, o: usize) -> Option<usize> {
+        let usable = (1..=GEMV_ROWS).contains(&n)
+            && i % 8 == 0
+            && i32::try_from(i.max(o)).is_ok()
+            && x.ptr(self) % 16 == 0
+            && w.ptr(self) % 16 == 0
+            && self.device.gemv_on.load(Ordering::Relaxed);
+        if !usable {
+            return None;
+        }
+        Some(gemv_split(self.device.info.multiprocessors, i, o))
+    }
+
+    /// out (N, O) = x (N, I) · Wᵀ from bf16 operands on cuBLAS. Overwrites.
     pub(super) fn gemm_bf16_forward(
         &self,
         out: u64,
@@ -243,7 +354,7 @@ impl Cuda {
             ldc as u64,
             u64::from(beta.to_bits()),
         ];
-        if self.twin_slot().as_ref().is_some_and(|t| t.of == c) {
+        if self.twin_of() == Some(c) {
             self.drop_twin();
         }
         let pass = self.note(&signature);
@@ -315,5 +426,36 @@ impl From<Op> for cublasOperation_t {
             Op::N => cublasOperation_t::CUBLAS_OP_N,
             Op::T => cublasOperation_t::CUBLAS_OP_T,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_rows_of_few_columns_split_across_warps() {
+        // An H100's 132 multiprocessors and Qwen2.5-0.5B's decode products.
+        assert_eq!(
+            gemv_split(132, 896, 1152),
+            1,
+            "q/k/v: 112 chunks, 3.5 a lane"
+        );
+        assert_eq!(gemv_split(132, 4864, 896), 4, "down: 448 blocks");
+        assert_eq!(
+            gemv_split(132, 896, 151_936),
+            1,
+            "the head fills the device"
+        );
+        assert_eq!(gemv_split(132, 1 << 20, 8), 8, "at most a block a column");
+    }
+
+    #[test]
+    fn the_row_limit_is_the_kernels() {
+        let define = format!("#define GEMV_ROWS {GEMV_ROWS}\n");
+        assert!(
+            super::super::device::KERNELS.contains(&define),
+            "kernels.cu: {define}"
+        );
     }
 }

@@ -2,7 +2,7 @@
 // time). Each one mirrors a CPU kernel of `ops/` and keeps its shape conventions: row-major
 // f32, N tokens, C channels, nh heads, nkv key/value heads, hd head size, V vocabulary.
 // Reductions accumulate in f32 (sum of squares in f64); matrix products are cuBLAS (bf16
-// inputs, f32 accumulation) and live in `gemm.rs`, not here.
+// inputs, f32 accumulation, in `gemm.rs`) but for products of a few rows (`gemv_bf16`).
 //
 // No headers: NVRTC needs none for this file, so nothing depends on CUDA's include folder.
 // bf16 values are `unsigned short` bit patterns (what cuBLAS reads as CUDA_R_16BF).
@@ -12,6 +12,17 @@ typedef unsigned short bf16_bits;
 #define BLOCK 256
 // −∞ without math.h (NVRTC has no headers here).
 #define NEG_INF __int_as_float(0xff800000)
+
+// Programmatic dependent launch (Hopper and newer; `launch_dependent` in mod.rs): a kernel
+// launched as a dependent may start while the kernel before it still runs, so every kernel
+// first waits for that one to finish (its writes visible), then lets the next kernel's blocks
+// be scheduled. Every kernel calls this before touching memory. Elsewhere it does nothing.
+__device__ __forceinline__ void pdl_start() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
 
 // ---- reductions within one block (blockDim.x == BLOCK) ----
 
@@ -71,6 +82,7 @@ __device__ __forceinline__ bool aligned16(const void* p) { return (((unsigned lo
 
 // out (len) = bf16(x). Threads: ceil(len / 4).
 extern "C" __global__ void to_bf16(bf16_bits* out, const float* x, long long len) {
+    pdl_start();
     long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x);
     if (i >= len) return;
     if (i + 4 <= len && aligned16(x + i) && (((unsigned long long)(out + i)) & 7) == 0) {
@@ -87,6 +99,7 @@ extern "C" __global__ void to_bf16(bf16_bits* out, const float* x, long long len
 // out (len) = x rounded to bf16 and widened back: the values a bf16 file of x holds.
 // Threads: len.
 extern "C" __global__ void round_to_bf16(float* out, const float* x, long long len) {
+    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < len) out[i] = __uint_as_float(((unsigned int)round_bf16(x[i])) << 16);
 }
@@ -95,6 +108,7 @@ extern "C" __global__ void round_to_bf16(float* out, const float* x, long long l
 // the layers keep f32-like precision in products that otherwise take one bf16 operand.
 // Threads: ceil(len / 4).
 extern "C" __global__ void to_bf16_split(bf16_bits* hi, bf16_bits* lo, const float* x, long long len) {
+    pdl_start();
     long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x);
     if (i >= len) return;
     if (i + 4 <= len && aligned16(x + i) && (((unsigned long long)(hi + i)) & 7) == 0 &&
@@ -117,17 +131,20 @@ extern "C" __global__ void to_bf16_split(bf16_bits* hi, bf16_bits* lo, const flo
 }
 
 extern "C" __global__ void add_assign(float* x, const float* y, long long len) {
+    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < len) x[i] += y[i];
 }
 
 extern "C" __global__ void scale(float* x, float factor, long long len) {
+    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < len) x[i] *= factor;
 }
 
 // total += Σ x² (f64 accumulation, one atomic per block).
 extern "C" __global__ void sum_squares(double* total, const float* x, long long len) {
+    pdl_start();
     __shared__ double partial[BLOCK];
     double acc = 0.0;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < len;
@@ -146,6 +163,7 @@ extern "C" __global__ void sum_squares(double* total, const float* x, long long 
 
 // out row r = x row rows[r]. out: (R, c)
 extern "C" __global__ void gather_rows(float* out, const float* x, const int* rows, int nrows, int c) {
+    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)nrows * c) return;
     int r = (int)(i / c), col = (int)(i % c);
@@ -154,12 +172,14 @@ extern "C" __global__ void gather_rows(float* out, const float* x, const int* ro
 
 // out (N, O) += bias (O) on every row.
 extern "C" __global__ void add_bias(float* out, const float* bias, int n, int o) {
+    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < (long long)n * o) out[i] += bias[i % o];
 }
 
 // db (O) += Σ_rows dout (N, O). grid: (ceil(O/BLOCK), ceil(N/rows_per_block))
 extern "C" __global__ void column_sums(float* db, const float* dout, int n, int o, int rows_per_block) {
+    pdl_start();
     int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col >= o) return;
     int r0 = blockIdx.y * rows_per_block;
@@ -173,6 +193,7 @@ extern "C" __global__ void column_sums(float* db, const float* dout, int n, int 
 
 // out (N, C) = table rows of tokens. table: (V, C)
 extern "C" __global__ void embedding_forward(float* out, const float* table, const unsigned int* tokens, int n, int c) {
+    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)n * c) return;
     int t = (int)(i / c), col = (int)(i % c);
@@ -181,6 +202,7 @@ extern "C" __global__ void embedding_forward(float* out, const float* table, con
 
 // dtable rows of tokens += dout rows (repeated tokens add up: atomics).
 extern "C" __global__ void embedding_backward(float* dtable, const float* dout, const unsigned int* tokens, int n, int c) {
+    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)n * c) return;
     int t = (int)(i / c), col = (int)(i % c);
@@ -193,6 +215,7 @@ extern "C" __global__ void embedding_backward(float* dtable, const float* dout, 
 // too (what to_bf16 would make of it, for the products that read it).
 extern "C" __global__ void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int c, float eps,
                                            bf16_bits* out_bf) {
+    pdl_start();
     __shared__ float shared[32];
     const float* xr = x + (long long)blockIdx.x * c;
     float* outr = out + (long long)blockIdx.x * c;
@@ -212,6 +235,7 @@ extern "C" __global__ void rmsnorm_forward(float* out, float* rstd, const float*
 // pass; the sums as rmsnorm_forward's). One block per row.
 extern "C" __global__ void add_rmsnorm_forward(float* x, const float* y, float* out, float* rstd, const float* w,
                                                int c, float eps, bf16_bits* out_bf) {
+    pdl_start();
     __shared__ float shared[32];
     float* xr = x + (long long)blockIdx.x * c;
     const float* yr = y + (long long)blockIdx.x * c;
@@ -234,6 +258,7 @@ extern "C" __global__ void add_rmsnorm_forward(float* x, const float* y, float* 
 
 // dx += s·w·dout − x·s³·(Σ dout·w·x)/C, per row. One block per row.
 extern "C" __global__ void rmsnorm_backward_dx(float* dx, const float* dout, const float* x, const float* w, const float* rstd, int c) {
+    pdl_start();
     __shared__ float shared[32];
     long long base = (long long)blockIdx.x * c;
     float s = rstd[blockIdx.x];
@@ -247,6 +272,7 @@ extern "C" __global__ void rmsnorm_backward_dx(float* dx, const float* dout, con
 
 // dw (C) += Σ_rows dout · x · rstd. grid: (ceil(C/BLOCK), ceil(N/rows_per_block))
 extern "C" __global__ void rmsnorm_backward_dw(float* dw, const float* dout, const float* x, const float* rstd, int n, int c, int rows_per_block) {
+    pdl_start();
     int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col >= c) return;
     int r0 = blockIdx.y * rows_per_block;
@@ -259,6 +285,7 @@ extern "C" __global__ void rmsnorm_backward_dw(float* dw, const float* dout, con
 // ---- RoPE (rotate_half layout), in place. x: (N, heads, hd); one thread per (row, head, i < hd/2)
 
 extern "C" __global__ void rope_apply(float* x, const int* positions, const float* inv_freq, int n, int heads, int half, float sign) {
+    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)n * heads * half) return;
     int f = (int)(i % half);
@@ -282,6 +309,7 @@ extern "C" __global__ void qkv_split_rope(float* q, float* k, float* v, const fl
                                           const float* inv_freq, int n, int heads, int kv_heads, int half,
                                           float factor, const long long* slots, long long layer_offset,
                                           long long v_offset) {
+    pdl_start();
     int all = heads + 2 * kv_heads, hd = 2 * half;
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)n * all * half) return;
@@ -331,6 +359,7 @@ __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f
 
 // out = silu(gate) · up. Threads: ceil(len / 4).
 extern "C" __global__ void swiglu_forward(float* out, const float* gate, const float* up, long long len) {
+    pdl_start();
     long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x);
     if (i >= len) return;
     if (i + 4 <= len && aligned16(out + i) && aligned16(gate + i) && aligned16(up + i)) {
@@ -348,6 +377,7 @@ extern "C" __global__ void swiglu_forward(float* out, const float* gate, const f
 // out (N, I) = silu(gate) · up from gate_up (N, 2I), the product of stacked gate and up
 // weights; with out_bf, its bf16 rounding too (as rmsnorm_forward). One thread per element.
 extern "C" __global__ void swiglu_stacked(float* out, const float* gate_up, int n, int inner, bf16_bits* out_bf) {
+    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)n * inner) return;
     long long row = i / inner;
@@ -368,6 +398,7 @@ __device__ __forceinline__ void swiglu_grad(float& dg, float& du, float d, float
 // Threads: ceil(len / 4).
 extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up,
                                            long long len) {
+    pdl_start();
     long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x);
     if (i >= len) return;
     if (i + 4 <= len && aligned16(dgate + i) && aligned16(dup + i) && aligned16(dout + i) && aligned16(gate + i) &&
@@ -383,6 +414,131 @@ extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float
         return;
     }
     for (long long j = i; j < len && j < i + 4; j++) swiglu_grad(dgate[j], dup[j], dout[j], gate[j], up[j]);
+}
+
+// ---- products of a few rows: out (n, o) = x (n, k) · Wᵀ, x and W bf16, f32 sums ----
+//
+// cuBLAS reaches about 40% of the memory bandwidth on the decode step's thin products and
+// costs a bias launch after each; these kernels stream W once at near the bandwidth for
+// n ≤ GEMV_ROWS rows and fuse what follows the product (bias; SwiGLU).
+//
+// Each column (a row of W) is reduced by `split` warps of one 256-thread block, which holds
+// 8 / split columns: lane l of the column's warp g takes the 8-element chunks
+// c ≡ 32·g + l (mod 32·split) in increasing order; then the warp's lanes (a butterfly) and
+// the column's warps (in order g = 0, 1, …) are summed. The order depends on k and split
+// only, never on n: a row's products are the same whatever else is in the batch. Needs
+// k % 8 == 0 and 16-byte aligned x and W (the caller checks).
+
+#define GEMV_ROWS 8
+
+// acc[r] += Σ over this lane's chunks of x[r]·w, for the rows r < n.
+__device__ __forceinline__ void gemv_lane(float* acc, const bf16_bits* x, const bf16_bits* w, int n, int k,
+                                          int first, int stride) {
+    const int chunks = k >> 3;
+    const uint4* wv = (const uint4*)w;
+    for (int c0 = first; c0 < chunks; c0 += 4 * stride) {
+        // Four chunks of W in flight before any is used: the loads are the latency.
+        uint4 wc[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int c = c0 + u * stride;
+            wc[u] = c < chunks ? __ldg(wv + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int c = c0 + u * stride;
+            if (c >= chunks) break;
+            float wf[8] = {low_half(wc[u].x), high_half(wc[u].x), low_half(wc[u].y), high_half(wc[u].y),
+                           low_half(wc[u].z), high_half(wc[u].z), low_half(wc[u].w), high_half(wc[u].w)};
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; r++) {
+                if (r >= n) break;
+                uint4 xv = __ldg((const uint4*)(x + (long long)r * k) + c);
+                float s = acc[r];
+                s = fmaf(low_half(xv.x), wf[0], s);
+                s = fmaf(high_half(xv.x), wf[1], s);
+                s = fmaf(low_half(xv.y), wf[2], s);
+                s = fmaf(high_half(xv.y), wf[3], s);
+                s = fmaf(low_half(xv.z), wf[4], s);
+                s = fmaf(high_half(xv.z), wf[5], s);
+                s = fmaf(low_half(xv.w), wf[6], s);
+                s = fmaf(high_half(xv.w), wf[7], s);
+                acc[r] = s;
+            }
+        }
+    }
+}
+
+// The column's sums for rows r < n, complete in lane 0 of the column's first warp (g == 0):
+// the lanes' butterfly, then the column's warps in order through `partial`.
+__device__ __forceinline__ void gemv_column_sums(float* acc, float (*partial)[GEMV_ROWS], int n, int split) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = warp_sum(acc[r]);
+    if (split == 1) return;
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; r++) partial[warp][r] = acc[r];
+    }
+    __syncthreads();
+    if (warp % split == 0 && lane == 0) {
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; r++) {
+            float s = partial[warp][r];
+            for (int g = 1; g < split; g++) s += partial[warp + g][r];
+            acc[r] = s;
+        }
+    }
+}
+
+// out (n, o) = x (n, k) · Wᵀ (+ bias (o)); n ≤ GEMV_ROWS. Blocks: ceil(o · split / 8) × 256.
+extern "C" __global__ void gemv_bf16(float* out, const bf16_bits* x, const bf16_bits* w, const float* bias, int n,
+                                     int k, int o, int split) {
+    pdl_start();
+    __shared__ float partial[8][GEMV_ROWS];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int col = blockIdx.x * (8 / split) + warp / split, g = warp % split;
+    float acc[GEMV_ROWS];
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = 0.0f;
+    if (col < o) gemv_lane(acc, x, w + (long long)col * k, n, k, 32 * g + lane, 32 * split);
+    gemv_column_sums(acc, partial, n, split);
+    if (col >= o || g != 0 || lane != 0) return;
+    float b = bias ? bias[col] : 0.0f;
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) {
+        if (r >= n) break;
+        out[(long long)r * o + col] = bias ? acc[r] + b : acc[r];
+    }
+}
+
+// out (n, inner) = silu(x · W_gateᵀ) · (x · W_upᵀ) from the stacked W (2·inner, k) (gate rows
+// first), and its bf16 rounding into out_bf: `gemv_bf16` then `swiglu_stacked` in one pass.
+// Blocks: ceil(inner · split / 8) × 256.
+extern "C" __global__ void gemv_bf16_swiglu(float* out, bf16_bits* out_bf, const bf16_bits* x, const bf16_bits* w,
+                                            int n, int k, int inner, int split) {
+    pdl_start();
+    __shared__ float partial[8][GEMV_ROWS];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int col = blockIdx.x * (8 / split) + warp / split, g = warp % split;
+    float gate[GEMV_ROWS], up[GEMV_ROWS];
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) gate[r] = up[r] = 0.0f;
+    if (col < inner) {
+        gemv_lane(gate, x, w + (long long)col * k, n, k, 32 * g + lane, 32 * split);
+        gemv_lane(up, x, w + (long long)(inner + col) * k, n, k, 32 * g + lane, 32 * split);
+    }
+    gemv_column_sums(gate, partial, n, split);
+    __syncthreads();
+    gemv_column_sums(up, partial, n, split);
+    if (col >= inner || g != 0 || lane != 0) return;
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) {
+        if (r >= n) break;
+        float v = silu_times(gate[r], up[r]);
+        out[(long long)r * inner + col] = v;
+        if (out_bf) out_bf[(long long)r * inner + col] = round_bf16(v);
+    }
 }
 
 // ---- causal grouped-query attention over packed spans, flash-style ----
@@ -477,6 +633,7 @@ __device__ float attend_row(float* oi, const float* qi, const Kv& kv, int visibl
 // up to itself.
 extern "C" __global__ void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
                                              const int* span, int heads, int kv_heads, int hd) {
+    pdl_start();
     __shared__ float shared[32];
     __shared__ float pc[TILE];
     int row = span[3 * blockIdx.x + 2], h = blockIdx.y;
@@ -492,6 +649,7 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
 // D (N·nh) = Σ_d dout·out per (row, head), the softmax backward's row dot (Σ_j P_ij dP_ij).
 // One warp per (row, head).
 extern "C" __global__ void attention_rowdot(float* dot, const float* dout, const float* out, long long pairs, int hd) {
+    pdl_start();
     long long pair = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (pair >= pairs) return;
@@ -508,6 +666,7 @@ extern "C" __global__ void attention_rowdot(float* dot, const float* dout, const
 extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, const float* lse, const float* q,
                                                  const float* k, const float* v, const float* dot,
                                                  const int* span, int heads, int kv_heads, int hd) {
+    pdl_start();
     __shared__ float ds[TILE];  // this row's dS over one tile of keys
     int row = span[3 * blockIdx.x + 2], h = blockIdx.y;
     long long start = span[3 * blockIdx.x];
@@ -544,6 +703,7 @@ extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, c
 extern "C" __global__ void attention_backward_dkv(float* dk, float* dv, const float* dout, const float* lse,
                                                   const float* q, const float* k, const float* v, const float* dot,
                                                   const int* span, int heads, int kv_heads, int hd) {
+    pdl_start();
     __shared__ float pc[TILE];   // P_ij over one tile of query rows
     __shared__ float dsc[TILE];  // dS_ij over the same tile
     int row = span[3 * blockIdx.x + 2], g = blockIdx.y;
@@ -916,35 +1076,41 @@ __device__ void flash_backward_dkv(float* dk, float* dv, const bf16_bits* dout, 
 
 extern "C" __global__ void __launch_bounds__(128) flash_forward_64(float* out, float* lse, const bf16_bits* q, const bf16_bits* k,
                                                                    const bf16_bits* v, const int* tiles, int heads, int kv_heads) {
+    pdl_start();
     flash_forward<64>(out, lse, q, k, v, tiles, heads, kv_heads);
 }
 
 extern "C" __global__ void __launch_bounds__(128) flash_backward_dq_64(float* dq, const bf16_bits* dout, const float* lse, const bf16_bits* q,
                                                                        const bf16_bits* k, const bf16_bits* v, const float* dot,
                                                                        const int* tiles, int heads, int kv_heads) {
+    pdl_start();
     flash_backward_dq<64>(dq, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
 extern "C" __global__ void __launch_bounds__(128) flash_backward_dkv_64(float* dk, float* dv, const bf16_bits* dout, const float* lse,
                                                                        const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,
                                                                        const float* dot, const int* tiles, int heads, int kv_heads) {
+    pdl_start();
     flash_backward_dkv<64, 4, 64>(dk, dv, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
 extern "C" __global__ void __launch_bounds__(128) flash_forward_128(float* out, float* lse, const bf16_bits* q, const bf16_bits* k,
                                                                    const bf16_bits* v, const int* tiles, int heads, int kv_heads) {
+    pdl_start();
     flash_forward<128>(out, lse, q, k, v, tiles, heads, kv_heads);
 }
 
 extern "C" __global__ void __launch_bounds__(128) flash_backward_dq_128(float* dq, const bf16_bits* dout, const float* lse, const bf16_bits* q,
                                                                        const bf16_bits* k, const bf16_bits* v, const float* dot,
                                                                        const int* tiles, int heads, int kv_heads) {
+    pdl_start();
     flash_backward_dq<128>(dq, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
 extern "C" __global__ void __launch_bounds__(64) flash_backward_dkv_128(float* dk, float* dv, const bf16_bits* dout, const float* lse,
                                                                        const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,
                                                                        const float* dot, const int* tiles, int heads, int kv_heads) {
+    pdl_start();
     flash_backward_dkv<128, 2, 32>(dk, dv, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
@@ -954,6 +1120,7 @@ extern "C" __global__ void __launch_bounds__(64) flash_backward_dkv_128(float* d
 extern "C" __global__ void attention_paged(float* out, const float* q, const long long* entries,
                                            const long long* blocks, long long layer_offset, long long v_offset,
                                            int heads, int kv_heads, int hd, int shift) {
+    pdl_start();
     __shared__ float shared[32];
     __shared__ float pc[TILE];
     const long long* entry = entries + 3 * blockIdx.x;
@@ -1071,6 +1238,7 @@ extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode
     float* out, bf16_bits* out_bf, float* part, const float* q, const long long* entries, const long long* blocks,
     long long layer_offset, long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,
     int max_splits) {
+    pdl_start();
     attention_decode<1>(out, out_bf, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,
                          blocks_per_split, max_splits);
 }
@@ -1078,6 +1246,7 @@ extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode
     float* out, bf16_bits* out_bf, float* part, const float* q, const long long* entries, const long long* blocks,
     long long layer_offset, long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,
     int max_splits) {
+    pdl_start();
     attention_decode<2>(out, out_bf, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,
                          blocks_per_split, max_splits);
 }
@@ -1085,6 +1254,7 @@ extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode
     float* out, bf16_bits* out_bf, float* part, const float* q, const long long* entries, const long long* blocks,
     long long layer_offset, long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,
     int max_splits) {
+    pdl_start();
     attention_decode<4>(out, out_bf, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,
                          blocks_per_split, max_splits);
 }
@@ -1092,6 +1262,7 @@ extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode
     float* out, bf16_bits* out_bf, float* part, const float* q, const long long* entries, const long long* blocks,
     long long layer_offset, long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,
     int max_splits) {
+    pdl_start();
     attention_decode<8>(out, out_bf, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,
                          blocks_per_split, max_splits);
 }
@@ -1101,6 +1272,7 @@ extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode
 extern "C" __global__ void attention_decode_merge(float* out, bf16_bits* out_bf, const float* part,
                                                   const long long* entries, int heads, int hd, int splits_launched,
                                                   int shift, int blocks_per_split, int max_splits) {
+    pdl_start();
     const long long* entry = entries + 3 * blockIdx.x;
     int splits = decode_splits((int)entry[2], shift, blocks_per_split, max_splits);
     if (splits == 1) return;
@@ -1124,6 +1296,7 @@ extern "C" __global__ void attention_decode_merge(float* out, bf16_bits* out_bf,
 extern "C" __global__ void kv_write(const float* k, const float* v, const long long* slots,
                                     const long long* entries, long long layer_offset, long long v_offset,
                                     int kv_dim) {
+    pdl_start();
     long long e = blockIdx.x;
     long long r = entries[3 * e];
     float* dst = (float*)slots[e] + layer_offset;
@@ -1153,6 +1326,7 @@ __device__ __forceinline__ void softmax_stats_add(float& m, float& sum, float& w
 // combines them (H = lse − Σ p z). One block per row. target −1 = none.
 extern "C" __global__ void head_stats(float* lse, float* entropy, float* logprob, const float* logits,
                                       const int* targets, int r0, int vocab) {
+    pdl_start();
     __shared__ float shared[32];
     const float* z = logits + (long long)blockIdx.x * vocab;
     int r = r0 + blockIdx.x;
@@ -1193,6 +1367,7 @@ extern "C" __global__ void head_stats(float* lse, float* entropy, float* logprob
 extern "C" __global__ void head_dlogits(bf16_bits* hi, bf16_bits* lo, const float* z, const float* lse,
                                         const float* entropy, const float* d_logprob, const float* d_entropy,
                                         const int* targets, int r0, int vocab) {
+    pdl_start();
     int r = r0 + blockIdx.x;
     long long base = (long long)blockIdx.x * vocab;
     float l = lse[r], h = entropy[r], d_lp = d_logprob[r], d_h = d_entropy[r];
@@ -1212,6 +1387,7 @@ extern "C" __global__ void head_dlogits(bf16_bits* hi, bf16_bits* lo, const floa
 
 extern "C" __global__ void adamw(float* param, const float* grad, float* m, float* v, long long len, float lr, float beta1,
                                  float beta2, float eps, float weight_decay, float correction1, float correction2) {
+    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= len) return;
     float g = grad[i];
@@ -1324,6 +1500,7 @@ __device__ unsigned radix_threshold(const float* z, int vocab, unsigned floor, b
 //   - the top n by value, best first, ties to the smaller index.
 // out per pick: [token id bits, logprob, TOP_MAX ids bits, TOP_MAX logprobs].
 extern "C" __global__ void sample_rows(float* out, const float* logits, const float* picks, int vocab) {
+    pdl_start();
     __shared__ float shared_v[32];
     __shared__ int shared_i[32];
     __shared__ double shared_d[32];

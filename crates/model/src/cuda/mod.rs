@@ -498,6 +498,19 @@ impl Cuda {
     fn launch(&self, name: &'static str, cfg: LaunchConfig, args: &[Arg]) {
         // Whatever this kernel writes, the last output's bf16 twin may no longer match it.
         self.drop_twin();
+        self.launch_keeping_twin(name, cfg, args);
+    }
+
+    /// `launch` for a kernel that reads the last output's bf16 twin and writes only `out`
+    /// (and a twin of its own): the twin stays alive for it unless `out` is what it rounds.
+    fn launch_reading_twin(&self, name: &'static str, cfg: LaunchConfig, args: &[Arg], out: u64) {
+        if self.twin_of() == Some(out) {
+            self.drop_twin();
+        }
+        self.launch_keeping_twin(name, cfg, args);
+    }
+
+    fn launch_keeping_twin(&self, name: &'static str, cfg: LaunchConfig, args: &[Arg]) {
         if !self.ok() || cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 {
             return;
         }
@@ -524,22 +537,111 @@ impl Cuda {
             });
             return;
         };
-        let mut builder = self.device.stream_for(pass).launch_builder(function);
-        for arg in args {
-            match arg {
-                Arg::Ptr(v) | Arg::U64(v) => builder.arg(v),
-                Arg::I32(v) => builder.arg(v),
-                Arg::I64(v) => builder.arg(v),
-                Arg::F32(v) => builder.arg(v),
-            };
-        }
+        let stream = self.device.stream_for(pass);
         // SAFETY: every pointer argument is the device address of a live allocation large
         // enough for the shapes passed with it (see each call; temporaries are freed in
         // stream order, after the kernel), every other argument a scalar of the type the
         // kernel declares at that position.
-        if let Err(e) = self.timed(name, || unsafe { builder.launch(cfg) }) {
+        let launched = if self
+            .device
+            .pdl_on
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            self.timed(name, || unsafe {
+                launch_dependent(function, cfg, stream, args)
+            })
+        } else {
+            let mut builder = stream.launch_builder(function);
+            for arg in args {
+                match arg {
+                    Arg::Ptr(v) | Arg::U64(v) => builder.arg(v),
+                    Arg::I32(v) => builder.arg(v),
+                    Arg::I64(v) => builder.arg(v),
+                    Arg::F32(v) => builder.arg(v),
+                };
+            }
+            self.timed(name, || unsafe { builder.launch(cfg) })
+                .map(|_| ())
+        };
+        if let Err(e) = launched {
             self.fail(device::driver("launching a kernel")(e));
         }
+    }
+
+    /// Turns programmatic dependent launch (see `launch_dependent`) on or off for this
+    /// device; it cannot be turned on before Hopper.
+    pub fn set_pdl(&self, on: bool) {
+        let on = on && self.device.info.compute_capability.0 >= 9;
+        self.device
+            .pdl_on
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Turns the few-row product kernels (`gemv_bf16`, see `gemm.rs`) on or off for this
+    /// device; off, every product runs on cuBLAS.
+    pub fn set_gemv(&self, on: bool) {
+        self.device
+            .gemv_on
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Launches `function` as a programmatic dependent of the kernel before it on `stream`: its
+/// blocks may be scheduled while that kernel's last blocks still run, and wait for it to
+/// finish (and its writes to be visible) at their first statement (`pdl_start` in
+/// kernels.cu, which every kernel calls first). A decode step is a chain of ~200 small
+/// kernels, and this hides most of each launch's ramp behind the kernel before it. After a
+/// kernel that is not ours (cuBLAS), or an operation that is not a kernel, the launch waits
+/// as a plain one does.
+///
+/// # Safety
+/// As for any launch: `args` are the kernel's parameters, in order and type, and every
+/// pointer among them addresses memory that stays allocated until the kernel has run.
+unsafe fn launch_dependent(
+    function: &cudarc::driver::CudaFunction,
+    cfg: LaunchConfig,
+    stream: &cudarc::driver::CudaStream,
+    args: &[Arg],
+) -> Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    // The driver reads each parameter through a pointer to it; `args` outlives the call.
+    let mut params: Vec<*mut std::ffi::c_void> = args
+        .iter()
+        .map(|arg| match arg {
+            Arg::Ptr(v) | Arg::U64(v) => std::ptr::from_ref(v).cast_mut().cast(),
+            Arg::I32(v) => std::ptr::from_ref(v).cast_mut().cast(),
+            Arg::I64(v) => std::ptr::from_ref(v).cast_mut().cast(),
+            Arg::F32(v) => std::ptr::from_ref(v).cast_mut().cast(),
+        })
+        .collect();
+    // SAFETY: an all-zero launch attribute is a valid (ignored) one; id and value are set
+    // next.
+    let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attribute.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &raw mut attribute,
+        numAttrs: 1,
+    };
+    stream.context().bind_to_thread()?;
+    // SAFETY: config, its attribute and the parameter pointers live until the call returns
+    // (the driver copies them); the caller vouches for the parameters themselves.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &raw const config,
+            function.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+        .result()
     }
 }
 
@@ -1006,11 +1108,8 @@ impl Backend for Cuda {
         let x_bf = self.bf16(x, 0, n * i);
         for p in products {
             let w_bf = self.bf16(p.w, 0, p.o * i);
-            self.gemm_bf16_forward(p.out.ptr(0), &x_bf, &w_bf, n, i, p.o);
-            if let Some(bias) = p.bias {
-                let (op, bp, n32, o32) = (p.out.ptr(0), bias.ptr(0), n as i32, p.o as i32);
-                self.launch("add_bias", elementwise(n * p.o), args![op, bp, n32, o32]);
-            }
+            let bias = p.bias.map(|b| b.ptr(0));
+            self.product_forward(p.out.ptr(0), &x_bf, &w_bf, bias, n, i, p.o);
         }
     }
 
@@ -1024,11 +1123,8 @@ impl Backend for Cuda {
     ) {
         // The same product as `matmul_forward`, less the weights' conversion.
         let x_bf = self.bf16(x, 0, n * w.cols);
-        self.gemm_bf16_forward(out.ptr(0), &x_bf, &w.data, n, w.cols, w.rows);
-        if let Some(bias) = bias {
-            let (op, bp, n32, o32) = (out.ptr(0), bias.ptr(0), n as i32, w.rows as i32);
-            self.launch("add_bias", elementwise(n * w.rows), args![op, bp, n32, o32]);
-        }
+        let bias = bias.map(|b| b.ptr(0));
+        self.product_forward(out.ptr(0), &x_bf, &w.data, bias, n, w.cols, w.rows);
     }
 
     fn matmul_packed_shared(
@@ -1043,12 +1139,8 @@ impl Backend for Cuda {
         };
         let x_bf = self.bf16(x, 0, n * cols);
         for p in products {
-            let w = p.w;
-            self.gemm_bf16_forward(p.out.ptr(0), &x_bf, &w.data, n, w.cols, w.rows);
-            if let Some(bias) = p.bias {
-                let (op, bp, n32, o32) = (p.out.ptr(0), bias.ptr(0), n as i32, w.rows as i32);
-                self.launch("add_bias", elementwise(n * w.rows), args![op, bp, n32, o32]);
-            }
+            let (w, bias) = (p.w, p.bias.map(|b| b.ptr(0)));
+            self.product_forward(p.out.ptr(0), &x_bf, &w.data, bias, n, w.cols, w.rows);
         }
     }
 
@@ -1186,6 +1278,26 @@ impl Backend for Cuda {
         let cfg = elementwise(out.len);
         self.launch("swiglu_stacked", cfg, args![o, gu, n, inner, tp]);
         self.keep_twin(out, twin);
+    }
+
+    fn matmul_packed_swiglu(
+        &self,
+        out: &mut GpuBuf,
+        gate_up: &mut GpuBuf,
+        x: &GpuBuf,
+        w: &Bf16Matrix,
+        n: usize,
+        i_dim: usize,
+    ) {
+        let x_bf = self.bf16(x, 0, n * w.cols);
+        if out.len != n * i_dim
+            || w.rows != 2 * i_dim
+            || !self.swiglu_product(out, &x_bf, &w.data, n, w.cols)
+        {
+            drop(x_bf);
+            self.matmul_packed(gate_up, x, w, None, n);
+            self.swiglu_stacked(out, gate_up, i_dim);
+        }
     }
 
     fn swiglu_forward(&self, out: &mut GpuBuf, gate: &GpuBuf, up: &GpuBuf) {

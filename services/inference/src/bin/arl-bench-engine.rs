@@ -236,6 +236,26 @@ fn set_graphs(device: &Device, on: bool) -> bool {
     }
 }
 
+/// The engine's steps so far and their host time (µs): [steps, forward, draw, emit].
+fn step_times(engine: &EngineHandle) -> [u64; 4] {
+    use std::sync::atomic::Ordering::Relaxed;
+    let s = &engine.stats;
+    [&s.steps, &s.forward_us, &s.draw_us, &s.emit_us].map(|c| c.load(Relaxed))
+}
+
+/// Turns the few-row product kernels and programmatic dependent launch on or off on a GPU
+/// (false on the CPU, which has neither).
+fn set_fast_kernels(device: &Device, on: bool) -> bool {
+    match device {
+        Device::Cuda { gpu, .. } => {
+            gpu.set_gemv(on);
+            gpu.set_pdl(on);
+            true
+        }
+        Device::Cpu => false,
+    }
+}
+
 /// (replayed, captured, eager) decode steps so far on a GPU.
 fn graph_stats(device: &Device) -> Option<arl_model::cuda::GraphStats> {
     match device {
@@ -332,9 +352,30 @@ fn main() -> Result<()> {
         } else {
             None
         };
+        // And with every product on cuBLAS and plain launches: what the few-row kernels
+        // and programmatic dependent launch buy, in this run.
+        let plain = if set_fast_kernels(&device, false) {
+            let plain = run(&engine, &prompts, args.new_tokens)?;
+            set_fast_kernels(&device, true);
+            Some(plain.decode_tok_s)
+        } else {
+            None
+        };
         take_profile(&device);
         let before = graph_stats(&device);
+        let steps_before = step_times(&engine);
         let mut measured = run(&engine, &prompts, args.new_tokens)?;
+        let host = {
+            let after = step_times(&engine);
+            let steps = (after[0] - steps_before[0]).max(1) as f64;
+            let part = |i: usize| (after[i] - steps_before[i]) as f64 / steps;
+            format!(
+                "{steps:.0} steps, host µs per step: forward {:.0}, draw {:.0}, emit {:.0}",
+                part(1),
+                part(2),
+                part(3)
+            )
+        };
         let graphs = graph_stats(&device).zip(before).map(|(after, before)| {
             let planned = (after.replayed + after.captured + after.eager)
                 - (before.replayed + before.captured + before.eager);
@@ -349,6 +390,7 @@ fn main() -> Result<()> {
             )
         });
         print_profile(&take_profile(&device), batch, args.new_tokens);
+        eprintln!("batch {batch}: {host}");
         if let Device::Cuda { gpu, .. } = &device
             && let Some(why) = gpu.graph_failure()
         {
@@ -356,7 +398,7 @@ fn main() -> Result<()> {
         }
         let p50 = percentile(&mut measured.per_token, 0.5) * 1e3;
         let p99 = percentile(&mut measured.per_token, 0.99) * 1e3;
-        rows.push((batch, measured.decode_tok_s, p50, p99, eager, graphs));
+        rows.push((batch, measured.decode_tok_s, p50, p99, eager, plain, graphs));
     }
     let torch = match &args.torch_python {
         Some(python) => torch_rows(&args, python)?,
@@ -375,16 +417,17 @@ fn main() -> Result<()> {
         prefill_tok_s, args.prefill_prompts, args.prefill_len
     );
     println!(
-        "{:>6} {:>14} {:>18} {:>16} {:>8} {:>18} {:>56}",
+        "{:>6} {:>14} {:>18} {:>16} {:>8} {:>18} {:>22} {:>56}",
         "batch",
         "ARL tok/s",
         "ARL ms/token p50/p99",
         "HF generate tok/s",
         "ratio",
         "no graphs tok/s",
+        "cuBLAS, no PDL tok/s",
         "steps replayed/captured/eager, host plan and GPU per step"
     );
-    for (batch, tok_s, p50, p99, eager, graphs) in rows {
+    for (batch, tok_s, p50, p99, eager, plain, graphs) in rows {
         let hf = torch
             .iter()
             .find(|r| r["batch"].as_u64() == Some(batch as u64))
@@ -394,9 +437,10 @@ fn main() -> Result<()> {
             None => ("-".into(), "-".into()),
         };
         let eager = eager.map_or("-".into(), |e| format!("{e:.0} ({:.2}x)", tok_s / e));
+        let plain = plain.map_or("-".into(), |e| format!("{e:.0} ({:.2}x)", tok_s / e));
         let graphs = graphs.unwrap_or_else(|| "-".into());
         println!(
-            "{batch:>6} {tok_s:>14.0} {:>10.2}/{:<7.2} {hf_text:>16} {ratio:>8} {eager:>18} {graphs:>56}",
+            "{batch:>6} {tok_s:>14.0} {:>10.2}/{:<7.2} {hf_text:>16} {ratio:>8} {eager:>18} {plain:>22} {graphs:>56}",
             p50, p99
         );
     }
