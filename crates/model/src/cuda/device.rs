@@ -140,9 +140,6 @@ pub struct Device {
     /// Whether products of a few rows run on `gemv_bf16` (`gemm.rs`): on unless
     /// `ARL_CUDA_GEMV=0`.
     pub(super) gemv_on: AtomicBool,
-    /// Whether kernels launch as programmatic dependents of the kernel before them (Hopper
-    /// and newer; `launch` in mod.rs): on unless `ARL_CUDA_PDL=0`.
-    pub(super) pdl_on: AtomicBool,
     /// Whether a thread is recording a step now (the fast path of every operation reads
     /// only this), and its recording.
     /// The last output's bf16 rounding, while nothing has written it since (`gemm.rs`).
@@ -334,9 +331,6 @@ impl Device {
                 std::env::var_os("ARL_CUDA_GRAPHS").is_none_or(|v| v != "0"),
             ),
             gemv_on: AtomicBool::new(std::env::var_os("ARL_CUDA_GEMV").is_none_or(|v| v != "0")),
-            pdl_on: AtomicBool::new(
-                major >= 9 && std::env::var_os("ARL_CUDA_PDL").is_none_or(|v| v != "0"),
-            ),
             twin: Mutex::new(None),
             recording: AtomicBool::new(false),
             recording_slot: Mutex::new(None),

@@ -20,21 +20,21 @@ use super::{Arg, Cuda, CudaError, GpuBuf, args};
 /// Products of at most this many rows run on `gemv_bf16` (kernels.cu's `GEMV_ROWS`).
 pub(super) const GEMV_ROWS: usize = 8;
 
-/// Warps a column of an (·, i) · (o, i)ᵀ product on `multiprocessors` gets (see
-/// `Cuda::gemv_split`).
-fn gemv_split(multiprocessors: usize, i: usize, o: usize) -> usize {
-    let (fill, chunks) = (2 * multiprocessors, i / 8);
+/// Warps each of `groups` tiles of 16 columns of a product with rows of `i` gets on
+/// `multiprocessors` (see `Cuda::gemv_split`).
+fn gemv_split(multiprocessors: usize, i: usize, groups: usize) -> usize {
+    let (fill, kblocks) = (2 * multiprocessors, i.div_ceil(64));
     let mut split = 1;
-    while split < 8 && o * split / 8 < fill && 2 * 32 * (2 * split) <= chunks {
+    while split < 8 && groups * split / 8 < fill && 2 * split <= kblocks {
         split *= 2;
     }
     split
 }
 
-/// `gemv_bf16`'s launch: 256 threads, 8 / split columns a block.
-fn gemv_blocks(columns: usize, split: usize) -> LaunchConfig {
+/// A `gemv_bf16*` launch: 256 threads, 8 / split tiles of 16 columns a block.
+fn gemv_blocks(groups: usize, split: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: ((columns * split).div_ceil(8) as u32, 1, 1),
+        grid_dim: ((groups * split).div_ceil(8) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -199,12 +199,14 @@ impl Cuda {
         i: usize,
         o: usize,
     ) {
-        if let Some(split) = self.gemv_split(x, w, n, i, o) {
+        // A warp (group) of gemv_bf16 takes a tile of 16 columns.
+        let groups = o.div_ceil(16);
+        if let Some(split) = self.gemv_split(x, w, n, i, groups) {
             let (xp, wp, bp) = (x.ptr(self), w.ptr(self), bias.unwrap_or(0));
             let (n32, i32_, o32, s32) = (n as i32, i as i32, o as i32, split as i32);
             self.launch_reading_twin(
                 "gemv_bf16",
-                gemv_blocks(o, split),
+                gemv_blocks(groups, split),
                 args![out, xp, wp, bp, n32, i32_, o32, s32],
                 out,
             );
@@ -231,7 +233,7 @@ impl Cuda {
         k: usize,
     ) -> bool {
         let inner = out.len / n.max(1);
-        let Some(split) = self.gemv_split(x, w, n, k, inner) else {
+        let Some(split) = self.gemv_split(x, w, n, k, inner.div_ceil(16)) else {
             return false;
         };
         let twin = self.bf16_alloc(out.len);
@@ -239,7 +241,7 @@ impl Cuda {
         let (n32, k32, inner32, s32) = (n as i32, k as i32, inner as i32, split as i32);
         self.launch_reading_twin(
             "gemv_bf16_swiglu",
-            gemv_blocks(inner, split),
+            gemv_blocks(inner.div_ceil(16), split),
             args![op, tp, xp, wp, n32, k32, inner32, s32],
             op,
         );
@@ -247,22 +249,23 @@ impl Cuda {
         true
     }
 
-    /// How many warps `gemv_bf16` gives each of `o` columns for an (n, i) · (o, i)ᵀ product,
-    /// or None where cuBLAS takes it: more than `GEMV_ROWS` rows, a shape or address the
-    /// kernel's 16-byte loads cannot take, or `ARL_CUDA_GEMV=0`. The split grows while the
-    /// blocks are too few to fill the device twice and every lane still has two chunks of
-    /// 8; it depends on the shape and the device only, never on n (see kernels.cu).
-    fn gemv_split(&self, x: &Bf16, w: &Bf16, n: usize, i: usize, o: usize) -> Option<usize> {
+    /// How many warps `gemv_bf16` gives each of `groups` tiles of 16 columns for an
+    /// (n, i) · (·, i)ᵀ product, or None where cuBLAS takes it: more than `GEMV_ROWS` rows,
+    /// a shape or address the kernel's 16-byte loads cannot take, or `ARL_CUDA_GEMV=0`. The
+    /// split grows while the blocks are too few to fill the device twice and every warp
+    /// still has a K-block of 64; it depends on the shape and the device only, never on n
+    /// (see kernels.cu).
+    fn gemv_split(&self, x: &Bf16, w: &Bf16, n: usize, i: usize, groups: usize) -> Option<usize> {
         let usable = (1..=GEMV_ROWS).contains(&n)
             && i % 8 == 0
-            && i32::try_from(i.max(o)).is_ok()
+            && i32::try_from(i.max(16 * groups)).is_ok()
             && x.ptr(self) % 16 == 0
             && w.ptr(self) % 16 == 0
             && self.device.gemv_on.load(Ordering::Relaxed);
         if !usable {
             return None;
         }
-        Some(gemv_split(self.device.info.multiprocessors, i, o))
+        Some(gemv_split(self.device.info.multiprocessors, i, groups))
     }
 
     /// out (N, O) = x (N, I) · Wᵀ from bf16 operands on cuBLAS. Overwrites.
@@ -435,19 +438,11 @@ mod tests {
 
     #[test]
     fn long_rows_of_few_columns_split_across_warps() {
-        // An H100's 132 multiprocessors and Qwen2.5-0.5B's decode products.
-        assert_eq!(
-            gemv_split(132, 896, 1152),
-            1,
-            "q/k/v: 112 chunks, 3.5 a lane"
-        );
-        assert_eq!(gemv_split(132, 4864, 896), 4, "down: 448 blocks");
-        assert_eq!(
-            gemv_split(132, 896, 151_936),
-            1,
-            "the head fills the device"
-        );
-        assert_eq!(gemv_split(132, 1 << 20, 8), 8, "at most a block a column");
+        // An H100's 132 multiprocessors and Qwen2.5-0.5B's decode products, in tiles of 16.
+        assert_eq!(gemv_split(132, 896, 72), 8, "q/k/v: 72 tiles, 14 K-blocks");
+        assert_eq!(gemv_split(132, 4864, 56), 8, "down: 56 tiles, 76 K-blocks");
+        assert_eq!(gemv_split(132, 896, 9_496), 1, "the head fills the device");
+        assert_eq!(gemv_split(132, 128, 8), 2, "a K-block a warp at least");
     }
 
     #[test]

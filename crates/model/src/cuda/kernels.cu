@@ -13,17 +13,6 @@ typedef unsigned short bf16_bits;
 // −∞ without math.h (NVRTC has no headers here).
 #define NEG_INF __int_as_float(0xff800000)
 
-// Programmatic dependent launch (Hopper and newer; `launch_dependent` in mod.rs): a kernel
-// launched as a dependent may start while the kernel before it still runs, so every kernel
-// first waits for that one to finish (its writes visible), then lets the next kernel's blocks
-// be scheduled. Every kernel calls this before touching memory. Elsewhere it does nothing.
-__device__ __forceinline__ void pdl_start() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-
 // ---- reductions within one block (blockDim.x == BLOCK) ----
 
 // The block's sum, in T (float, or double where the host sums in f64); every thread gets it.
@@ -82,7 +71,6 @@ __device__ __forceinline__ bool aligned16(const void* p) { return (((unsigned lo
 
 // out (len) = bf16(x). Threads: ceil(len / 4).
 extern "C" __global__ void to_bf16(bf16_bits* out, const float* x, long long len) {
-    pdl_start();
     long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x);
     if (i >= len) return;
     if (i + 4 <= len && aligned16(x + i) && (((unsigned long long)(out + i)) & 7) == 0) {
@@ -99,7 +87,6 @@ extern "C" __global__ void to_bf16(bf16_bits* out, const float* x, long long len
 // out (len) = x rounded to bf16 and widened back: the values a bf16 file of x holds.
 // Threads: len.
 extern "C" __global__ void round_to_bf16(float* out, const float* x, long long len) {
-    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < len) out[i] = __uint_as_float(((unsigned int)round_bf16(x[i])) << 16);
 }
@@ -108,7 +95,6 @@ extern "C" __global__ void round_to_bf16(float* out, const float* x, long long l
 // the layers keep f32-like precision in products that otherwise take one bf16 operand.
 // Threads: ceil(len / 4).
 extern "C" __global__ void to_bf16_split(bf16_bits* hi, bf16_bits* lo, const float* x, long long len) {
-    pdl_start();
     long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x);
     if (i >= len) return;
     if (i + 4 <= len && aligned16(x + i) && (((unsigned long long)(hi + i)) & 7) == 0 &&
@@ -131,20 +117,17 @@ extern "C" __global__ void to_bf16_split(bf16_bits* hi, bf16_bits* lo, const flo
 }
 
 extern "C" __global__ void add_assign(float* x, const float* y, long long len) {
-    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < len) x[i] += y[i];
 }
 
 extern "C" __global__ void scale(float* x, float factor, long long len) {
-    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < len) x[i] *= factor;
 }
 
 // total += Σ x² (f64 accumulation, one atomic per block).
 extern "C" __global__ void sum_squares(double* total, const float* x, long long len) {
-    pdl_start();
     __shared__ double partial[BLOCK];
     double acc = 0.0;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < len;
@@ -163,7 +146,6 @@ extern "C" __global__ void sum_squares(double* total, const float* x, long long 
 
 // out row r = x row rows[r]. out: (R, c)
 extern "C" __global__ void gather_rows(float* out, const float* x, const int* rows, int nrows, int c) {
-    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)nrows * c) return;
     int r = (int)(i / c), col = (int)(i % c);
@@ -172,14 +154,12 @@ extern "C" __global__ void gather_rows(float* out, const float* x, const int* ro
 
 // out (N, O) += bias (O) on every row.
 extern "C" __global__ void add_bias(float* out, const float* bias, int n, int o) {
-    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < (long long)n * o) out[i] += bias[i % o];
 }
 
 // db (O) += Σ_rows dout (N, O). grid: (ceil(O/BLOCK), ceil(N/rows_per_block))
 extern "C" __global__ void column_sums(float* db, const float* dout, int n, int o, int rows_per_block) {
-    pdl_start();
     int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col >= o) return;
     int r0 = blockIdx.y * rows_per_block;
@@ -193,7 +173,6 @@ extern "C" __global__ void column_sums(float* db, const float* dout, int n, int 
 
 // out (N, C) = table rows of tokens. table: (V, C)
 extern "C" __global__ void embedding_forward(float* out, const float* table, const unsigned int* tokens, int n, int c) {
-    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)n * c) return;
     int t = (int)(i / c), col = (int)(i % c);
@@ -202,7 +181,6 @@ extern "C" __global__ void embedding_forward(float* out, const float* table, con
 
 // dtable rows of tokens += dout rows (repeated tokens add up: atomics).
 extern "C" __global__ void embedding_backward(float* dtable, const float* dout, const unsigned int* tokens, int n, int c) {
-    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)n * c) return;
     int t = (int)(i / c), col = (int)(i % c);
@@ -215,7 +193,6 @@ extern "C" __global__ void embedding_backward(float* dtable, const float* dout, 
 // too (what to_bf16 would make of it, for the products that read it).
 extern "C" __global__ void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int c, float eps,
                                            bf16_bits* out_bf) {
-    pdl_start();
     __shared__ float shared[32];
     const float* xr = x + (long long)blockIdx.x * c;
     float* outr = out + (long long)blockIdx.x * c;
@@ -235,7 +212,6 @@ extern "C" __global__ void rmsnorm_forward(float* out, float* rstd, const float*
 // pass; the sums as rmsnorm_forward's). One block per row.
 extern "C" __global__ void add_rmsnorm_forward(float* x, const float* y, float* out, float* rstd, const float* w,
                                                int c, float eps, bf16_bits* out_bf) {
-    pdl_start();
     __shared__ float shared[32];
     float* xr = x + (long long)blockIdx.x * c;
     const float* yr = y + (long long)blockIdx.x * c;
@@ -258,7 +234,6 @@ extern "C" __global__ void add_rmsnorm_forward(float* x, const float* y, float* 
 
 // dx += s·w·dout − x·s³·(Σ dout·w·x)/C, per row. One block per row.
 extern "C" __global__ void rmsnorm_backward_dx(float* dx, const float* dout, const float* x, const float* w, const float* rstd, int c) {
-    pdl_start();
     __shared__ float shared[32];
     long long base = (long long)blockIdx.x * c;
     float s = rstd[blockIdx.x];
@@ -272,7 +247,6 @@ extern "C" __global__ void rmsnorm_backward_dx(float* dx, const float* dout, con
 
 // dw (C) += Σ_rows dout · x · rstd. grid: (ceil(C/BLOCK), ceil(N/rows_per_block))
 extern "C" __global__ void rmsnorm_backward_dw(float* dw, const float* dout, const float* x, const float* rstd, int n, int c, int rows_per_block) {
-    pdl_start();
     int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col >= c) return;
     int r0 = blockIdx.y * rows_per_block;
@@ -285,7 +259,6 @@ extern "C" __global__ void rmsnorm_backward_dw(float* dw, const float* dout, con
 // ---- RoPE (rotate_half layout), in place. x: (N, heads, hd); one thread per (row, head, i < hd/2)
 
 extern "C" __global__ void rope_apply(float* x, const int* positions, const float* inv_freq, int n, int heads, int half, float sign) {
-    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)n * heads * half) return;
     int f = (int)(i % half);
@@ -309,7 +282,6 @@ extern "C" __global__ void qkv_split_rope(float* q, float* k, float* v, const fl
                                           const float* inv_freq, int n, int heads, int kv_heads, int half,
                                           float factor, const long long* slots, long long layer_offset,
                                           long long v_offset) {
-    pdl_start();
     int all = heads + 2 * kv_heads, hd = 2 * half;
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)n * all * half) return;
@@ -359,7 +331,6 @@ __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f
 
 // out = silu(gate) · up. Threads: ceil(len / 4).
 extern "C" __global__ void swiglu_forward(float* out, const float* gate, const float* up, long long len) {
-    pdl_start();
     long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x);
     if (i >= len) return;
     if (i + 4 <= len && aligned16(out + i) && aligned16(gate + i) && aligned16(up + i)) {
@@ -377,7 +348,6 @@ extern "C" __global__ void swiglu_forward(float* out, const float* gate, const f
 // out (N, I) = silu(gate) · up from gate_up (N, 2I), the product of stacked gate and up
 // weights; with out_bf, its bf16 rounding too (as rmsnorm_forward). One thread per element.
 extern "C" __global__ void swiglu_stacked(float* out, const float* gate_up, int n, int inner, bf16_bits* out_bf) {
-    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)n * inner) return;
     long long row = i / inner;
@@ -398,7 +368,6 @@ __device__ __forceinline__ void swiglu_grad(float& dg, float& du, float d, float
 // Threads: ceil(len / 4).
 extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up,
                                            long long len) {
-    pdl_start();
     long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x);
     if (i >= len) return;
     if (i + 4 <= len && aligned16(dgate + i) && aligned16(dup + i) && aligned16(dout + i) && aligned16(gate + i) &&
@@ -419,125 +388,142 @@ extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float
 // ---- products of a few rows: out (n, o) = x (n, k) · Wᵀ, x and W bf16, f32 sums ----
 //
 // cuBLAS reaches about 40% of the memory bandwidth on the decode step's thin products and
-// costs a bias launch after each; these kernels stream W once at near the bandwidth for
-// n ≤ GEMV_ROWS rows and fuse what follows the product (bias; SwiGLU).
+// costs a bias launch after each; these kernels stream W once for n ≤ GEMV_ROWS rows on the
+// tensor cores (mma m16n8k16: 16 columns of out — rows of W — by the 8 rows of x, padded
+// with zeros) and fuse what follows the product (bias; SwiGLU).
 //
-// Each column (a row of W) is reduced by `split` warps of one 256-thread block, which holds
-// 8 / split columns: lane l of the column's warp g takes the 8-element chunks
-// c ≡ 32·g + l (mod 32·split) in increasing order; then the warp's lanes (a butterfly) and
-// the column's warps (in order g = 0, 1, …) are summed. The order depends on k and split
-// only, never on n: a row's products are the same whatever else is in the batch. Needs
-// k % 8 == 0 and 16-byte aligned x and W (the caller checks).
+// A warp takes a tile of 16 columns; `split` warps of one 256-thread block share a tile's
+// K range, block by block of 64 (warp g of the tile takes the K-blocks ≡ g mod split, in
+// increasing order), and their partial sums are added in order g = 0, 1, … Within a K-block
+// lane (q, t) (q = lane / 4, t = lane % 4) holds K elements [16t, 16t + 16) of W's rows q and
+// q + 8 and of x's row q, fed to the four mma steps in one fixed order (the same
+// permutation of K for W and x, so the product is unchanged). A column of x never mixes
+// with another in an mma, so a row's products do not depend on n or on the other rows.
+// Needs k % 8 == 0 and 16-byte aligned x and W (the caller checks).
 
 #define GEMV_ROWS 8
+#define GEMV_KBLOCK 64
 
-// acc[r] += Σ over this lane's chunks of x[r]·w, for the rows r < n.
-__device__ __forceinline__ void gemv_lane(float* acc, const bf16_bits* x, const bf16_bits* w, int n, int k,
-                                          int first, int stride) {
-    const int chunks = k >> 3;
-    const uint4* wv = (const uint4*)w;
-    for (int c0 = first; c0 < chunks; c0 += 4 * stride) {
-        // Four chunks of W in flight before any is used: the loads are the latency.
-        uint4 wc[4];
+__device__ __forceinline__ void mma_bf16(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
+                                         unsigned int a3, unsigned int b0, unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The two 16-byte chunks of a row at K-block `kb`, lane part t (zeros past the row's end or
+// for a missing row).
+__device__ __forceinline__ void gemv_load(uint4* dst, const bf16_bits* row, bool live, int kb, int t, int chunks) {
+    int c = kb * (GEMV_KBLOCK / 8) + 2 * t;
+    const uint4* v = (const uint4*)row;
+    dst[0] = live && c < chunks ? __ldg(v + c) : make_uint4(0, 0, 0, 0);
+    dst[1] = live && c + 1 < chunks ? __ldg(v + c + 1) : make_uint4(0, 0, 0, 0);
+}
+
+// The four mma steps of one K-block: acc (this lane's 4 sums of the 16 × 8 tile) += W rows
+// (lo: row q, hi: row q + 8) · x row q, as 2 + 2 chunks each.
+__device__ __forceinline__ void gemv_kblock(float* acc, const uint4* lo, const uint4* hi, const uint4* xq) {
+    const unsigned int* wl = (const unsigned int*)lo;
+    const unsigned int* wh = (const unsigned int*)hi;
+    const unsigned int* xv = (const unsigned int*)xq;
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            int c = c0 + u * stride;
-            wc[u] = c < chunks ? __ldg(wv + c) : make_uint4(0, 0, 0, 0);
-        }
+    for (int s = 0; s < 4; s++) mma_bf16(acc, wl[2 * s], wh[2 * s], wl[2 * s + 1], wh[2 * s + 1], xv[2 * s], xv[2 * s + 1]);
+}
+
+// acc[j] (j < R: tiles of 16 columns, rows w[j] + 16·k … ) += this warp's K-blocks.
+template <int R>
+__device__ __forceinline__ void gemv_tiles(float (*acc)[4], const bf16_bits* const* w, const int* rows_left,
+                                           const bf16_bits* x, int n, int k, int g, int split) {
+    const int lane = threadIdx.x & 31, q = lane >> 2, t = lane & 3;
+    const int chunks = k >> 3, kblocks = (k + GEMV_KBLOCK - 1) / GEMV_KBLOCK;
+    const bf16_bits* xrow = x + (long long)q * k;
+    // Two K-blocks' loads in flight before either is used: the loads are the latency.
+    for (int kb = g; kb < kblocks; kb += 2 * split) {
+        uint4 lo[2][R][2], hi[2][R][2], xq[2][2];
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            int c = c0 + u * stride;
-            if (c >= chunks) break;
-            float wf[8] = {low_half(wc[u].x), high_half(wc[u].x), low_half(wc[u].y), high_half(wc[u].y),
-                           low_half(wc[u].z), high_half(wc[u].z), low_half(wc[u].w), high_half(wc[u].w)};
+        for (int u = 0; u < 2; u++) {
+            int b = kb + u * split;  // past the last K-block: zeros, not used
 #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; r++) {
-                if (r >= n) break;
-                uint4 xv = __ldg((const uint4*)(x + (long long)r * k) + c);
-                float s = acc[r];
-                s = fmaf(low_half(xv.x), wf[0], s);
-                s = fmaf(high_half(xv.x), wf[1], s);
-                s = fmaf(low_half(xv.y), wf[2], s);
-                s = fmaf(high_half(xv.y), wf[3], s);
-                s = fmaf(low_half(xv.z), wf[4], s);
-                s = fmaf(high_half(xv.z), wf[5], s);
-                s = fmaf(low_half(xv.w), wf[6], s);
-                s = fmaf(high_half(xv.w), wf[7], s);
-                acc[r] = s;
+            for (int j = 0; j < R; j++) {
+                gemv_load(lo[u][j], w[j] + (long long)q * k, q < rows_left[j], b, t, chunks);
+                gemv_load(hi[u][j], w[j] + (long long)(q + 8) * k, q + 8 < rows_left[j], b, t, chunks);
             }
+            gemv_load(xq[u], xrow, q < n, b, t, chunks);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            if (kb + u * split >= kblocks) break;
+#pragma unroll
+            for (int j = 0; j < R; j++) gemv_kblock(acc[j], lo[u][j], hi[u][j], xq[u]);
         }
     }
 }
 
-// The column's sums for rows r < n, complete in lane 0 of the column's first warp (g == 0):
-// the lanes' butterfly, then the column's warps in order through `partial`.
-__device__ __forceinline__ void gemv_column_sums(float* acc, float (*partial)[GEMV_ROWS], int n, int split) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = warp_sum(acc[r]);
+// The tile's sums complete in the tile's first warp (g == 0): the split warps' partial sums
+// added in order through `partial`.
+__device__ __forceinline__ void gemv_tile_sums(float* acc, float (*partial)[32][4], int split) {
     if (split == 1) return;
-    if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++) partial[warp][r] = acc[r];
-    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads();
-    if (warp % split == 0 && lane == 0) {
 #pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++) {
-            float s = partial[warp][r];
-            for (int g = 1; g < split; g++) s += partial[warp + g][r];
-            acc[r] = s;
+    for (int i = 0; i < 4; i++) partial[warp][lane][i] = acc[i];
+    __syncthreads();
+    if (warp % split == 0) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float s = partial[warp][lane][i];
+            for (int g = 1; g < split; g++) s += partial[warp + g][lane][i];
+            acc[i] = s;
         }
     }
 }
 
-// out (n, o) = x (n, k) · Wᵀ (+ bias (o)); n ≤ GEMV_ROWS. Blocks: ceil(o · split / 8) × 256.
+// out (n, o) = x (n, k) · Wᵀ (+ bias (o)); n ≤ GEMV_ROWS. Blocks: ceil(ceil(o / 16) · split / 8) × 256.
 extern "C" __global__ void gemv_bf16(float* out, const bf16_bits* x, const bf16_bits* w, const float* bias, int n,
                                      int k, int o, int split) {
-    pdl_start();
-    __shared__ float partial[8][GEMV_ROWS];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int col = blockIdx.x * (8 / split) + warp / split, g = warp % split;
-    float acc[GEMV_ROWS];
+    __shared__ float partial[8][32][4];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane >> 2, t = lane & 3;
+    const int tile = blockIdx.x * (8 / split) + warp / split, g = warp % split;
+    const int col = 16 * tile;
+    float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+    const bf16_bits* rows[1] = {w + (long long)col * k};
+    const int left[1] = {o - col};
+    if (col < o) gemv_tiles<1>(acc, rows, left, x, n, k, g, split);
+    gemv_tile_sums(acc[0], partial, split);
+    if (col >= o || g != 0) return;
+    // acc: (column q, rows 2t, 2t + 1), then (column q + 8, the same rows).
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = 0.0f;
-    if (col < o) gemv_lane(acc, x, w + (long long)col * k, n, k, 32 * g + lane, 32 * split);
-    gemv_column_sums(acc, partial, n, split);
-    if (col >= o || g != 0 || lane != 0) return;
-    float b = bias ? bias[col] : 0.0f;
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
-        if (r >= n) break;
-        out[(long long)r * o + col] = bias ? acc[r] + b : acc[r];
+    for (int i = 0; i < 4; i++) {
+        int c = col + q + (i >> 1) * 8, r = 2 * t + (i & 1);
+        if (c < o && r < n) out[(long long)r * o + c] = bias ? acc[0][i] + bias[c] : acc[0][i];
     }
 }
 
 // out (n, inner) = silu(x · W_gateᵀ) · (x · W_upᵀ) from the stacked W (2·inner, k) (gate rows
 // first), and its bf16 rounding into out_bf: `gemv_bf16` then `swiglu_stacked` in one pass.
-// Blocks: ceil(inner · split / 8) × 256.
+// Blocks: ceil(ceil(inner / 16) · split / 8) × 256.
 extern "C" __global__ void gemv_bf16_swiglu(float* out, bf16_bits* out_bf, const bf16_bits* x, const bf16_bits* w,
                                             int n, int k, int inner, int split) {
-    pdl_start();
-    __shared__ float partial[8][GEMV_ROWS];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int col = blockIdx.x * (8 / split) + warp / split, g = warp % split;
-    float gate[GEMV_ROWS], up[GEMV_ROWS];
+    __shared__ float partial[8][32][4];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane >> 2, t = lane & 3;
+    const int tile = blockIdx.x * (8 / split) + warp / split, g = warp % split;
+    const int col = 16 * tile;
+    float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    const bf16_bits* rows[2] = {w + (long long)col * k, w + (long long)(inner + col) * k};
+    const int left[2] = {inner - col, inner - col};
+    if (col < inner) gemv_tiles<2>(acc, rows, left, x, n, k, g, split);
+    gemv_tile_sums(acc[0], partial, split);
+    gemv_tile_sums(acc[1], partial, split);
+    if (col >= inner || g != 0) return;
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) gate[r] = up[r] = 0.0f;
-    if (col < inner) {
-        gemv_lane(gate, x, w + (long long)col * k, n, k, 32 * g + lane, 32 * split);
-        gemv_lane(up, x, w + (long long)(inner + col) * k, n, k, 32 * g + lane, 32 * split);
-    }
-    gemv_column_sums(gate, partial, n, split);
-    __syncthreads();
-    gemv_column_sums(up, partial, n, split);
-    if (col >= inner || g != 0 || lane != 0) return;
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
-        if (r >= n) break;
-        float v = silu_times(gate[r], up[r]);
-        out[(long long)r * inner + col] = v;
-        if (out_bf) out_bf[(long long)r * inner + col] = round_bf16(v);
+    for (int i = 0; i < 4; i++) {
+        int c = col + q + (i >> 1) * 8, r = 2 * t + (i & 1);
+        if (c >= inner || r >= n) continue;
+        float v = silu_times(acc[0][i], acc[1][i]);
+        out[(long long)r * inner + c] = v;
+        if (out_bf) out_bf[(long long)r * inner + c] = round_bf16(v);
     }
 }
 
@@ -633,7 +619,6 @@ __device__ float attend_row(float* oi, const float* qi, const Kv& kv, int visibl
 // up to itself.
 extern "C" __global__ void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
                                              const int* span, int heads, int kv_heads, int hd) {
-    pdl_start();
     __shared__ float shared[32];
     __shared__ float pc[TILE];
     int row = span[3 * blockIdx.x + 2], h = blockIdx.y;
@@ -649,7 +634,6 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
 // D (N·nh) = Σ_d dout·out per (row, head), the softmax backward's row dot (Σ_j P_ij dP_ij).
 // One warp per (row, head).
 extern "C" __global__ void attention_rowdot(float* dot, const float* dout, const float* out, long long pairs, int hd) {
-    pdl_start();
     long long pair = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (pair >= pairs) return;
@@ -666,7 +650,6 @@ extern "C" __global__ void attention_rowdot(float* dot, const float* dout, const
 extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, const float* lse, const float* q,
                                                  const float* k, const float* v, const float* dot,
                                                  const int* span, int heads, int kv_heads, int hd) {
-    pdl_start();
     __shared__ float ds[TILE];  // this row's dS over one tile of keys
     int row = span[3 * blockIdx.x + 2], h = blockIdx.y;
     long long start = span[3 * blockIdx.x];
@@ -703,7 +686,6 @@ extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, c
 extern "C" __global__ void attention_backward_dkv(float* dk, float* dv, const float* dout, const float* lse,
                                                   const float* q, const float* k, const float* v, const float* dot,
                                                   const int* span, int heads, int kv_heads, int hd) {
-    pdl_start();
     __shared__ float pc[TILE];   // P_ij over one tile of query rows
     __shared__ float dsc[TILE];  // dS_ij over the same tile
     int row = span[3 * blockIdx.x + 2], g = blockIdx.y;
@@ -1076,41 +1058,35 @@ __device__ void flash_backward_dkv(float* dk, float* dv, const bf16_bits* dout, 
 
 extern "C" __global__ void __launch_bounds__(128) flash_forward_64(float* out, float* lse, const bf16_bits* q, const bf16_bits* k,
                                                                    const bf16_bits* v, const int* tiles, int heads, int kv_heads) {
-    pdl_start();
     flash_forward<64>(out, lse, q, k, v, tiles, heads, kv_heads);
 }
 
 extern "C" __global__ void __launch_bounds__(128) flash_backward_dq_64(float* dq, const bf16_bits* dout, const float* lse, const bf16_bits* q,
                                                                        const bf16_bits* k, const bf16_bits* v, const float* dot,
                                                                        const int* tiles, int heads, int kv_heads) {
-    pdl_start();
     flash_backward_dq<64>(dq, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
 extern "C" __global__ void __launch_bounds__(128) flash_backward_dkv_64(float* dk, float* dv, const bf16_bits* dout, const float* lse,
                                                                        const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,
                                                                        const float* dot, const int* tiles, int heads, int kv_heads) {
-    pdl_start();
     flash_backward_dkv<64, 4, 64>(dk, dv, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
 extern "C" __global__ void __launch_bounds__(128) flash_forward_128(float* out, float* lse, const bf16_bits* q, const bf16_bits* k,
                                                                    const bf16_bits* v, const int* tiles, int heads, int kv_heads) {
-    pdl_start();
     flash_forward<128>(out, lse, q, k, v, tiles, heads, kv_heads);
 }
 
 extern "C" __global__ void __launch_bounds__(128) flash_backward_dq_128(float* dq, const bf16_bits* dout, const float* lse, const bf16_bits* q,
                                                                        const bf16_bits* k, const bf16_bits* v, const float* dot,
                                                                        const int* tiles, int heads, int kv_heads) {
-    pdl_start();
     flash_backward_dq<128>(dq, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
 extern "C" __global__ void __launch_bounds__(64) flash_backward_dkv_128(float* dk, float* dv, const bf16_bits* dout, const float* lse,
                                                                        const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,
                                                                        const float* dot, const int* tiles, int heads, int kv_heads) {
-    pdl_start();
     flash_backward_dkv<128, 2, 32>(dk, dv, dout, lse, q, k, v, dot, tiles, heads, kv_heads);
 }
 
@@ -1120,7 +1096,6 @@ extern "C" __global__ void __launch_bounds__(64) flash_backward_dkv_128(float* d
 extern "C" __global__ void attention_paged(float* out, const float* q, const long long* entries,
                                            const long long* blocks, long long layer_offset, long long v_offset,
                                            int heads, int kv_heads, int hd, int shift) {
-    pdl_start();
     __shared__ float shared[32];
     __shared__ float pc[TILE];
     const long long* entry = entries + 3 * blockIdx.x;
@@ -1238,7 +1213,6 @@ extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode
     float* out, bf16_bits* out_bf, float* part, const float* q, const long long* entries, const long long* blocks,
     long long layer_offset, long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,
     int max_splits) {
-    pdl_start();
     attention_decode<1>(out, out_bf, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,
                          blocks_per_split, max_splits);
 }
@@ -1246,7 +1220,6 @@ extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode
     float* out, bf16_bits* out_bf, float* part, const float* q, const long long* entries, const long long* blocks,
     long long layer_offset, long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,
     int max_splits) {
-    pdl_start();
     attention_decode<2>(out, out_bf, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,
                          blocks_per_split, max_splits);
 }
@@ -1254,7 +1227,6 @@ extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode
     float* out, bf16_bits* out_bf, float* part, const float* q, const long long* entries, const long long* blocks,
     long long layer_offset, long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,
     int max_splits) {
-    pdl_start();
     attention_decode<4>(out, out_bf, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,
                          blocks_per_split, max_splits);
 }
@@ -1262,7 +1234,6 @@ extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode
     float* out, bf16_bits* out_bf, float* part, const float* q, const long long* entries, const long long* blocks,
     long long layer_offset, long long v_offset, int heads, int kv_heads, int shift, int blocks_per_split,
     int max_splits) {
-    pdl_start();
     attention_decode<8>(out, out_bf, part, q, entries, blocks, layer_offset, v_offset, heads, kv_heads, shift,
                          blocks_per_split, max_splits);
 }
@@ -1272,7 +1243,6 @@ extern "C" __global__ void __launch_bounds__(32 * DECODE_WARPS) attention_decode
 extern "C" __global__ void attention_decode_merge(float* out, bf16_bits* out_bf, const float* part,
                                                   const long long* entries, int heads, int hd, int splits_launched,
                                                   int shift, int blocks_per_split, int max_splits) {
-    pdl_start();
     const long long* entry = entries + 3 * blockIdx.x;
     int splits = decode_splits((int)entry[2], shift, blocks_per_split, max_splits);
     if (splits == 1) return;
@@ -1296,7 +1266,6 @@ extern "C" __global__ void attention_decode_merge(float* out, bf16_bits* out_bf,
 extern "C" __global__ void kv_write(const float* k, const float* v, const long long* slots,
                                     const long long* entries, long long layer_offset, long long v_offset,
                                     int kv_dim) {
-    pdl_start();
     long long e = blockIdx.x;
     long long r = entries[3 * e];
     float* dst = (float*)slots[e] + layer_offset;
@@ -1326,7 +1295,6 @@ __device__ __forceinline__ void softmax_stats_add(float& m, float& sum, float& w
 // combines them (H = lse − Σ p z). One block per row. target −1 = none.
 extern "C" __global__ void head_stats(float* lse, float* entropy, float* logprob, const float* logits,
                                       const int* targets, int r0, int vocab) {
-    pdl_start();
     __shared__ float shared[32];
     const float* z = logits + (long long)blockIdx.x * vocab;
     int r = r0 + blockIdx.x;
@@ -1367,7 +1335,6 @@ extern "C" __global__ void head_stats(float* lse, float* entropy, float* logprob
 extern "C" __global__ void head_dlogits(bf16_bits* hi, bf16_bits* lo, const float* z, const float* lse,
                                         const float* entropy, const float* d_logprob, const float* d_entropy,
                                         const int* targets, int r0, int vocab) {
-    pdl_start();
     int r = r0 + blockIdx.x;
     long long base = (long long)blockIdx.x * vocab;
     float l = lse[r], h = entropy[r], d_lp = d_logprob[r], d_h = d_entropy[r];
@@ -1387,7 +1354,6 @@ extern "C" __global__ void head_dlogits(bf16_bits* hi, bf16_bits* lo, const floa
 
 extern "C" __global__ void adamw(float* param, const float* grad, float* m, float* v, long long len, float lr, float beta1,
                                  float beta2, float eps, float weight_decay, float correction1, float correction2) {
-    pdl_start();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= len) return;
     float g = grad[i];
@@ -1500,7 +1466,6 @@ __device__ unsigned radix_threshold(const float* z, int vocab, unsigned floor, b
 //   - the top n by value, best first, ties to the smaller index.
 // out per pick: [token id bits, logprob, TOP_MAX ids bits, TOP_MAX logprobs].
 extern "C" __global__ void sample_rows(float* out, const float* logits, const float* picks, int vocab) {
-    pdl_start();
     __shared__ float shared_v[32];
     __shared__ int shared_i[32];
     __shared__ double shared_d[32];

@@ -537,44 +537,22 @@ impl Cuda {
             });
             return;
         };
-        let stream = self.device.stream_for(pass);
+        let mut builder = self.device.stream_for(pass).launch_builder(function);
+        for arg in args {
+            match arg {
+                Arg::Ptr(v) | Arg::U64(v) => builder.arg(v),
+                Arg::I32(v) => builder.arg(v),
+                Arg::I64(v) => builder.arg(v),
+                Arg::F32(v) => builder.arg(v),
+            };
+        }
         // SAFETY: every pointer argument is the device address of a live allocation large
         // enough for the shapes passed with it (see each call; temporaries are freed in
         // stream order, after the kernel), every other argument a scalar of the type the
         // kernel declares at that position.
-        let launched = if self
-            .device
-            .pdl_on
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
-            self.timed(name, || unsafe {
-                launch_dependent(function, cfg, stream, args)
-            })
-        } else {
-            let mut builder = stream.launch_builder(function);
-            for arg in args {
-                match arg {
-                    Arg::Ptr(v) | Arg::U64(v) => builder.arg(v),
-                    Arg::I32(v) => builder.arg(v),
-                    Arg::I64(v) => builder.arg(v),
-                    Arg::F32(v) => builder.arg(v),
-                };
-            }
-            self.timed(name, || unsafe { builder.launch(cfg) })
-                .map(|_| ())
-        };
-        if let Err(e) = launched {
+        if let Err(e) = self.timed(name, || unsafe { builder.launch(cfg) }) {
             self.fail(device::driver("launching a kernel")(e));
         }
-    }
-
-    /// Turns programmatic dependent launch (see `launch_dependent`) on or off for this
-    /// device; it cannot be turned on before Hopper.
-    pub fn set_pdl(&self, on: bool) {
-        let on = on && self.device.info.compute_capability.0 >= 9;
-        self.device
-            .pdl_on
-            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Turns the few-row product kernels (`gemv_bf16`, see `gemm.rs`) on or off for this
@@ -583,65 +561,6 @@ impl Cuda {
         self.device
             .gemv_on
             .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-/// Launches `function` as a programmatic dependent of the kernel before it on `stream`: its
-/// blocks may be scheduled while that kernel's last blocks still run, and wait for it to
-/// finish (and its writes to be visible) at their first statement (`pdl_start` in
-/// kernels.cu, which every kernel calls first). A decode step is a chain of ~200 small
-/// kernels, and this hides most of each launch's ramp behind the kernel before it. After a
-/// kernel that is not ours (cuBLAS), or an operation that is not a kernel, the launch waits
-/// as a plain one does.
-///
-/// # Safety
-/// As for any launch: `args` are the kernel's parameters, in order and type, and every
-/// pointer among them addresses memory that stays allocated until the kernel has run.
-unsafe fn launch_dependent(
-    function: &cudarc::driver::CudaFunction,
-    cfg: LaunchConfig,
-    stream: &cudarc::driver::CudaStream,
-    args: &[Arg],
-) -> Result<(), cudarc::driver::DriverError> {
-    use cudarc::driver::sys;
-    // The driver reads each parameter through a pointer to it; `args` outlives the call.
-    let mut params: Vec<*mut std::ffi::c_void> = args
-        .iter()
-        .map(|arg| match arg {
-            Arg::Ptr(v) | Arg::U64(v) => std::ptr::from_ref(v).cast_mut().cast(),
-            Arg::I32(v) => std::ptr::from_ref(v).cast_mut().cast(),
-            Arg::I64(v) => std::ptr::from_ref(v).cast_mut().cast(),
-            Arg::F32(v) => std::ptr::from_ref(v).cast_mut().cast(),
-        })
-        .collect();
-    // SAFETY: an all-zero launch attribute is a valid (ignored) one; id and value are set
-    // next.
-    let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attribute.value.programmaticStreamSerializationAllowed = 1;
-    let config = sys::CUlaunchConfig {
-        gridDimX: cfg.grid_dim.0,
-        gridDimY: cfg.grid_dim.1,
-        gridDimZ: cfg.grid_dim.2,
-        blockDimX: cfg.block_dim.0,
-        blockDimY: cfg.block_dim.1,
-        blockDimZ: cfg.block_dim.2,
-        sharedMemBytes: cfg.shared_mem_bytes,
-        hStream: stream.cu_stream(),
-        attrs: &raw mut attribute,
-        numAttrs: 1,
-    };
-    stream.context().bind_to_thread()?;
-    // SAFETY: config, its attribute and the parameter pointers live until the call returns
-    // (the driver copies them); the caller vouches for the parameters themselves.
-    unsafe {
-        sys::cuLaunchKernelEx(
-            &raw const config,
-            function.cu_function(),
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-        .result()
     }
 }
 

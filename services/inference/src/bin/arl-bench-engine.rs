@@ -243,13 +243,11 @@ fn step_times(engine: &EngineHandle) -> [u64; 4] {
     [&s.steps, &s.forward_us, &s.draw_us, &s.emit_us].map(|c| c.load(Relaxed))
 }
 
-/// Turns the few-row product kernels and programmatic dependent launch on or off on a GPU
-/// (false on the CPU, which has neither).
-fn set_fast_kernels(device: &Device, on: bool) -> bool {
+/// Turns the few-row product kernels on or off on a GPU (false on the CPU, which has none).
+fn set_gemv(device: &Device, on: bool) -> bool {
     match device {
         Device::Cuda { gpu, .. } => {
             gpu.set_gemv(on);
-            gpu.set_pdl(on);
             true
         }
         Device::Cpu => false,
@@ -352,11 +350,10 @@ fn main() -> Result<()> {
         } else {
             None
         };
-        // And with every product on cuBLAS and plain launches: what the few-row kernels
-        // and programmatic dependent launch buy, in this run.
-        let plain = if set_fast_kernels(&device, false) {
+        // And with every product on cuBLAS: what the few-row kernels buy, in this run.
+        let plain = if set_gemv(&device, false) {
             let plain = run(&engine, &prompts, args.new_tokens)?;
-            set_fast_kernels(&device, true);
+            set_gemv(&device, true);
             Some(plain.decode_tok_s)
         } else {
             None
@@ -424,7 +421,7 @@ fn main() -> Result<()> {
         "HF generate tok/s",
         "ratio",
         "no graphs tok/s",
-        "cuBLAS, no PDL tok/s",
+        "cuBLAS only tok/s",
         "steps replayed/captured/eager, host plan and GPU per step"
     );
     for (batch, tok_s, p50, p99, eager, plain, graphs) in rows {
