@@ -257,10 +257,10 @@ impl Cuda {
     /// (see kernels.cu).
     fn gemv_split(&self, x: &Bf16, w: &Bf16, n: usize, i: usize, groups: usize) -> Option<usize> {
         let usable = (1..=GEMV_ROWS).contains(&n)
-            && i % 8 == 0
+            && i.is_multiple_of(8)
             && i32::try_from(i.max(16 * groups)).is_ok()
-            && x.ptr(self) % 16 == 0
-            && w.ptr(self) % 16 == 0
+            && x.ptr(self).is_multiple_of(16)
+            && w.ptr(self).is_multiple_of(16)
             && self.device.gemv_on.load(Ordering::Relaxed);
         if !usable {
             return None;

@@ -377,12 +377,13 @@ fn main() -> Result<()> {
             let planned = (after.replayed + after.captured + after.eager)
                 - (before.replayed + before.captured + before.eager);
             let timed = (after.replays_timed - before.replays_timed).max(1) as f64;
+            let captured = after.captured - before.captured;
             format!(
-                "{}/{}/{}, plan {:.0} µs, graph GPU {:.0} µs",
+                "{}/{captured}/{}, plan {:.0} µs, capture {:.1} ms, graph GPU {:.0} µs",
                 after.replayed - before.replayed,
-                after.captured - before.captured,
                 after.eager - before.eager,
                 (after.plan_us - before.plan_us) as f64 / planned.max(1) as f64,
+                (after.capture_us - before.capture_us) as f64 / 1e3 / captured.max(1) as f64,
                 (after.replay_gpu_us - before.replay_gpu_us) as f64 / timed
             )
         });
@@ -422,7 +423,7 @@ fn main() -> Result<()> {
         "ratio",
         "no graphs tok/s",
         "cuBLAS only tok/s",
-        "steps replayed/captured/eager, host plan and GPU per step"
+        "steps replayed/captured/eager, host plan per step, each capture, GPU per step"
     );
     for (batch, tok_s, p50, p99, eager, plain, graphs) in rows {
         let hf = torch
