@@ -403,6 +403,9 @@ extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float
 
 #define GEMV_ROWS 8
 #define GEMV_KBLOCK 64
+#ifndef GEMV_UNROLL
+#define GEMV_UNROLL 2
+#endif
 
 __device__ __forceinline__ void mma_bf16(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
                                          unsigned int a3, unsigned int b0, unsigned int b1) {
@@ -439,11 +442,11 @@ __device__ __forceinline__ void gemv_tiles(float (*acc)[4], const bf16_bits* con
     const int lane = threadIdx.x & 31, q = lane >> 2, t = lane & 3;
     const int chunks = k >> 3, kblocks = (k + GEMV_KBLOCK - 1) / GEMV_KBLOCK;
     const bf16_bits* xrow = x + (long long)q * k;
-    // Two K-blocks' loads in flight before either is used: the loads are the latency.
-    for (int kb = g; kb < kblocks; kb += 2 * split) {
-        uint4 lo[2][R][2], hi[2][R][2], xq[2][2];
+    // GEMV_UNROLL K-blocks' loads in flight before any is used: the loads are the latency.
+    for (int kb = g; kb < kblocks; kb += GEMV_UNROLL * split) {
+        uint4 lo[GEMV_UNROLL][R][2], hi[GEMV_UNROLL][R][2], xq[GEMV_UNROLL][2];
 #pragma unroll
-        for (int u = 0; u < 2; u++) {
+        for (int u = 0; u < GEMV_UNROLL; u++) {
             int b = kb + u * split;  // past the last K-block: zeros, not used
 #pragma unroll
             for (int j = 0; j < R; j++) {
@@ -453,7 +456,7 @@ __device__ __forceinline__ void gemv_tiles(float (*acc)[4], const bf16_bits* con
             gemv_load(xq[u], xrow, q < n, b, t, chunks);
         }
 #pragma unroll
-        for (int u = 0; u < 2; u++) {
+        for (int u = 0; u < GEMV_UNROLL; u++) {
             if (kb + u * split >= kblocks) break;
 #pragma unroll
             for (int j = 0; j < R; j++) gemv_kblock(acc[j], lo[u][j], hi[u][j], xq[u]);
