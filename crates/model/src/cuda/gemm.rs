@@ -1,4 +1,5 @@
-//! Matrix products on cuBLAS: operands converted to bf16, products accumulated in f32
+//! Matrix products on cuBLAS — and forward products of a few rows on `gemv_bf16`
+//! (kernels.cu) — operands converted to bf16, products accumulated in f32
 //! (`CUBLAS_COMPUTE_32F`) into f32 outputs. Row-major (N, I) · (O, I)ᵀ products are issued as
 //! their column-major transposes, so no operand is ever transposed in memory:
 //!
@@ -7,13 +8,10 @@
 //! - backward dW (O, I)  += doutᵀ · x (N, I)   ⇔ gemm(N, T, I, O, N), β = 1
 
 use std::ffi::c_void;
-
-use cudarc::cublas::sys::{cublasComputeType_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::{CudaSlice, DevicePtr};
-
 use std::sync::atomic::Ordering;
 
-use cudarc::driver::LaunchConfig;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 use super::{Arg, Cuda, CudaError, GpuBuf, args};
 
