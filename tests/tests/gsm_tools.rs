@@ -21,10 +21,7 @@ const MODEL: &str = "qwen2.5-coder-0.5b-instruct";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_using_agent_trains_through_mcp() {
-    let models = std::env::var_os("ARL_MODEL_DIR").map_or_else(
-        || Path::new(&std::env::var("HOME").unwrap()).join(".cache/arl/models"),
-        Into::into,
-    );
+    let models = arl_testkit::model_dir();
     if !models.join(format!("{MODEL}.gguf")).exists() {
         eprintln!("skipped: {MODEL}.gguf is not installed (make models)");
         return;

@@ -20,7 +20,8 @@ use arl_schemas::events::{
 use arl_schemas::rpc::{ProxyOp, TrialKeyGrantV1, TrialKeyRequestV1};
 use arl_schemas::{Domain, Event, Namespace, RunId, TrialId};
 use arl_testkit::{
-    Children, NatsServer, ProcessGroup, built_binary, free_port, http, test_namespace, wait_for,
+    Children, NatsServer, ProcessGroup, built_binary, free_port, http, model_dir, test_namespace,
+    wait_for,
 };
 
 fn home_cache(rel: &str) -> PathBuf {
@@ -172,12 +173,6 @@ impl Stack {
         })
         .await
     }
-}
-
-fn model_dir() -> PathBuf {
-    std::env::var_os("ARL_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or(home_cache("models"))
 }
 
 /// vLLM's OpenAI server on CPU, serving SmolLM2 as `policy` and as

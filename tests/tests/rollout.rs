@@ -29,16 +29,12 @@ use arl_schemas::events::{
 };
 use arl_schemas::spec::RunSpec;
 use arl_schemas::{Domain, Event, Namespace, RunId};
-use arl_testkit::{Children, NatsServer, built_binary, free_port, http, test_namespace, wait_for};
+use arl_testkit::{
+    Children, NatsServer, built_binary, free_port, http, model_dir, test_namespace, wait_for,
+};
 
 fn home() -> PathBuf {
     PathBuf::from(std::env::var_os("HOME").unwrap())
-}
-
-fn model_dir() -> PathBuf {
-    std::env::var_os("ARL_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or(home().join(".cache/arl/models"))
 }
 
 /// The rollout replicas' `--ack-wait-s`: how soon a held trial of a dead replica comes back.

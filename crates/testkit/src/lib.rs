@@ -304,15 +304,21 @@ fn signal(signal: &str, target: &str) -> bool {
         .is_ok_and(|status| status.success())
 }
 
-/// SmolLM2-135M-Instruct's GGUF as `make models` installs it (`$ARL_MODEL_DIR`, else
-/// `~/.cache/arl/models`); a test without it fails saying what to run.
-pub fn smollm2() -> PathBuf {
-    let dir = std::env::var_os("ARL_MODEL_DIR")
+/// Where `make models` installs models: `$ARL_MODEL_DIR`, else `~/.cache/arl/models` —
+/// `arl_runtime::args::default_model_dir`, which testkit cannot call (the runtime's tests
+/// use testkit).
+pub fn model_dir() -> PathBuf {
+    std::env::var_os("ARL_MODEL_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/arl/models")
-        });
-    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/arl/models")
+        })
+}
+
+/// SmolLM2-135M-Instruct's GGUF as `make models` installs it (in [`model_dir`]); a test
+/// without it fails saying what to run.
+pub fn smollm2() -> PathBuf {
+    let path = model_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(
         path.exists(),
         "{} is missing: run `make models`",

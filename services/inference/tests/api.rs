@@ -21,16 +21,8 @@ use arl_schemas::events::{
     WeightsPublishedV2,
 };
 use arl_schemas::{Domain, ObjectStore, RunId};
-use arl_testkit::{NatsServer, http, test_namespace, wait_for};
+use arl_testkit::{NatsServer, http, model_dir, test_namespace, wait_for};
 use serde_json::{Value, json};
-
-fn model_dir() -> PathBuf {
-    std::env::var_os("ARL_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/arl/models")
-        })
-}
 
 fn smollm2() -> LoadedModel {
     let path = model_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");

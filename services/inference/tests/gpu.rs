@@ -6,7 +6,6 @@
 //! `ARL_REQUIRE_GPU=1` (the device run in the README) a missing GPU fails it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -17,15 +16,7 @@ use arl_inference::engine::{
 use arl_model::config::ModelConfig;
 use arl_model::cuda::Cuda;
 use arl_model::load::LoadedModel;
-
-fn smollm2() -> PathBuf {
-    std::env::var_os("ARL_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/arl/models")
-        })
-        .join("SmolLM2-135M-Instruct.Q4_1.gguf")
-}
+use arl_testkit::smollm2;
 
 /// SmolLM2 on the CPU, at most 8 sequences at once.
 fn cpu_engine() -> EngineHandle {

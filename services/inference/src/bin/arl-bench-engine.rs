@@ -57,19 +57,11 @@ struct Args {
 
 type Result<T> = std::result::Result<T, String>;
 
-fn model_dir() -> PathBuf {
-    std::env::var_os("ARL_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/arl/models")
-        })
-}
-
 /// The model to serve: SmolLM2's own weights, or random ones of Qwen2.5's shapes (with a
 /// one-token tokenizer: the engine reads token ids, and nothing here is text).
 fn load(name: &str) -> Result<LoadedModel> {
     if name == "smollm2" {
-        let path = model_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+        let path = arl_runtime::args::default_model_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
         return LoadedModel::open(&path)
             .map_err(|e| format!("{} (run `make models`): {e}", path.display()));
     }
