@@ -403,9 +403,8 @@ extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float
 
 #define GEMV_ROWS 8
 #define GEMV_KBLOCK 64
-#ifndef GEMV_UNROLL
+// K-blocks a warp has in flight (more: more registers, fewer warps resident).
 #define GEMV_UNROLL 2
-#endif
 
 __device__ __forceinline__ void mma_bf16(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
                                          unsigned int a3, unsigned int b0, unsigned int b1) {
