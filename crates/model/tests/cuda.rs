@@ -508,9 +508,8 @@ fn stacked_products_split_as_separate_ones_do() {
     g.check().unwrap();
 }
 
-/// A norm's output goes to the products that read it next in bf16 without a conversion
-/// of its own (its kernel writes both): that copy must never outlive the values it mirrors
-/// — a later write to the output, or new memory where it was, is read as it is.
+/// Products of up to 8 rows run on the few-row kernel: a row's results are the same bits
+/// in any batch of up to 8, and match cuBLAS's within f32 summation order.
 #[test]
 fn few_row_products_do_not_depend_on_the_batch_and_match_cublas() {
     let Some(g) = gpu("few_row_products_do_not_depend_on_the_batch_and_match_cublas") else {
@@ -584,6 +583,9 @@ fn few_row_products_do_not_depend_on_the_batch_and_match_cublas() {
     g.check().unwrap();
 }
 
+/// A norm's output goes to the products that read it next in bf16 without a conversion
+/// of its own (its kernel writes both): that copy must never outlive the values it mirrors
+/// — a later write to the output, or new memory where it was, is read as it is.
 #[test]
 fn products_read_what_their_input_holds_now() {
     let Some(g) = gpu("products_read_what_their_input_holds_now") else {

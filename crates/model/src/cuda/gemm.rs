@@ -198,13 +198,13 @@ impl Cuda {
         o: usize,
     ) {
         // A warp (group) of gemv_bf16 takes a tile of 16 columns.
-        let groups = o.div_ceil(16);
-        if let Some(split) = self.gemv_split(x, w, n, i, groups) {
+        let tiles = o.div_ceil(16);
+        if let Some(split) = self.gemv_split(x, w, n, i, tiles) {
             let (xp, wp, bp) = (x.ptr(self), w.ptr(self), bias.unwrap_or(0));
             let (n32, i32_, o32, s32) = (n as i32, i as i32, o as i32, split as i32);
             self.launch_reading_twin(
                 "gemv_bf16",
-                gemv_blocks(groups, split),
+                gemv_blocks(tiles, split),
                 args![out, xp, wp, bp, n32, i32_, o32, s32],
                 out,
             );
@@ -231,7 +231,8 @@ impl Cuda {
         k: usize,
     ) -> bool {
         let inner = out.len / n.max(1);
-        let Some(split) = self.gemv_split(x, w, n, k, inner.div_ceil(16)) else {
+        let tiles = inner.div_ceil(16);
+        let Some(split) = self.gemv_split(x, w, n, k, tiles) else {
             return false;
         };
         let twin = self.bf16_alloc(out.len);
@@ -239,7 +240,7 @@ impl Cuda {
         let (n32, k32, inner32, s32) = (n as i32, k as i32, inner as i32, split as i32);
         self.launch_reading_twin(
             "gemv_bf16_swiglu",
-            gemv_blocks(inner.div_ceil(16), split),
+            gemv_blocks(tiles, split),
             args![op, tp, xp, wp, n32, k32, inner32, s32],
             op,
         );

@@ -1208,13 +1208,15 @@ impl Backend for Cuda {
         n: usize,
         i_dim: usize,
     ) {
+        // x goes to bf16 once, for the fused kernel or the product it falls back to.
         let x_bf = self.bf16(x, 0, n * w.cols);
         if out.len != n * i_dim
             || w.rows != 2 * i_dim
             || !self.swiglu_product(out, &x_bf, &w.data, n, w.cols)
         {
+            let gu = gate_up.ptr(0);
+            self.product_forward(gu, &x_bf, &w.data, None, n, w.cols, w.rows);
             drop(x_bf);
-            self.matmul_packed(gate_up, x, w, None, n);
             self.swiglu_stacked(out, gate_up, i_dim);
         }
     }

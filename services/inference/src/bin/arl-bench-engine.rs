@@ -18,6 +18,7 @@ use arl_inference::engine::{
     EngineConfig, EngineHandle, Event, Request, SamplingParams, ServedModel,
 };
 use arl_model::config::ModelConfig;
+use arl_model::cuda::Cuda;
 use arl_model::generate::Rng;
 use arl_model::load::LoadedModel;
 use arl_model::model::Model;
@@ -217,15 +218,22 @@ fn take_profile(device: &Device) -> Vec<(&'static str, u64, f64)> {
     }
 }
 
-/// Turns CUDA graphs on or off; false where there are none (the CPU).
-fn set_graphs(device: &Device, on: bool) -> bool {
-    match device {
-        Device::Cuda { gpu, .. } => {
-            gpu.set_graphs(on);
-            true
-        }
-        Device::Cpu => false,
-    }
+/// Decode tokens/s of `prompts` with a GPU setting (`set`: graphs, the few-row kernels)
+/// turned off for the run and back on after it; None on the CPU, which has neither.
+fn decode_without(
+    device: &Device,
+    set: fn(&Cuda, bool),
+    engine: &EngineHandle,
+    prompts: &[Vec<u32>],
+    tokens: usize,
+) -> Result<Option<f64>> {
+    let Device::Cuda { gpu, .. } = device else {
+        return Ok(None);
+    };
+    set(gpu, false);
+    let without = run(engine, prompts, tokens);
+    set(gpu, true);
+    Ok(Some(without?.decode_tok_s))
 }
 
 /// The engine's steps so far and their host time (µs): [steps, forward, draw, emit].
@@ -233,17 +241,6 @@ fn step_times(engine: &EngineHandle) -> [u64; 4] {
     use std::sync::atomic::Ordering::Relaxed;
     let s = &engine.stats;
     [&s.steps, &s.forward_us, &s.draw_us, &s.emit_us].map(|c| c.load(Relaxed))
-}
-
-/// Turns the few-row product kernels on or off on a GPU (false on the CPU, which has none).
-fn set_gemv(device: &Device, on: bool) -> bool {
-    match device {
-        Device::Cuda { gpu, .. } => {
-            gpu.set_gemv(on);
-            true
-        }
-        Device::Cpu => false,
-    }
 }
 
 /// (replayed, captured, eager) decode steps so far on a GPU.
@@ -334,22 +331,16 @@ fn main() -> Result<()> {
     let mut rows = Vec::new();
     for (i, &batch) in args.batches.iter().enumerate() {
         let prompts = random_prompts(batch, args.prompt_len, vocab, 10 + i as u64);
-        // The same decode without CUDA graphs first: what they buy, in this run.
-        let eager = if set_graphs(&device, false) {
-            let eager = run(&engine, &prompts, args.new_tokens)?;
-            set_graphs(&device, true);
-            Some(eager.decode_tok_s)
-        } else {
-            None
-        };
-        // And with every product on cuBLAS: what the few-row kernels buy, in this run.
-        let plain = if set_gemv(&device, false) {
-            let plain = run(&engine, &prompts, args.new_tokens)?;
-            set_gemv(&device, true);
-            Some(plain.decode_tok_s)
-        } else {
-            None
-        };
+        // The same decode without CUDA graphs first, and with every product on cuBLAS:
+        // what the graphs and the few-row kernels buy, in this run.
+        let eager = decode_without(
+            &device,
+            Cuda::set_graphs,
+            &engine,
+            &prompts,
+            args.new_tokens,
+        )?;
+        let plain = decode_without(&device, Cuda::set_gemv, &engine, &prompts, args.new_tokens)?;
         take_profile(&device);
         let before = graph_stats(&device);
         let steps_before = step_times(&engine);
