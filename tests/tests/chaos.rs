@@ -389,44 +389,65 @@ fn counted<K: Ord>(keys: impl Iterator<Item = K>) -> BTreeMap<K, usize> {
 /// graded, or — taken up once the run was over — marked done in `ARL_TRIALS` without
 /// running (the rollout publishes nothing for those, not even `trial.started`). Returns
 /// the last kind, which only a run that has ended may have. An attempt that started and
-/// then neither failed nor was graded is lost: this waits for it until it times out.
+/// then neither failed nor was graded is lost: this waits for it until it times out, then
+/// names each unsettled attempt and what its events and trial record say.
 async fn settled(bus: &Bus, run: &RunId) -> BTreeSet<Attempt> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let (not_run, unsettled) = settlement(bus, run).await;
+        if unsettled.is_empty() {
+            return not_run;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after 300 s waiting for every requested attempt to settle; \
+             unsettled:\n{}",
+            unsettled.join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The run's attempts taken up without running, and a line for each attempt that has
+/// not settled yet.
+async fn settlement(bus: &Bus, run: &RunId) -> (BTreeSet<Attempt>, Vec<String>) {
     let ns = Namespace::default();
     let read = |domain: Domain, event: &'static str| {
         stored(bus, domain, ns.event_subject(domain, run, event))
     };
-    wait_for(
-        "every requested attempt to settle",
-        Duration::from_secs(300),
-        || async {
-            let attempts =
-                |events: Vec<Value>| -> BTreeSet<Attempt> { events.iter().map(attempt).collect() };
-            let finished = attempts(read(Domain::Trial, "finished").await);
-            let failed = attempts(read(Domain::Trial, "failed").await);
-            let scored = attempts(read(Domain::Reward, "scored").await);
-            let started = attempts(read(Domain::Trial, "started").await);
-            let mut not_run = BTreeSet::new();
-            for request in attempts(read(Domain::Trial, "requested").await) {
-                // Failed (before or after a hand-off), or graded.
-                if failed.contains(&request) || scored.contains(&request) {
-                    continue;
-                }
-                let trial = TrialId::new(request.0.clone()).unwrap();
-                let record = bus.trial_record(&trial).await.unwrap();
-                let skipped = record.is_some_and(|r| {
-                    r.done && r.finished.is_none() && u64::from(r.attempt) == request.1
-                });
-                // One that started and ended without an outcome would be a lost trial.
-                if !skipped || finished.contains(&request) || started.contains(&request) {
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                    return None;
-                }
-                not_run.insert(request);
-            }
-            Some(not_run)
-        },
-    )
-    .await
+    let attempts =
+        |events: Vec<Value>| -> BTreeSet<Attempt> { events.iter().map(attempt).collect() };
+    let finished = attempts(read(Domain::Trial, "finished").await);
+    let failed = attempts(read(Domain::Trial, "failed").await);
+    let scored = attempts(read(Domain::Reward, "scored").await);
+    let started = attempts(read(Domain::Trial, "started").await);
+    let mut not_run = BTreeSet::new();
+    let mut unsettled = Vec::new();
+    for request in attempts(read(Domain::Trial, "requested").await) {
+        // Failed (before or after a hand-off), or graded.
+        if failed.contains(&request) || scored.contains(&request) {
+            continue;
+        }
+        let trial = TrialId::new(request.0.clone()).unwrap();
+        let record = bus.trial_record(&trial).await.unwrap();
+        let skipped = record
+            .as_ref()
+            .is_some_and(|r| r.done && r.finished.is_none() && u64::from(r.attempt) == request.1);
+        // One that started and ended without an outcome would be a lost trial.
+        if skipped && !finished.contains(&request) && !started.contains(&request) {
+            not_run.insert(request);
+            continue;
+        }
+        unsettled.push(format!(
+            "  {} attempt {}: started {}, finished {}, record {:?}",
+            request.0,
+            request.1,
+            started.contains(&request),
+            finished.contains(&request),
+            record
+        ));
+    }
+    (not_run, unsettled)
 }
 
 /// A run's events, as stored (bodies only).

@@ -2,8 +2,9 @@
 //! against `arl up` with every service, on a small math run.
 //!
 //! 1. Run A trains until step 1 is committed; `arl run cancel A --wait` ends it
-//!    `cancelled` (exit 0), `run.cancelled` is published, and cancelling it again is refused
-//!    (exit 1).
+//!    `cancelled` (exit 0), `run.cancelled` is published, cancelling it again is refused
+//!    (exit 1), and each of A's attempts that started ends with an outcome (those the
+//!    cancel stopped with a `trial.failed` saying so).
 //! 2. `arl run resume A --from step-1` starts run B from A's checkpoint: B's first version
 //!    is A's step-1 weights (same sha256), B's batches and steps are 2..N only, and every
 //!    LLM call of B is served by B's own weights at version ≥ 1 — never the base model.
@@ -13,6 +14,7 @@
 //! Build the binaries first (`cargo build --workspace --bins`; `make test` does).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
@@ -20,7 +22,8 @@ use std::time::Duration;
 use arl_runtime::bus::BusConfig;
 use arl_runtime::{Bus, Metrics};
 use arl_schemas::events::{
-    LlmCallV2, RunCancelledV1, Split, TaskBatchV1, TrainStepV2, WeightsPublishedV2,
+    LlmCallV2, RewardScoredV2, RunCancelledV1, Split, TaskBatchV1, TrainStepV2, TrialFailedV1,
+    TrialStartedV1, WeightsPublishedV2,
 };
 use arl_schemas::state::{RunStateV1, RunStatus};
 use arl_schemas::{Event, Namespace, RunId};
@@ -186,6 +189,24 @@ async fn a_run_is_cancelled_and_another_resumes_from_its_checkpoint() {
         });
     if let Some(a2) = a_batch(2) {
         assert_eq!(Some(a2), b_batch, "B's step 2 trains on A's step-2 tasks");
+    }
+    // Every attempt of A that started ends with an outcome, those the cancel stopped
+    // included (B has run to its end since: none of A's can still be in flight).
+    let started: Vec<TrialStartedV1> = replay(&bus, "started").await;
+    let failed: Vec<TrialFailedV1> = replay(&bus, "failed").await;
+    let scored: Vec<RewardScoredV2> = replay(&bus, "scored").await;
+    let settled: BTreeSet<(&str, u32)> = failed
+        .iter()
+        .map(|f| (f.trial_id.as_str(), f.slot.attempt))
+        .chain(scored.iter().map(|s| (s.trial_id.as_str(), s.slot.attempt)))
+        .collect();
+    for start in started.iter().filter(|s| s.run_id == a) {
+        assert!(
+            settled.contains(&(start.trial_id.as_str(), start.slot.attempt)),
+            "{} attempt {} of the cancelled run started and has no outcome",
+            start.trial_id,
+            start.slot.attempt
+        );
     }
     let steps: Vec<TrainStepV2> = replay(&bus, "step").await;
     assert!(steps.iter().filter(|s| s.run_id == b).all(|s| s.step >= 2));

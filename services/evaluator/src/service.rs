@@ -171,6 +171,12 @@ impl Evaluator {
                     // Another attempt follows; it decides the sample.
                     return Ok(());
                 }
+                if self.run_has_ended(&failed.run_id).await? {
+                    // The run's end stopped the trial (the rollout says so with a failure):
+                    // it says nothing of the policy, so the evaluation is left incomplete
+                    // rather than completed with a rate that counts it as unresolved.
+                    return Ok(());
+                }
                 self.on_outcome(&failed.run_id, &failed.slot, false).await
             }
             other => Err(HandlerError::dead_letter(format!(
@@ -281,6 +287,11 @@ impl Evaluator {
             self.bus.publish(&summary).await?;
         }
         Ok(())
+    }
+
+    async fn run_has_ended(&self, run: &RunId) -> Result<bool, HandlerError> {
+        let state = self.bus.run_state(run).await?;
+        Ok(state.is_some_and(|s| s.status.is_terminal()))
     }
 
     async fn on_outcome(

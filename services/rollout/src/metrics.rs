@@ -8,7 +8,7 @@ use prometheus_client::metrics::family::Family;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
-    /// `scored`, `masked`, `scored_zero`, `retried`.
+    /// `scored`, `masked`, `scored_zero`, `retried`, `dropped` (its run ended while it ran).
     pub outcome: String,
     /// The failure class, or `none`.
     pub class: String,

@@ -41,7 +41,7 @@ use arl_schemas::rpc::{
 };
 use arl_schemas::spec::{ARL_MCP_SERVER, AgentKind, FailureAction, RunSpec};
 use arl_schemas::state::DONE_TRIAL_RECORD_KEPT_SECONDS;
-use arl_schemas::state::{FinishedAttemptV1, TrialRecordV2};
+use arl_schemas::state::{FinishedAttemptV1, RunStatus, TrialRecordV2};
 use arl_schemas::{Bucket, Domain, RunId, TrialId};
 
 use crate::agent::{self, AgentContext, AgentOutcome};
@@ -310,10 +310,8 @@ impl Rollout {
                 }
             }
             Err((error, calls)) => {
-                if self.run_is_over(&trial.request.run_id).await {
-                    // Nothing will train on or count it: the run was cancelled or failed.
-                    tracing::info!(trial = %trial.request.trial_id, message = %error.message, "run is over; trial dropped");
-                    return self.mark_done(&trial.request).await;
+                if let Some(status) = self.run_ended_as(&trial.request.run_id).await {
+                    return self.drop_for_ended_run(&trial.request, status, error).await;
                 }
                 self.fail(&trial.request, &trial.spec, error, calls, true)
                     .await
@@ -321,8 +319,41 @@ impl Rollout {
         }
     }
 
-    async fn run_is_over(&self, run: &arl_schemas::RunId) -> bool {
-        matches!(self.bus.run_state(run).await, Ok(Some(s)) if s.status.is_terminal())
+    /// How the run ended, once it has (cancelled, failed, completed).
+    async fn run_ended_as(&self, run: &arl_schemas::RunId) -> Option<RunStatus> {
+        match self.bus.run_state(run).await {
+            Ok(Some(state)) if state.status.is_terminal() => Some(state.status),
+            _ => None,
+        }
+    }
+
+    /// An attempt stopped because its run ended: nothing will train on it or retry it,
+    /// yet it may have announced `trial.started`, so it still ends with an outcome — a
+    /// `trial.failed` that says why — and every observer sees each attempt settle.
+    async fn drop_for_ended_run(
+        &self,
+        request: &TrialRequestedV1,
+        status: RunStatus,
+        error: TrialError,
+    ) -> Result<(), HandlerError> {
+        tracing::info!(trial = %request.trial_id, message = %error.message, "run is over; trial dropped");
+        self.bus
+            .publish(&TrialFailedV1 {
+                run_id: request.run_id.clone(),
+                trial_id: request.trial_id.clone(),
+                slot: request.slot.clone(),
+                class: error.class,
+                message: format!(
+                    "the run ended ({}); the trial was stopped: {}",
+                    status.as_str(),
+                    error.message
+                ),
+                will_retry: false,
+                failed_at: chrono::Utc::now(),
+            })
+            .await?;
+        self.metrics.trial("dropped", Some(error.class));
+        self.mark_done(request).await
     }
 
     /// The agent's part: everything up to the patch and the recorded calls.
